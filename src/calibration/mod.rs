@@ -1,0 +1,88 @@
+//! Pure calibration math: paired samples in, [`ClockCalibration`] and [`CalibrationHistory`] out.
+//!
+//! Nothing in this module reads a clock; samples come from [`crate::bracketed_sample`], a GPU backend or
+//! the simulated pair in [`sim`].
+
+mod fit;
+mod history;
+mod model;
+pub mod sim;
+
+pub(crate) use fit::{fit_line, LineFit};
+pub use fit::{FitOptions, FitStrategy};
+pub use history::{CalibrationHistory, HistoryConfig, HistoryStats};
+pub use model::{ClockCalibration, ClockDomain, Converted};
+
+use std::fmt;
+
+/// One paired reading of a source clock and the reference clock (`CLOCK_MONOTONIC` ns).
+///
+/// `reference_ns` is the midpoint of a bracket (reference, source, reference) and `max_deviation_ns` half its
+/// width: the true reference time of the source read lies within `reference_ns ± max_deviation_ns`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct CalibrationSample {
+    /// The source clock's raw ticks (TSC, GPU timestamp, ...), possibly fewer than 64 valid bits.
+    pub source_ticks: u64,
+    /// The reference clock (`CLOCK_MONOTONIC`) in nanoseconds at the source read.
+    pub reference_ns: u64,
+    /// Half the bracket width: how far the true reference time may be from `reference_ns`.
+    pub max_deviation_ns: u64,
+}
+
+/// Why a calibration could not be computed. Never a panic, never a NaN.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub enum CalibrationError {
+    /// The fit needs at least `needed` samples (after filtering) and got `got`.
+    TooFewSamples {
+        /// The minimum for the chosen strategy.
+        needed: usize,
+        /// How many were usable.
+        got: usize,
+    },
+    /// Every sample has the same source tick (or the same reference time): no rate can be fitted.
+    DegenerateTicks,
+    /// The inputs produced a non-finite or non-positive rate (e.g. the reference runs backwards against the
+    /// source, or values overflow).
+    NonFinite {
+        /// What was not finite or out of range.
+        what: &'static str,
+    },
+    /// `valid_bits` must lie in 1..=64 (Vulkan allows 36..=64 for timestamps).
+    InvalidValidBits {
+        /// The value given.
+        bits: u32,
+    },
+    /// A nominal tick period must be finite and positive.
+    InvalidPeriod,
+}
+
+impl fmt::Display for CalibrationError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CalibrationError::TooFewSamples { needed, got } => {
+                write!(f, "calibration needs at least {needed} samples, got {got}")
+            }
+            CalibrationError::DegenerateTicks => {
+                write!(
+                    f,
+                    "calibration samples span no time: all source ticks (or reference times) are equal"
+                )
+            }
+            CalibrationError::NonFinite { what } => {
+                write!(
+                    f,
+                    "calibration produced an unusable {what} (not finite or not positive)"
+                )
+            }
+            CalibrationError::InvalidValidBits { bits } => {
+                write!(f, "valid tick bits must be in 1..=64, got {bits}")
+            }
+            CalibrationError::InvalidPeriod => {
+                write!(f, "the nominal tick period must be finite and positive")
+            }
+        }
+    }
+}
+
+impl std::error::Error for CalibrationError {}

@@ -1,0 +1,7 @@
+//! STUB
+/// Config.
+#[derive(Clone, Debug, Default)]
+pub struct TscCalibratorConfig {}
+/// Calibrator.
+#[derive(Debug)]
+pub struct TscCalibrator {}
