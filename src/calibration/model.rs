@@ -234,18 +234,15 @@ impl ClockCalibration {
         })
     }
 
-    /// The same segment moved to pass through `(anchor_ticks, anchor_ns)`, keeping its rate and statistics.
-    /// Histories use it to keep the piecewise map continuous.
-    pub(crate) fn reanchored(mut self, anchor_ticks: u64, anchor_ns: u64) -> Self {
-        self.anchor_ticks = anchor_ticks & self.domain.mask();
-        self.anchor_ns = anchor_ns;
-        self
-    }
-
-    /// Allow for drift that the fit cannot see (temperature, wander): the uncertainty of an extrapolated
-    /// conversion grows by `ppm` of the distance beyond the sampled window.
-    pub fn with_wander_ppm(mut self, ppm: f64) -> Self {
-        self.wander_ppm = if ppm.is_finite() { ppm.abs() } else { 0.0 };
+    /// Allow for drift that the fit cannot see (temperature, ageing): the source's rate does a random walk of
+    /// `ppm_per_sqrt_s` ppm per √second, so a conversion `d` seconds beyond the sampled window gains an error
+    /// of about `ppm_per_sqrt_s · d^1.5 / √3` µs (the integral of that walk), which the uncertainty includes.
+    pub fn with_wander(mut self, ppm_per_sqrt_s: f64) -> Self {
+        self.wander_ppm = if ppm_per_sqrt_s.is_finite() {
+            ppm_per_sqrt_s.abs()
+        } else {
+            0.0
+        };
         self
     }
 
@@ -346,16 +343,16 @@ impl ClockCalibration {
     }
 
     /// The uncertainty (about 95 %) of converting `ticks`: two standard errors of the fitted line at that
-    /// point (growing with the distance from the anchor through the rate's error), the residual spread, and,
-    /// outside the sampled window, `wander_ppm` of the distance beyond it.
+    /// point (growing with the distance from the anchor through the rate's error) and, outside the sampled
+    /// window, two standard deviations of the wander (see [`with_wander`](Self::with_wander)).
     pub fn uncertainty_ns(&self, ticks: u64) -> f64 {
         let ns_per_tick = self.ns_per_tick();
         let from_anchor_ns = self.ticks_from_anchor(ticks) as f64 * ns_per_tick;
         let line_sigma = (self.intercept_sigma_ns.powi(2) + (from_anchor_ns * self.slope_sigma_rel).powi(2)).sqrt();
         let before = self.domain.delta_ticks(ticks, self.first_ticks).max(0) as f64;
         let after = self.domain.delta_ticks(self.last_ticks, ticks).max(0) as f64;
-        let beyond_ns = (before + after) * ns_per_tick;
-        2.0 * line_sigma + beyond_ns * self.wander_ppm * 1e-6
+        let beyond_s = (before + after) * ns_per_tick * 1e-9;
+        2.0 * (line_sigma.powi(2) + wander_sigma_ns(self.wander_ppm, beyond_s).powi(2)).sqrt()
     }
 
     /// Converts `ticks` and states its uncertainty.
@@ -371,6 +368,12 @@ impl ClockCalibration {
     pub fn uncertainty_range(&self, ticks: u64) -> (u64, u64) {
         self.convert(ticks).range()
     }
+}
+
+/// Standard deviation, in ns, of the phase error a rate random walk of `ppm_per_sqrt_s` accumulates over
+/// `seconds`: the walk's integral has variance `σ² t³ / 3`.
+pub(crate) fn wander_sigma_ns(ppm_per_sqrt_s: f64, seconds: f64) -> f64 {
+    ppm_per_sqrt_s * 1e3 * seconds.powf(1.5) / 3f64.sqrt()
 }
 
 fn finite_or_zero(x: f64) -> f64 {
@@ -481,8 +484,12 @@ mod tests {
     fn uncertainty_grows_outside_the_window() {
         let cal = ClockCalibration::from_anchor(domain(64, 1.0), 1_000, 1_000, 1.0)
             .unwrap()
-            .with_wander_ppm(1.0);
+            .with_wander(1.0);
         assert_eq!(cal.uncertainty_ns(1_000), 0.0);
-        assert!((cal.uncertainty_ns(1_000 + 1_000_000_000) - 1_000.0).abs() < 1e-6);
+        // 1 ppm/√s over 1 s: σ = 1000 ns / √3; the range is two σ.
+        let expected = 2.0 * 1_000.0 / 3f64.sqrt();
+        assert!((cal.uncertainty_ns(1_000 + 1_000_000_000) - expected).abs() < 1e-6);
+        // 4 s out: eight times as much (t^1.5).
+        assert!((cal.uncertainty_ns(1_000 + 4_000_000_000) - 8.0 * expected).abs() < 1e-3);
     }
 }

@@ -13,7 +13,9 @@ mod x86_64;
 
 pub use calibrator::{TscCalibrator, TscCalibratorConfig};
 pub use fast::FastConverter;
-pub use reliability::{check_tsc_reliability, ReliabilityOptions, TscDecision, TscReport};
+pub use reliability::{
+    check_tsc_reliability, CpuRate, CpuShift, ReliabilityOptions, SkippedCpu, TscDecision, TscReport,
+};
 
 /// A raw reading of the CPU tick counter (TSC, `cntvct_el0` or, as a fallback, `CLOCK_MONOTONIC` ns).
 ///

@@ -1,0 +1,325 @@
+//! The converted event model exporters consume, and the [`Exporter`] trait.
+//!
+//! The collector hands exporters [`Batch`]es: new tracks and names first, then events already converted to
+//! reference-clock (`CLOCK_MONOTONIC`) nanoseconds, in timestamp order per track. Strings travel once, as
+//! interned [`NameId`]s; an event carries only ids and a range into the batch's field arena, so a batch of a
+//! million events is a few flat vectors.
+
+use std::fmt;
+use std::ops::Range;
+
+/// A track: a thread, the process, a counter, a GPU queue. Unique per timeline; never reused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct TrackId(pub u64);
+
+/// An interned string (event name, field name, category). Unique per timeline.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct NameId(pub u32);
+
+/// What a track shows.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub enum TrackKind {
+    /// The process itself (the root track).
+    Process {
+        /// OS process id.
+        pid: u32,
+        /// Process name.
+        name: String,
+    },
+    /// One OS thread.
+    Thread {
+        /// OS process id.
+        pid: u32,
+        /// OS thread id.
+        tid: u32,
+        /// Thread name (or `thread-<tid>`).
+        name: String,
+    },
+    /// A counter: values over time.
+    Counter {
+        /// Counter name.
+        name: String,
+        /// Unit shown next to the values (e.g. "ns", "ppm", "records"); empty for none.
+        unit: String,
+    },
+    /// A named group of child tracks (a GPU device, a queue...).
+    Group {
+        /// Display name.
+        name: String,
+    },
+}
+
+/// A track's description, sent once before its first event.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrackDescriptor {
+    /// The track.
+    pub id: TrackId,
+    /// Its parent, if any (a thread's parent is the process track).
+    pub parent: Option<TrackId>,
+    /// What it is.
+    pub kind: TrackKind,
+}
+
+/// A field value: span fields, event fields, annotations.
+#[derive(Clone, Debug, PartialEq)]
+pub enum FieldValue {
+    /// A signed integer.
+    I64(i64),
+    /// An unsigned integer.
+    U64(u64),
+    /// A float.
+    F64(f64),
+    /// A boolean.
+    Bool(bool),
+    /// Text (including `Debug`-formatted values).
+    Str(String),
+}
+
+/// One named field of an event.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Field {
+    /// The field's name.
+    pub name: NameId,
+    /// Its value.
+    pub value: FieldValue,
+}
+
+/// What happened.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum EventKind {
+    /// A slice opens on the track.
+    SliceBegin,
+    /// The innermost open slice on the track closes.
+    SliceEnd,
+    /// A point in time.
+    Instant,
+    /// A counter track takes a new value.
+    Counter(f64),
+}
+
+/// One converted event.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Event {
+    /// Reference-clock (`CLOCK_MONOTONIC`) nanoseconds.
+    pub ts_ns: u64,
+    /// The track it belongs to.
+    pub track: TrackId,
+    /// What happened.
+    pub kind: EventKind,
+    /// Its name (for `SliceEnd` the name of the slice it closes; exporters may ignore it).
+    pub name: NameId,
+    /// Its fields: a range into [`Batch::fields`].
+    pub fields: Range<u32>,
+    /// A flow that starts at this event (towards another track), if any.
+    pub flow_out: Option<u64>,
+    /// A flow that ends at this event, if any.
+    pub flow_in: Option<u64>,
+}
+
+/// A batch handed to exporters: new tracks and names first, then events.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Batch {
+    /// Tracks first used in this batch, parents before children.
+    pub new_tracks: Vec<TrackDescriptor>,
+    /// Names first used in this batch.
+    pub new_names: Vec<(NameId, String)>,
+    /// Events, in timestamp order per track.
+    pub events: Vec<Event>,
+    /// The field arena the events' `fields` ranges point into.
+    pub fields: Vec<Field>,
+}
+
+impl Batch {
+    /// Empties the batch, keeping its allocations.
+    pub fn clear(&mut self) {
+        self.new_tracks.clear();
+        self.new_names.clear();
+        self.events.clear();
+        self.fields.clear();
+    }
+
+    /// The fields of `event`.
+    pub fn fields_of(&self, event: &Event) -> &[Field] {
+        &self.fields[event.fields.start as usize..event.fields.end as usize]
+    }
+
+    /// True when there is nothing in it.
+    pub fn is_empty(&self) -> bool {
+        self.new_tracks.is_empty() && self.new_names.is_empty() && self.events.is_empty()
+    }
+}
+
+/// Why an exporter failed. The collector keeps running and reports it through the timeline handle.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum ExportError {
+    /// Writing failed (disk full, file closed, pipe gone).
+    Io(std::io::Error),
+    /// The exporter's own failure, in words.
+    Other(String),
+}
+
+impl fmt::Display for ExportError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ExportError::Io(e) => write!(f, "export I/O error: {e}"),
+            ExportError::Other(s) => write!(f, "export error: {s}"),
+        }
+    }
+}
+
+impl std::error::Error for ExportError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            ExportError::Io(e) => Some(e),
+            ExportError::Other(_) => None,
+        }
+    }
+}
+
+impl From<std::io::Error> for ExportError {
+    fn from(e: std::io::Error) -> Self {
+        ExportError::Io(e)
+    }
+}
+
+/// A sink for converted events: a trace file, a live viewer, memory.
+///
+/// Called from the collector thread only. `export` gets every batch in order; `flush` makes everything
+/// exported so far durable or visible; `finish` is the last call (the timeline is shutting down).
+pub trait Exporter: Send {
+    /// Takes one batch.
+    fn export(&mut self, batch: &Batch) -> Result<(), ExportError>;
+    /// Makes what was exported so far durable/visible.
+    fn flush(&mut self) -> Result<(), ExportError>;
+    /// The timeline is done: flush and close.
+    fn finish(&mut self) -> Result<(), ExportError> {
+        self.flush()
+    }
+}
+
+/// One event as a [`MemoryExporter`] keeps it: names resolved to strings.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RecordedEvent {
+    /// Reference-clock ns.
+    pub ts_ns: u64,
+    /// Its track.
+    pub track: TrackId,
+    /// What happened.
+    pub kind: EventKind,
+    /// Its name.
+    pub name: String,
+    /// Its fields, by name.
+    pub fields: Vec<(String, FieldValue)>,
+    /// A flow starting here.
+    pub flow_out: Option<u64>,
+    /// A flow ending here.
+    pub flow_in: Option<u64>,
+}
+
+/// Everything a [`MemoryExporter`] received.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct MemoryTrace {
+    /// Track descriptions, in the order they arrived.
+    pub tracks: Vec<TrackDescriptor>,
+    /// Events, in the order they arrived (timestamp order per track).
+    pub events: Vec<RecordedEvent>,
+    /// Batches received.
+    pub batches: u64,
+    /// `flush` calls.
+    pub flushes: u64,
+    /// Whether `finish` was called.
+    pub finished: bool,
+}
+
+impl MemoryTrace {
+    /// The track with this id.
+    pub fn track(&self, id: TrackId) -> Option<&TrackDescriptor> {
+        self.tracks.iter().find(|t| t.id == id)
+    }
+
+    /// The thread track of the OS thread named `name`.
+    pub fn thread_track(&self, name: &str) -> Option<TrackId> {
+        self.tracks.iter().find_map(|t| match &t.kind {
+            TrackKind::Thread { name: n, .. } if n == name => Some(t.id),
+            _ => None,
+        })
+    }
+
+    /// Events on `track`.
+    pub fn events_on(&self, track: TrackId) -> impl Iterator<Item = &RecordedEvent> {
+        self.events.iter().filter(move |e| e.track == track)
+    }
+
+    /// How many slices named `name` began.
+    pub fn slice_count(&self, name: &str) -> usize {
+        self.events
+            .iter()
+            .filter(|e| e.kind == EventKind::SliceBegin && e.name == name)
+            .count()
+    }
+}
+
+/// An exporter that keeps everything in memory, for tests and for inspecting a timeline in-process.
+/// Clones share the same storage: keep one to read what the timeline exported.
+///
+/// ```
+/// let memory = tickline::MemoryExporter::default();
+/// let timeline = tickline::Timeline::builder().exporter(memory.clone()).start().unwrap();
+/// {
+///     let _s = tickline::scope!("load");
+/// }
+/// timeline.flush().unwrap();
+/// assert_eq!(memory.snapshot().slice_count("load"), 1);
+/// ```
+#[derive(Clone, Debug, Default)]
+pub struct MemoryExporter {
+    inner: std::sync::Arc<std::sync::Mutex<(MemoryTrace, std::collections::HashMap<NameId, String>)>>,
+}
+
+impl MemoryExporter {
+    /// A copy of everything received so far.
+    pub fn snapshot(&self) -> MemoryTrace {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner()).0.clone()
+    }
+}
+
+impl Exporter for MemoryExporter {
+    fn export(&mut self, batch: &Batch) -> Result<(), ExportError> {
+        let mut guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let (trace, names) = &mut *guard;
+        trace.batches += 1;
+        trace.tracks.extend(batch.new_tracks.iter().cloned());
+        names.extend(batch.new_names.iter().cloned());
+        let name_of = |id: NameId| names.get(&id).cloned().unwrap_or_else(|| format!("<name {}>", id.0));
+        for e in &batch.events {
+            trace.events.push(RecordedEvent {
+                ts_ns: e.ts_ns,
+                track: e.track,
+                kind: e.kind,
+                name: name_of(e.name),
+                fields: batch
+                    .fields_of(e)
+                    .iter()
+                    .map(|f| (name_of(f.name), f.value.clone()))
+                    .collect(),
+                flow_out: e.flow_out,
+                flow_in: e.flow_in,
+            });
+        }
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<(), ExportError> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner()).0.flushes += 1;
+        Ok(())
+    }
+
+    fn finish(&mut self) -> Result<(), ExportError> {
+        let mut guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        guard.0.flushes += 1;
+        guard.0.finished = true;
+        Ok(())
+    }
+}

@@ -1,0 +1,117 @@
+//! [`TicklineLayer`]: the `tracing_subscriber::Layer` that records spans and events into tickline.
+
+use std::sync::Arc;
+
+use tracing::field::{Field, Visit};
+use tracing::span::{Attributes, Id, Record as SpanValues};
+use tracing::{Event, Metadata, Subscriber};
+use tracing_subscriber::layer::{Context, Layer};
+
+use crate::record::{FieldEncoder, Kind};
+use crate::recorder::{record_group, record_now, record_untimed, Shared};
+
+/// Records span enter/exit (one slice per enter/exit, on the entering thread), span fields (at creation and
+/// on `record`) and events with their fields into a [`crate::Timeline`].
+///
+/// It composes like any layer: it leaves `enabled()` alone (overriding it would filter for every layer), so
+/// narrow it with a per-layer filter, `.with_filter(..)`. Its hot path, `on_enter`/`on_exit`, writes one
+/// 16-byte record (span id + raw tick) and looks nothing up.
+///
+/// ```
+/// use tracing_subscriber::layer::SubscriberExt;
+/// let timeline = tickline::Timeline::builder().start().unwrap();
+/// let subscriber = tracing_subscriber::registry().with(timeline.layer());
+/// tracing::subscriber::with_default(subscriber, || {
+///     let _span = tracing::info_span!("work", items = 3).entered();
+///     tracing::info!(answer = 42, "done");
+/// });
+/// timeline.flush().unwrap();
+/// ```
+#[derive(Clone)]
+pub struct TicklineLayer {
+    shared: Arc<Shared>,
+}
+
+impl TicklineLayer {
+    pub(crate) fn new(shared: Arc<Shared>) -> Self {
+        TicklineLayer { shared }
+    }
+}
+
+impl std::fmt::Debug for TicklineLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TicklineLayer")
+            .field("timeline", &self.shared.id)
+            .finish()
+    }
+}
+
+/// The address of a `'static` metadata: the collector turns it back into the reference.
+#[inline(always)]
+fn meta_addr(meta: &'static Metadata<'static>) -> u64 {
+    (meta as *const Metadata<'static>).expose_provenance() as u64
+}
+
+struct Encode<'a, 'b>(&'a mut FieldEncoder<'b>);
+
+fn index(field: &Field) -> u8 {
+    // tracing allows at most 32 fields per callsite.
+    field.index() as u8
+}
+
+impl Visit for Encode<'_, '_> {
+    fn record_i64(&mut self, field: &Field, value: i64) {
+        self.0.i64(index(field), value);
+    }
+    fn record_u64(&mut self, field: &Field, value: u64) {
+        self.0.u64(index(field), value);
+    }
+    fn record_f64(&mut self, field: &Field, value: f64) {
+        self.0.f64(index(field), value);
+    }
+    fn record_bool(&mut self, field: &Field, value: bool) {
+        self.0.bool(index(field), value);
+    }
+    fn record_str(&mut self, field: &Field, value: &str) {
+        self.0.str(index(field), value);
+    }
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        self.0.debug(index(field), value);
+    }
+}
+
+impl<S: Subscriber> Layer<S> for TicklineLayer {
+    fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, _ctx: Context<'_, S>) {
+        let meta = meta_addr(attrs.metadata());
+        record_group(&self.shared, Kind::SpanNew, false, id.into_u64(), meta, |buf| {
+            attrs.record(&mut Encode(&mut FieldEncoder { buf }));
+        });
+    }
+
+    fn on_record(&self, id: &Id, values: &SpanValues<'_>, _ctx: Context<'_, S>) {
+        record_group(&self.shared, Kind::SpanRecord, false, id.into_u64(), 0, |buf| {
+            values.record(&mut Encode(&mut FieldEncoder { buf }));
+        });
+    }
+
+    fn on_event(&self, event: &Event<'_>, _ctx: Context<'_, S>) {
+        let meta = meta_addr(event.metadata());
+        record_group(&self.shared, Kind::Event, true, meta, meta, |buf| {
+            event.record(&mut Encode(&mut FieldEncoder { buf }));
+        });
+    }
+
+    #[inline]
+    fn on_enter(&self, id: &Id, _ctx: Context<'_, S>) {
+        record_now(&self.shared, Kind::SpanEnter, id.into_u64());
+    }
+
+    #[inline]
+    fn on_exit(&self, id: &Id, _ctx: Context<'_, S>) {
+        record_now(&self.shared, Kind::SpanExit, id.into_u64());
+    }
+
+    fn on_close(&self, id: Id, _ctx: Context<'_, S>) {
+        record_untimed(&self.shared, Kind::SpanClose, id.into_u64());
+    }
+}

@@ -1,0 +1,4 @@
+//! Integration tests, built as one binary.
+
+mod cli;
+mod pipeline;

@@ -1,0 +1,388 @@
+//! The CPU pipeline end to end: hot path -> ring -> collector -> exporter.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tickline::{Batch, EventKind, ExportError, Exporter, FieldValue, MemoryExporter, Timeline, TrackId, TrackKind};
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::Layer as _;
+
+/// Native macros record into the most recently started timeline, so tests that start timelines run one at a
+/// time.
+fn exclusive() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Counts slices per track and checks order without keeping the events (millions of them).
+#[derive(Clone, Default)]
+struct Counting(Arc<Mutex<CountingState>>);
+
+#[derive(Default)]
+struct CountingState {
+    begins: HashMap<TrackId, u64>,
+    ends: HashMap<TrackId, u64>,
+    depth: HashMap<TrackId, i64>,
+    last_ts: HashMap<TrackId, u64>,
+    backwards: u64,
+    negative_depth: u64,
+    thread_tracks: u64,
+}
+
+impl Exporter for Counting {
+    fn export(&mut self, batch: &Batch) -> Result<(), ExportError> {
+        let mut guard = self.0.lock().unwrap();
+        let s = &mut *guard;
+        s.thread_tracks += batch
+            .new_tracks
+            .iter()
+            .filter(|t| matches!(t.kind, TrackKind::Thread { .. }))
+            .count() as u64;
+        for e in &batch.events {
+            let last = s.last_ts.entry(e.track).or_insert(0);
+            if e.ts_ns < *last {
+                s.backwards += 1;
+            }
+            *last = e.ts_ns;
+            match e.kind {
+                EventKind::SliceBegin => {
+                    *s.begins.entry(e.track).or_insert(0) += 1;
+                    *s.depth.entry(e.track).or_insert(0) += 1;
+                }
+                EventKind::SliceEnd => {
+                    *s.ends.entry(e.track).or_insert(0) += 1;
+                    let d = s.depth.entry(e.track).or_insert(0);
+                    *d -= 1;
+                    if *d < 0 {
+                        s.negative_depth += 1;
+                    }
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+    fn flush(&mut self) -> Result<(), ExportError> {
+        Ok(())
+    }
+}
+
+#[test]
+fn lossless_two_threads_a_million_spans_each_arrive_exactly() {
+    let _x = exclusive();
+    const SPANS: u64 = 1_000_000;
+    let counting = Counting::default();
+    let timeline = Timeline::builder()
+        .lossless(true)
+        .exporter(counting.clone())
+        .start()
+        .unwrap();
+    let layer = timeline.layer();
+    std::thread::scope(|s| {
+        for t in 0..2 {
+            let layer = layer.clone();
+            s.spawn(move || {
+                let subscriber = tracing_subscriber::registry().with(layer);
+                tracing::subscriber::with_default(subscriber, || {
+                    let span = tracing::info_span!("work", thread = t);
+                    for _ in 0..SPANS {
+                        let _e = span.enter();
+                    }
+                });
+            });
+        }
+    });
+    let stats = timeline.shutdown().unwrap();
+    let s = counting.0.lock().unwrap();
+    assert_eq!(stats.dropped_records, 0);
+    assert_eq!(s.begins.values().sum::<u64>(), 2 * SPANS, "{stats:?}");
+    assert_eq!(s.ends.values().sum::<u64>(), 2 * SPANS);
+    assert_eq!(s.thread_tracks, 2);
+    assert_eq!(s.backwards, 0, "timestamps went backwards on a track");
+    assert_eq!(s.negative_depth, 0);
+    assert!(s.depth.values().all(|&d| d == 0));
+}
+
+#[test]
+fn drop_mode_accounts_for_every_record() {
+    let _x = exclusive();
+    const ITERATIONS: u64 = 200_000;
+    let counting = Counting::default();
+    // A tiny ring and a slow collector: most records are dropped, and every one is counted.
+    let timeline = Timeline::builder()
+        .ring_capacity(64)
+        .poll_interval(std::time::Duration::from_millis(20))
+        .exporter(counting.clone())
+        .start()
+        .unwrap();
+    let subscriber = tracing_subscriber::registry().with(timeline.layer());
+    tracing::subscriber::with_default(subscriber, || {
+        let span = tracing::info_span!("hot");
+        for _ in 0..ITERATIONS {
+            let _e = span.enter();
+        }
+    });
+    let stats = timeline.shutdown().unwrap();
+    // Produced: the span's announcement (2 records: head + empty payload header), 2 per enter/exit, 1 close.
+    let produced = 2 + 2 * ITERATIONS + 1;
+    assert!(stats.dropped_records > 0, "the test must overflow the ring: {stats:?}");
+    assert_eq!(stats.records + stats.dropped_records, produced, "{stats:?}");
+    let s = counting.0.lock().unwrap();
+    assert_eq!(s.negative_depth, 0);
+    assert_eq!(s.backwards, 0);
+}
+
+#[test]
+fn a_thread_that_exits_mid_run_loses_nothing() {
+    let _x = exclusive();
+    let memory = MemoryExporter::default();
+    let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
+    let layer = timeline.layer();
+    std::thread::Builder::new()
+        .name("short-lived".into())
+        .spawn(move || {
+            let subscriber = tracing_subscriber::registry().with(layer);
+            tracing::subscriber::with_default(subscriber, || {
+                for i in 0..100 {
+                    let _s = tracing::info_span!("brief", i).entered();
+                }
+            });
+        })
+        .unwrap()
+        .join()
+        .unwrap();
+    timeline.flush().unwrap();
+    let trace = memory.snapshot();
+    let track = trace
+        .thread_track("short-lived")
+        .expect("the exited thread has its track");
+    assert_eq!(
+        trace
+            .events_on(track)
+            .filter(|e| e.kind == EventKind::SliceBegin)
+            .count(),
+        100
+    );
+    assert_eq!(
+        trace.events_on(track).filter(|e| e.kind == EventKind::SliceEnd).count(),
+        100
+    );
+    let stats = timeline.shutdown().unwrap();
+    assert_eq!(stats.threads, 1);
+}
+
+#[test]
+fn composes_with_fmt_and_env_filter_and_per_layer_filters() {
+    let _x = exclusive();
+    let memory = MemoryExporter::default();
+    let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
+    let written = Arc::new(Mutex::new(Vec::<u8>::new()));
+    let writer = {
+        let written = written.clone();
+        move || Capture(written.clone())
+    };
+    let subscriber = tracing_subscriber::registry()
+        .with(tracing_subscriber::EnvFilter::new("debug"))
+        .with(tracing_subscriber::fmt::layer().with_writer(writer).with_ansi(false))
+        .with(
+            timeline
+                .layer()
+                .with_filter(tracing_subscriber::filter::LevelFilter::INFO),
+        );
+    tracing::subscriber::with_default(subscriber, || {
+        let _outer = tracing::info_span!("outer", user = "ada").entered();
+        tracing::debug!("only fmt sees this");
+        tracing::info!(count = 3, "both see this");
+        let _trace_level = tracing::trace_span!("filtered out by EnvFilter").entered();
+    });
+    timeline.flush().unwrap();
+    let fmt_output = String::from_utf8(written.lock().unwrap().clone()).unwrap();
+    assert!(fmt_output.contains("only fmt sees this"), "{fmt_output}");
+    assert!(fmt_output.contains("both see this"), "{fmt_output}");
+    let trace = memory.snapshot();
+    assert_eq!(trace.slice_count("outer"), 1);
+    assert_eq!(trace.slice_count("filtered out by EnvFilter"), 0);
+    let instants: Vec<_> = trace.events.iter().filter(|e| e.kind == EventKind::Instant).collect();
+    assert_eq!(instants.len(), 1, "{instants:?}");
+    let fields = &instants[0].fields;
+    assert!(fields.contains(&("count".into(), FieldValue::I64(3))), "{fields:?}");
+    assert!(
+        fields.contains(&("message".into(), FieldValue::Str("both see this".into()))),
+        "{fields:?}"
+    );
+    let outer = trace.events.iter().find(|e| e.name == "outer").unwrap();
+    assert_eq!(outer.fields, vec![("user".into(), FieldValue::Str("ada".into()))]);
+}
+
+struct Capture(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Capture {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn reentered_and_cross_thread_spans_give_one_slice_per_enter_on_the_entering_thread() {
+    let _x = exclusive();
+    let memory = MemoryExporter::default();
+    let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
+    let layer = timeline.layer();
+    let subscriber = Arc::new(tracing_subscriber::registry().with(layer));
+    let span = tracing::subscriber::with_default(subscriber.clone(), || {
+        let span = tracing::info_span!("shared", stage = 1);
+        span.record("stage", 2);
+        {
+            let _a = span.enter();
+            let _b = span.enter(); // re-entered while entered
+        }
+        span
+    });
+    std::thread::Builder::new()
+        .name("other".into())
+        .spawn({
+            let subscriber = subscriber.clone();
+            move || {
+                tracing::subscriber::with_default(subscriber, || {
+                    let _e = span.enter();
+                    drop(_e);
+                    drop(span); // closed on this thread
+                });
+            }
+        })
+        .unwrap()
+        .join()
+        .unwrap();
+    timeline.flush().unwrap();
+    let trace = memory.snapshot();
+    let other = trace.thread_track("other").unwrap();
+    let other_slices: Vec<_> = trace
+        .events_on(other)
+        .filter(|e| e.kind == EventKind::SliceBegin)
+        .collect();
+    assert_eq!(other_slices.len(), 1);
+    assert_eq!(other_slices[0].fields, vec![("stage".into(), FieldValue::I64(2))]);
+    assert_eq!(
+        trace.slice_count("shared"),
+        3,
+        "two on the creating thread, one on `other`"
+    );
+    let stats = timeline.shutdown().unwrap();
+    assert_eq!(stats.unmatched_ends, 0);
+    assert_eq!(stats.unknown_spans, 0);
+}
+
+#[test]
+fn native_scopes_instants_and_counters() {
+    let _x = exclusive();
+    let memory = MemoryExporter::default();
+    let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
+    let before = tickline::monotonic_ns().0;
+    for i in 0..10 {
+        let _outer = tickline::scope!("outer");
+        let _inner = tickline::scope!("inner");
+        tickline::instant!("tick");
+        tickline::counter!("depth", i);
+    }
+    let after = tickline::monotonic_ns().0;
+    timeline.flush().unwrap();
+    let trace = memory.snapshot();
+    assert_eq!(trace.slice_count("outer"), 10);
+    assert_eq!(trace.slice_count("inner"), 10);
+    assert_eq!(trace.events.iter().filter(|e| e.name == "tick").count(), 10);
+    let counter_track = trace
+        .tracks
+        .iter()
+        .find(|t| matches!(&t.kind, TrackKind::Counter { name, .. } if name == "depth"))
+        .expect("a counter track per counter");
+    let values: Vec<f64> = trace
+        .events_on(counter_track.id)
+        .map(|e| match e.kind {
+            EventKind::Counter(v) => v,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(values, (0..10).map(f64::from).collect::<Vec<_>>());
+    // Converted timestamps land inside the window the scopes ran in.
+    for e in trace.events.iter().filter(|e| e.name == "outer" || e.name == "inner") {
+        assert!(
+            e.ts_ns + 50_000 >= before && e.ts_ns <= after + 50_000,
+            "{} not in [{before}, {after}]",
+            e.ts_ns
+        );
+    }
+    // Nesting holds on the thread track: begin outer, begin inner, end inner, end outer.
+    let track = trace.events.iter().find(|e| e.name == "outer").unwrap().track;
+    let kinds: Vec<_> = trace
+        .events_on(track)
+        .take(5)
+        .map(|e| (e.kind, e.name.clone()))
+        .collect();
+    assert_eq!(kinds[0], (EventKind::SliceBegin, "outer".into()));
+    assert_eq!(kinds[1], (EventKind::SliceBegin, "inner".into()));
+    assert_eq!(kinds[2], (EventKind::Instant, "tick".into()));
+    assert_eq!(kinds[3].0, EventKind::SliceEnd);
+    assert_eq!(kinds[4].0, EventKind::SliceEnd);
+    // tickline's own counters are there from the start.
+    for own in [
+        "tickline dropped records",
+        "tickline TSC drift",
+        "tickline TSC error bound",
+    ] {
+        assert!(
+            trace
+                .tracks
+                .iter()
+                .any(|t| matches!(&t.kind, TrackKind::Counter { name, .. } if name == own)),
+            "missing {own}"
+        );
+    }
+}
+
+#[test]
+fn an_exporter_failure_is_reported_and_the_others_keep_going() {
+    let _x = exclusive();
+    struct Failing;
+    impl Exporter for Failing {
+        fn export(&mut self, _: &Batch) -> Result<(), ExportError> {
+            Err(ExportError::Io(std::io::Error::new(
+                std::io::ErrorKind::StorageFull,
+                "disk full",
+            )))
+        }
+        fn flush(&mut self) -> Result<(), ExportError> {
+            Ok(())
+        }
+    }
+    let memory = MemoryExporter::default();
+    let timeline = Timeline::builder()
+        .exporter(Failing)
+        .exporter(memory.clone())
+        .start()
+        .unwrap();
+    {
+        let _s = tickline::scope!("still recorded");
+    }
+    let err = timeline.flush().unwrap_err();
+    assert!(err.to_string().contains("disk full"), "{err}");
+    assert_eq!(memory.snapshot().slice_count("still recorded"), 1);
+    assert_eq!(timeline.stats().export_failures, 1);
+}
+
+#[test]
+fn open_slices_are_closed_at_shutdown_and_the_memory_exporter_is_finished() {
+    let _x = exclusive();
+    let memory = MemoryExporter::default();
+    let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
+    let guard = tickline::scope!("still open");
+    timeline.shutdown().unwrap();
+    drop(guard); // after shutdown: nothing to record into, and no panic
+    let trace = memory.snapshot();
+    assert!(trace.finished);
+    assert_eq!(trace.slice_count("still open"), 1);
+    assert_eq!(trace.events.iter().filter(|e| e.kind == EventKind::SliceEnd).count(), 1);
+}
