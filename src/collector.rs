@@ -388,7 +388,9 @@ pub(crate) struct Processor {
     callsites: HashMap<u64, CallsiteInfo>,
     spans: HashMap<u64, SpanInfo>,
     /// Field updates (`record`) seen before their span's announcement: raw payloads, applied on announcement.
-    pending_span_records: HashMap<u64, Vec<(Vec<Record>, usize)>>,
+    /// Keyed by span id: the pass first seen, and the payloads. Forgotten after a few passes (the
+    /// announcement was dropped by a full ring).
+    pending_span_records: HashMap<u64, (u64, Vec<(Vec<Record>, usize)>)>,
     closed_spans: Vec<(u64, u64)>,
     next_track: u64,
     process_track: TrackId,
@@ -597,13 +599,12 @@ impl Processor {
     }
 
     fn decode_fields(&mut self, meta: u64, data: &[Record], len: usize, out: &mut Vec<Field>) {
-        collect_payload(data, len, &mut self.payload);
-        let payload = std::mem::take(&mut self.payload);
         if meta != 0 {
             self.metadata_info(meta);
         }
-        let names = meta_names(&self.callsites, meta);
-        for (index, value) in decode_fields(&payload) {
+        collect_payload(data, len, &mut self.payload);
+        let names: &[NameId] = self.callsites.get(&meta).map_or(&[], |c| &c.field_names);
+        for (index, value) in decode_fields(&self.payload) {
             let Some(&name) = names.get(index as usize) else {
                 continue;
             };
@@ -619,7 +620,6 @@ impl Processor {
                 None => out.push(Field { name, value }),
             }
         }
-        self.payload = payload;
     }
 
     /// Phase 1: applies span announcements and field updates found in `ring.staging` past `announced_upto`.
@@ -635,7 +635,12 @@ impl Processor {
                     let mut announced = Vec::new();
                     self.decode_fields(meta, g.data, len, &mut announced);
                     // Values recorded later (seen first because another thread was drained first) win.
-                    for (data, len) in self.pending_span_records.remove(&id).unwrap_or_default() {
+                    let pending = self
+                        .pending_span_records
+                        .remove(&id)
+                        .map(|(_, p)| p)
+                        .unwrap_or_default();
+                    for (data, len) in pending {
                         self.decode_fields(meta, &data, len, &mut announced);
                     }
                     self.spans.insert(
@@ -659,11 +664,14 @@ impl Processor {
                         }
                         // The announcement is on a ring not drained yet and field names need its metadata:
                         // keep the raw payload until it arrives.
-                        None => self
-                            .pending_span_records
-                            .entry(id)
-                            .or_default()
-                            .push((g.data.to_vec(), len)),
+                        None => {
+                            let pass = self.pass;
+                            let entry = self
+                                .pending_span_records
+                                .entry(id)
+                                .or_insert_with(|| (pass, Vec::new()));
+                            entry.1.push((g.data.to_vec(), len));
+                        }
                     }
                 }
                 _ => {}
@@ -861,12 +869,10 @@ impl Processor {
             }
             false
         });
+        self.pending_span_records
+            .retain(|_, (seen, _)| pass < *seen + MAX_WAIT_PASSES as u64 + 2);
         self.pass += 1;
     }
-}
-
-fn meta_names(callsites: &HashMap<u64, CallsiteInfo>, meta: u64) -> Vec<NameId> {
-    callsites.get(&meta).map(|c| c.field_names.clone()).unwrap_or_default()
 }
 
 struct Collector {
@@ -1087,6 +1093,80 @@ impl Collector {
         {
             Some((_, message)) => Err(message.clone()),
             None => Ok(()),
+        }
+    }
+}
+
+/// Support for `benches/export.rs`: the collector's per-event work (tick restore, conversion, interning,
+/// per-track order, batch assembly) on synthetic records, without threads or rings in the way.
+#[doc(hidden)]
+pub mod bench_support {
+    use super::*;
+    use crate::calibration::{ClockCalibration, ClockDomain};
+
+    static BENCH_SCOPE: Callsite = Callsite::new("bench scope", file!(), line!());
+
+    /// A collector-side pipeline fed with `spans` begin/end pairs of one native scope per load.
+    pub struct ConvertBench {
+        processor: Processor,
+        ring: RingState,
+        records: Vec<Record>,
+        conv: FastConverter,
+        now_ticks: u64,
+        _producer: crate::ring::Producer<Record>,
+    }
+
+    impl ConvertBench {
+        /// `spans` scope begin/end pairs, 100 ticks apart, on one thread track; a 2.5 GHz TSC calibration.
+        pub fn new(spans: usize) -> Self {
+            let base = 1u64 << 44;
+            let records: Vec<Record> = (0..spans as u64 * 2)
+                .map(|i| {
+                    let kind = if i % 2 == 0 { Kind::ScopeBegin } else { Kind::ScopeEnd };
+                    Record::new(kind, base + i * 100, BENCH_SCOPE.addr())
+                })
+                .collect();
+            let now_ticks = base + spans as u64 * 200 + 1_000;
+            let domain = ClockDomain::new(64, 0.4).expect("valid domain");
+            let cal = ClockCalibration::from_anchor(domain, base, 1_000_000_000, 0.4).expect("valid calibration");
+            let (producer, consumer) = crate::ring::channel(64);
+            let mut processor = Processor::new(1);
+            let track = processor.new_thread_track(1, "bench".into());
+            let ring = RingState {
+                consumer,
+                track,
+                staging: Vec::with_capacity(records.len()),
+                announced_upto: 0,
+                waited_passes: 0,
+                open: Vec::new(),
+                last_ns: 0,
+                closed: false,
+            };
+            ConvertBench {
+                processor,
+                ring,
+                records,
+                conv: FastConverter::new(&cal),
+                now_ticks,
+                _producer: producer,
+            }
+        }
+
+        /// Stages the records as a drain would, and empties the previous batch.
+        pub fn load(&mut self) {
+            self.processor.batch.clear();
+            self.ring.staging.clear();
+            self.ring.staging.extend_from_slice(&self.records);
+            self.ring.announced_upto = 0;
+            self.ring.last_ns = 0;
+        }
+
+        /// Converts the staged records into the batch and returns it.
+        pub fn convert(&mut self) -> &Batch {
+            self.processor.announce(&mut self.ring);
+            self.processor.emit(&mut self.ring, self.now_ticks, &self.conv, true);
+            self.processor.flush_counters();
+            &self.processor.batch
         }
     }
 }

@@ -23,6 +23,8 @@ pub use clock::{
     FastConverter, Nanos, RawTicks, ReliabilityOptions, SkippedCpu, TickSource, TscCalibrator, TscCalibratorConfig,
     TscDecision, TscReport,
 };
+#[doc(hidden)]
+pub use collector::bench_support;
 pub use collector::{Timeline, TimelineBuilder, TimelineStats};
 pub use error::TicklineError;
 pub use export::{

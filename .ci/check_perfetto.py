@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""Checks a Perfetto trace written by tickline with Perfetto's own Python bindings.
+
+usage: check_perfetto.py TRACE [--expect-slices NAME=COUNT ...] [--expect-total-slices N]
+                               [--expect-thread-tracks N] [--require-annotation NAME]
+
+Asserts, streaming packet by packet: a clock snapshot comes first and the first packet clears the incremental
+state; every track uuid is described before use; interned ids are defined before use; timestamps never go
+backwards per track; every slice begin has its end on the same track and nothing is left open; every flow
+has both ends. With the options, slice counts per name, the total, and the thread track count must match.
+Exits non-zero with one clear line on the first failure.
+"""
+import argparse
+import collections
+import sys
+
+from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb
+
+TYPE_SLICE_BEGIN, TYPE_SLICE_END, TYPE_INSTANT, TYPE_COUNTER = 1, 2, 3, 4
+SEQ_INCREMENTAL_STATE_CLEARED = 1
+
+
+class TraceError(Exception):
+    pass
+
+
+def read_varint(data, pos):
+    result, shift = 0, 0
+    while True:
+        if pos >= len(data):
+            raise TraceError("truncated varint in the packet framing")
+        b = data[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+
+
+def packets(data):
+    """Yields each TracePacket of the outer `Trace` message (field 1, length-delimited), one at a time."""
+    pos = 0
+    while pos < len(data):
+        key, pos = read_varint(data, pos)
+        if key != (1 << 3 | 2):
+            raise TraceError(f"unexpected outer field key {key} at byte {pos}: not a Trace.packet")
+        length, pos = read_varint(data, pos)
+        if pos + length > len(data):
+            raise TraceError(f"the last packet is cut short ({len(data) - pos} of {length} bytes)")
+        packet = pb.TracePacket()
+        packet.ParseFromString(data[pos:pos + length])
+        pos += length
+        yield packet
+
+
+def check(path, expect_slices, expect_total, expect_threads, require_annotations):
+    with open(path, "rb") as f:
+        data = f.read()
+    if not data:
+        raise TraceError("the trace is empty")
+    described = {}
+    event_names, annotation_names = {}, {}
+    last_ts = {}
+    open_slices = collections.defaultdict(list)
+    slice_counts = collections.Counter()
+    flows_out, flows_in = collections.Counter(), collections.Counter()
+    annotated = collections.Counter()
+    n_packets = n_events = 0
+    for index, packet in enumerate(packets(data)):
+        n_packets += 1
+        if index == 0:
+            if not packet.HasField("clock_snapshot"):
+                raise TraceError("the first packet is not a clock snapshot")
+            if not packet.sequence_flags & SEQ_INCREMENTAL_STATE_CLEARED:
+                raise TraceError("the first packet does not carry SEQ_INCREMENTAL_STATE_CLEARED")
+        if packet.HasField("track_descriptor"):
+            td = packet.track_descriptor
+            if td.uuid in described:
+                raise TraceError(f"track uuid {td.uuid} described twice")
+            if td.HasField("parent_uuid") and td.parent_uuid not in described:
+                raise TraceError(f"track {td.uuid} names parent {td.parent_uuid} before it is described")
+            described[td.uuid] = td
+        if packet.HasField("interned_data"):
+            for n in packet.interned_data.event_names:
+                event_names[n.iid] = n.name
+            for n in packet.interned_data.debug_annotation_names:
+                annotation_names[n.iid] = n.name
+        if not packet.HasField("track_event"):
+            continue
+        n_events += 1
+        ev = packet.track_event
+        uuid = ev.track_uuid
+        if uuid not in described:
+            raise TraceError(f"packet {index}: track uuid {uuid} used before it is described")
+        ts = packet.timestamp
+        if ts < last_ts.get(uuid, 0):
+            raise TraceError(f"packet {index}: time goes backwards on track {uuid}: {ts} < {last_ts[uuid]}")
+        last_ts[uuid] = ts
+        if ev.HasField("name_iid") and ev.name_iid not in event_names:
+            raise TraceError(f"packet {index}: event name iid {ev.name_iid} is not interned")
+        for a in ev.debug_annotations:
+            if a.HasField("name_iid"):
+                if a.name_iid not in annotation_names:
+                    raise TraceError(f"packet {index}: annotation name iid {a.name_iid} is not interned")
+                annotated[annotation_names[a.name_iid]] += 1
+        for flow in ev.flow_ids:
+            flows_out[flow] += 1
+        for flow in ev.terminating_flow_ids:
+            flows_in[flow] += 1
+        name = event_names.get(ev.name_iid, ev.name)
+        if ev.type == TYPE_SLICE_BEGIN:
+            open_slices[uuid].append(name)
+            slice_counts[name] += 1
+        elif ev.type == TYPE_SLICE_END:
+            if not open_slices[uuid]:
+                raise TraceError(f"packet {index}: slice end with no open slice on track {uuid}")
+            open_slices[uuid].pop()
+        elif ev.type == TYPE_COUNTER:
+            if not described[uuid].HasField("counter"):
+                raise TraceError(f"packet {index}: counter value on non-counter track {uuid}")
+        elif ev.type != TYPE_INSTANT:
+            raise TraceError(f"packet {index}: unexpected track event type {ev.type}")
+    still_open = {u: s for u, s in open_slices.items() if s}
+    if still_open:
+        raise TraceError(f"slices never ended: {still_open}")
+    for flow in set(flows_out) | set(flows_in):
+        if flows_out[flow] != 1 or flows_in[flow] != 1:
+            raise TraceError(f"flow {flow} has {flows_out[flow]} start(s) and {flows_in[flow]} end(s)")
+    for name, count in expect_slices.items():
+        if slice_counts[name] != count:
+            raise TraceError(f"expected {count} slices named {name!r}, found {slice_counts[name]}")
+    total = sum(slice_counts.values())
+    if expect_total is not None and total != expect_total:
+        raise TraceError(f"expected {expect_total} slices in all, found {total}")
+    threads = sum(1 for td in described.values() if td.HasField("thread"))
+    if expect_threads is not None and threads != expect_threads:
+        raise TraceError(f"expected {expect_threads} thread tracks, found {threads}")
+    for name in require_annotations:
+        if not annotated[name]:
+            raise TraceError(f"no event carries the annotation {name!r}")
+    return (f"ok: {path}: {n_packets} packets, {n_events} track events, {total} slices on "
+            f"{len(described)} tracks ({threads} threads), {len(flows_out)} flows")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("trace")
+    parser.add_argument("--expect-slices", action="append", default=[], metavar="NAME=COUNT")
+    parser.add_argument("--expect-total-slices", type=int)
+    parser.add_argument("--expect-thread-tracks", type=int)
+    parser.add_argument("--require-annotation", action="append", default=[], metavar="NAME")
+    args = parser.parse_args()
+    expect = {}
+    for item in args.expect_slices:
+        name, _, count = item.rpartition("=")
+        if not name or not count.isdigit():
+            parser.error(f"--expect-slices wants NAME=COUNT, got {item!r}")
+        expect[name] = int(count)
+    try:
+        print(check(args.trace, expect, args.expect_total_slices, args.expect_thread_tracks,
+                    args.require_annotation))
+    except (TraceError, OSError) as e:
+        print(f"check_perfetto: {args.trace}: {e}", file=sys.stderr)
+        sys.exit(1)
+    except Exception as e:  # a protobuf decode error is a broken trace too
+        print(f"check_perfetto: {args.trace}: cannot decode: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
