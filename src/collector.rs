@@ -373,6 +373,9 @@ struct SpanInfo {
     closed_in: Option<u64>,
 }
 
+/// A field payload kept raw: its data records and length in bytes.
+type RawPayload = (Vec<Record>, usize);
+
 /// What the collector knows about a callsite address.
 struct CallsiteInfo {
     name: NameId,
@@ -390,7 +393,7 @@ pub(crate) struct Processor {
     /// Field updates (`record`) seen before their span's announcement: raw payloads, applied on announcement.
     /// Keyed by span id: the pass first seen, and the payloads. Forgotten after a few passes (the
     /// announcement was dropped by a full ring).
-    pending_span_records: HashMap<u64, (u64, Vec<(Vec<Record>, usize)>)>,
+    pending_span_records: HashMap<u64, (u64, Vec<RawPayload>)>,
     closed_spans: Vec<(u64, u64)>,
     next_track: u64,
     process_track: TrackId,
