@@ -166,7 +166,7 @@ fn clock_ns(clock: libc::clockid_t) -> i64 {
     // SAFETY: `ts` is a valid, writable timespec and the clock ids used here exist on every Linux kernel
     // tickline supports; on failure `ts` stays zero.
     unsafe { libc::clock_gettime(clock, &mut ts) };
-    ts.tv_sec as i64 * 1_000_000_000 + ts.tv_nsec as i64
+    i64::from(ts.tv_sec) * 1_000_000_000 + i64::from(ts.tv_nsec)
 }
 
 /// `(BOOTTIME, MONOTONIC, REALTIME)` now, MONOTONIC read between the others.
