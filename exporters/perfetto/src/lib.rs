@@ -166,7 +166,10 @@ fn clock_ns(clock: libc::clockid_t) -> i64 {
     // SAFETY: `ts` is a valid, writable timespec and the clock ids used here exist on every Linux kernel
     // tickline supports; on failure `ts` stays zero.
     unsafe { libc::clock_gettime(clock, &mut ts) };
-    i64::from(ts.tv_sec) * 1_000_000_000 + i64::from(ts.tv_nsec)
+    // `time_t` and `c_long` are i64 on 64-bit Linux but i32 on 32-bit targets: keep the casts.
+    #[allow(clippy::unnecessary_cast)]
+    let ns = ts.tv_sec as i64 * 1_000_000_000 + ts.tv_nsec as i64;
+    ns
 }
 
 /// `(BOOTTIME, MONOTONIC, REALTIME)` now, MONOTONIC read between the others.
