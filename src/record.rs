@@ -3,7 +3,7 @@
 //! A record is two words. Word 0 holds the record's kind in its top 4 bits and the low 60 bits of the raw
 //! tick; the collector restores the top bits from the current tick (60 bits of a 5 GHz counter last 7 years,
 //! so the nearest match is unambiguous). Word 1 is the kind's payload: a span id, or the address of a
-//! `'static` callsite (tracing's `Metadata` or a native [`crate::scope!`] callsite), so the hot path copies a
+//! `'static` callsite (tracing's `Metadata` or a native [`scope!`](macro@crate::scope) callsite), so the hot path copies a
 //! word and never looks up or interns anything.
 //!
 //! Records that carry fields (span creation, `record`, events) are followed in the same ring by a payload

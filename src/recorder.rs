@@ -233,6 +233,10 @@ pub(crate) fn record_group(
         encode(bytes);
         bytes.truncate(MAX_PAYLOAD_BYTES);
         with_ring(shared, |ring| {
+            // A group must fit the ring with room to spare, or a lossless producer would wait forever: cut
+            // the payload (the collector stops decoding at the cut field).
+            let max_data_records = (ring.producer.capacity() / 2).saturating_sub(2);
+            bytes.truncate(max_data_records * 16);
             group.clear();
             let ticks = if timed { ring.source.read().0 } else { 0 };
             group.push(Record::new(kind, ticks, payload_word));

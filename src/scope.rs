@@ -1,5 +1,5 @@
-//! Native CPU instrumentation for code that does not go through `tracing`: [`scope!`](crate::scope),
-//! [`instant!`](crate::instant) and [`counter!`](crate::counter).
+//! Native CPU instrumentation for code that does not go through `tracing`: [`scope!`](macro@crate::scope),
+//! [`instant!`](macro@crate::instant) and [`counter!`](macro@crate::counter).
 //!
 //! Each macro call site owns a `static` [`Callsite`]; the hot path copies its address and a raw tick into the
 //! thread's ring. They record into the most recently started [`crate::Timeline`] that is still running, and
@@ -47,7 +47,7 @@ pub struct ScopeGuard {
 }
 
 impl ScopeGuard {
-    /// Opens a scope at `callsite`. Use [`scope!`](crate::scope).
+    /// Opens a scope at `callsite`. Use [`scope!`](macro@crate::scope).
     #[doc(hidden)]
     #[inline(always)]
     pub fn enter(callsite: &'static Callsite) -> Self {
@@ -63,14 +63,14 @@ impl Drop for ScopeGuard {
     }
 }
 
-/// Records an instant at `callsite`. Use [`instant!`](crate::instant).
+/// Records an instant at `callsite`. Use [`instant!`](macro@crate::instant).
 #[doc(hidden)]
 #[inline(always)]
 pub fn record_instant(callsite: &'static Callsite) {
     record_now(&Current, Kind::Instant, callsite.addr());
 }
 
-/// Records a counter value at `callsite`. Use [`counter!`](crate::counter).
+/// Records a counter value at `callsite`. Use [`counter!`](macro@crate::counter).
 #[doc(hidden)]
 #[inline(always)]
 pub fn record_counter_value(callsite: &'static Callsite, value: f64) {

@@ -196,6 +196,20 @@ fn put_fixed64_field(buf: &mut Vec<u8>, tag: u32, value: u64) {
     buf.extend_from_slice(&value.to_le_bytes());
 }
 
+/// Fills in the one-byte length placeholder just before `body_start` with the length of everything after
+/// it, widening the varint in place when the body is 128 bytes or more.
+#[inline]
+fn patch_length(buf: &mut Vec<u8>, body_start: usize) {
+    let len = buf.len() - body_start;
+    if len < 0x80 {
+        buf[body_start - 1] = len as u8;
+        return;
+    }
+    let mut prefix = Vec::with_capacity(10);
+    encode_varint(len as u64, &mut prefix);
+    buf.splice(body_start - 1..body_start, prefix);
+}
+
 impl<W: Write + Send> PerfettoExporter<W> {
     /// A writer of a Perfetto trace to `writer` (a file, a `Vec<u8>`, a socket).
     pub fn new(writer: W) -> Self {
@@ -326,22 +340,33 @@ impl<W: Write + Send> PerfettoExporter<W> {
     }
 
     fn write_event(&mut self, batch: &Batch, event: &Event) {
-        let body = &mut self.body;
-        body.clear();
+        // Encoded straight into the output buffer: `Trace.packet { timestamp, track_event { .. }, sequence id,
+        // flags }`. Both length prefixes get one byte up front, the common case (a packet under 128 bytes);
+        // a longer one is widened in place after the fact.
+        let buf = &mut self.buf;
+        let packet_start = buf.len();
+        encode_key(field::TRACE_PACKET, WireType::LengthDelimited, buf);
+        buf.push(0);
+        let packet_body = buf.len();
+        let ts = (event.ts_ns as i64).saturating_add(self.boot_offset_ns).max(0) as u64;
+        put_varint_field(buf, field::packet::TIMESTAMP, ts);
+        encode_key(field::packet::TRACK_EVENT, WireType::LengthDelimited, buf);
+        buf.push(0);
+        let event_body = buf.len();
         let kind = match event.kind {
             EventKind::SliceBegin => field::event::TYPE_SLICE_BEGIN,
             EventKind::SliceEnd => field::event::TYPE_SLICE_END,
             EventKind::Instant => field::event::TYPE_INSTANT,
             EventKind::Counter(_) => field::event::TYPE_COUNTER,
         };
-        put_varint_field(body, field::event::TYPE, kind);
-        put_varint_field(body, field::event::TRACK_UUID, self.uuid_salt | event.track.0);
+        put_varint_field(buf, field::event::TYPE, kind);
+        put_varint_field(buf, field::event::TRACK_UUID, self.uuid_salt | event.track.0);
         match event.kind {
             EventKind::SliceBegin | EventKind::Instant => {
-                put_varint_field(body, field::event::NAME_IID, event.name.0 as u64);
+                put_varint_field(buf, field::event::NAME_IID, event.name.0 as u64);
             }
             EventKind::Counter(value) => {
-                put_fixed64_field(body, field::event::DOUBLE_COUNTER_VALUE, value.to_bits());
+                put_fixed64_field(buf, field::event::DOUBLE_COUNTER_VALUE, value.to_bits());
             }
             EventKind::SliceEnd => {}
         }
@@ -356,22 +381,21 @@ impl<W: Write + Send> PerfettoExporter<W> {
                 FieldValue::F64(v) => put_fixed64_field(nested, field::annotation::DOUBLE_VALUE, v.to_bits()),
                 FieldValue::Str(s) => put_bytes_field(nested, field::annotation::STRING_VALUE, s.as_bytes()),
             }
-            put_bytes_field(body, field::event::DEBUG_ANNOTATIONS, nested);
+            put_bytes_field(buf, field::event::DEBUG_ANNOTATIONS, nested);
         }
         // Unpacked, one key per id: Perfetto's importer drops packed flow ids without a word.
         if let Some(flow) = event.flow_out {
-            put_fixed64_field(body, field::event::FLOW_IDS, flow);
+            put_fixed64_field(buf, field::event::FLOW_IDS, flow);
         }
         if let Some(flow) = event.flow_in {
-            put_fixed64_field(body, field::event::TERMINATING_FLOW_IDS, flow);
+            put_fixed64_field(buf, field::event::TERMINATING_FLOW_IDS, flow);
         }
-        let ts = (event.ts_ns as i64).saturating_add(self.boot_offset_ns).max(0) as u64;
-        let packet = &mut self.packet;
-        put_varint_field(packet, field::packet::TIMESTAMP, ts);
-        put_bytes_field(packet, field::packet::TRACK_EVENT, body);
-        put_varint_field(packet, field::packet::TRUSTED_PACKET_SEQUENCE_ID, SEQUENCE_ID);
-        put_varint_field(packet, field::packet::SEQUENCE_FLAGS, SEQ_NEEDS_INCREMENTAL_STATE);
-        self.commit_packet();
+        patch_length(buf, event_body);
+        put_varint_field(buf, field::packet::TRUSTED_PACKET_SEQUENCE_ID, SEQUENCE_ID);
+        put_varint_field(buf, field::packet::SEQUENCE_FLAGS, SEQ_NEEDS_INCREMENTAL_STATE);
+        patch_length(buf, packet_body);
+        debug_assert!(buf.len() > packet_start);
+        self.stats.packets += 1;
     }
 
     fn check_failed(&self) -> Result<(), ExportError> {
