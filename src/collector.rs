@@ -373,6 +373,30 @@ struct SpanInfo {
     closed_in: Option<u64>,
 }
 
+/// Hashes u64 keys (addresses, span ids) with one multiply: the collector looks one up per event, and
+/// SipHash's DoS resistance buys nothing for keys the process made itself.
+#[derive(Clone, Copy, Default)]
+struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+    fn write_u64(&mut self, key: u64) {
+        // A folded 64x64->128 multiply spreads the key over both halves: addresses are 16-byte aligned, and
+        // the table indexes with the low bits and tags with the high ones.
+        let product = u128::from(self.0 ^ key) * 0x9e37_79b9_7f4a_7c15;
+        self.0 = (product as u64) ^ ((product >> 64) as u64);
+    }
+}
+
+type IdMap<V> = HashMap<u64, V, std::hash::BuildHasherDefault<IdHasher>>;
+
 /// A field payload kept raw: its data records and length in bytes.
 type RawPayload = (Vec<Record>, usize);
 
@@ -388,12 +412,12 @@ pub(crate) struct Processor {
     pid: u32,
     batch: Batch,
     names: HashMap<&'static str, NameId>,
-    callsites: HashMap<u64, CallsiteInfo>,
-    spans: HashMap<u64, SpanInfo>,
+    callsites: IdMap<CallsiteInfo>,
+    spans: IdMap<SpanInfo>,
     /// Field updates (`record`) seen before their span's announcement: raw payloads, applied on announcement.
     /// Keyed by span id: the pass first seen, and the payloads. Forgotten after a few passes (the
     /// announcement was dropped by a full ring).
-    pending_span_records: HashMap<u64, (u64, Vec<RawPayload>)>,
+    pending_span_records: IdMap<(u64, Vec<RawPayload>)>,
     closed_spans: Vec<(u64, u64)>,
     next_track: u64,
     process_track: TrackId,
@@ -495,9 +519,9 @@ impl Processor {
             pid,
             batch: Batch::default(),
             names: HashMap::new(),
-            callsites: HashMap::new(),
-            spans: HashMap::new(),
-            pending_span_records: HashMap::new(),
+            callsites: IdMap::default(),
+            spans: IdMap::default(),
+            pending_span_records: IdMap::default(),
             closed_spans: Vec::new(),
             next_track: 1,
             process_track: TrackId(0),
