@@ -196,6 +196,18 @@ fn put_fixed64_field(buf: &mut Vec<u8>, tag: u32, value: u64) {
     buf.extend_from_slice(&value.to_le_bytes());
 }
 
+/// Writes `value` as a varint at `b[pos..]`, returning the position after it. At most 10 bytes.
+#[inline(always)]
+fn put_varint(b: &mut [u8; 64], mut pos: usize, mut value: u64) -> usize {
+    while value >= 0x80 {
+        b[pos] = (value as u8) | 0x80;
+        value >>= 7;
+        pos += 1;
+    }
+    b[pos] = value as u8;
+    pos + 1
+}
+
 /// Fills in the one-byte length placeholder just before `body_start` with the length of everything after
 /// it, widening the varint in place when the body is 128 bytes or more.
 #[inline]
@@ -339,7 +351,56 @@ impl<W: Write + Send> PerfettoExporter<W> {
         self.commit_packet();
     }
 
+    /// The hot path: an event with no fields and no flows (most slice ends, most begins, every counter)
+    /// is assembled on the stack with hand-rolled varints and appended in one copy.
+    #[inline]
+    fn write_plain_event(&mut self, event: &Event) {
+        let mut b = [0u8; 64];
+        // b[0] = Trace.packet key, b[1] = packet length, then the packet body from b[2].
+        b[0] = 0x0a; // field 1, length-delimited
+        let ts = (event.ts_ns as i64).saturating_add(self.boot_offset_ns).max(0) as u64;
+        b[2] = 0x40; // TracePacket.timestamp (8), varint
+        let mut pos = put_varint(&mut b, 3, ts);
+        b[pos] = 0x5a; // TracePacket.track_event (11), length-delimited
+        let event_len_at = pos + 1;
+        pos += 2;
+        let event_start = pos;
+        b[pos] = 0x48; // TrackEvent.type (9)
+        b[pos + 1] = match event.kind {
+            EventKind::SliceBegin => field::event::TYPE_SLICE_BEGIN,
+            EventKind::SliceEnd => field::event::TYPE_SLICE_END,
+            EventKind::Instant => field::event::TYPE_INSTANT,
+            EventKind::Counter(_) => field::event::TYPE_COUNTER,
+        } as u8;
+        b[pos + 2] = 0x58; // TrackEvent.track_uuid (11)
+        pos = put_varint(&mut b, pos + 3, self.uuid_salt | event.track.0);
+        match event.kind {
+            EventKind::SliceBegin | EventKind::Instant => {
+                b[pos] = 0x50; // TrackEvent.name_iid (10)
+                pos = put_varint(&mut b, pos + 1, event.name.0 as u64);
+            }
+            EventKind::Counter(value) => {
+                // TrackEvent.double_counter_value (44), fixed64: key 44 << 3 | 1 = 353 = varint [0xe1, 0x02].
+                b[pos] = 0xe1;
+                b[pos + 1] = 0x02;
+                b[pos + 2..pos + 10].copy_from_slice(&value.to_bits().to_le_bytes());
+                pos += 10;
+            }
+            EventKind::SliceEnd => {}
+        }
+        b[event_len_at] = (pos - event_start) as u8;
+        // trusted_packet_sequence_id (10) = 1, sequence_flags (13) = SEQ_NEEDS_INCREMENTAL_STATE.
+        b[pos..pos + 4].copy_from_slice(&[0x50, SEQUENCE_ID as u8, 0x68, SEQ_NEEDS_INCREMENTAL_STATE as u8]);
+        pos += 4;
+        b[1] = (pos - 2) as u8;
+        self.buf.extend_from_slice(&b[..pos]);
+        self.stats.packets += 1;
+    }
+
     fn write_event(&mut self, batch: &Batch, event: &Event) {
+        if event.fields.is_empty() && event.flow_out.is_none() && event.flow_in.is_none() {
+            return self.write_plain_event(event);
+        }
         // Encoded straight into the output buffer: `Trace.packet { timestamp, track_event { .. }, sequence id,
         // flags }`. Both length prefixes get one byte up front, the common case (a packet under 128 bytes);
         // a longer one is widened in place after the fact.
