@@ -247,6 +247,15 @@ pub(crate) fn record_group(
     });
 }
 
+/// Records a group with an empty payload (a span created without fields): no encoding, no scratch space.
+#[inline]
+pub(crate) fn record_group_empty(shared: &impl Target, kind: Kind, payload_word: u64, meta: u64) {
+    with_ring(shared, |ring| {
+        let group = [Record::new(kind, 0, payload_word), Record::new(Kind::Data, 0, meta)];
+        ring.push_group(&group);
+    });
+}
+
 /// Records a counter value: the record and one data record with the value's bits.
 pub(crate) fn record_counter(shared: &impl Target, callsite: u64, value: f64) {
     with_ring(shared, |ring| {
