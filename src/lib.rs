@@ -1,4 +1,61 @@
 //! tickline: one timeline of what your CPU threads and your GPUs did.
+//!
+//! Add one `tracing` layer (and, where `tracing` is not used, [`scope!`](macro@scope)s): every span
+//! enter/exit, event and scope is recorded as a raw tick into a lock-free per-thread ring, and a background
+//! collector converts the ticks to `CLOCK_MONOTONIC` nanoseconds with a **live** calibration and hands them
+//! to exporters (a Perfetto trace file with the `tickline-perfetto` crate, or memory).
+//!
+//! ```
+//! use tracing_subscriber::layer::SubscriberExt;
+//!
+//! let memory = tickline::MemoryExporter::default();
+//! let timeline = tickline::Timeline::builder().exporter(memory.clone()).start().unwrap();
+//! let subscriber = tracing_subscriber::registry().with(timeline.layer());
+//! tracing::subscriber::with_default(subscriber, || {
+//!     let _frame = tracing::info_span!("frame", n = 1).entered();
+//!     let _physics = tickline::scope!("physics");
+//! });
+//! timeline.flush().unwrap();
+//! assert_eq!(memory.snapshot().slice_count("frame"), 1);
+//! ```
+//!
+//! # Design
+//!
+//! Record cheap raw ticks now; convert them later with the best calibration known then. The hot path reads
+//! the TSC and writes one 16-byte record into a ring only its own thread writes: no conversion, no
+//! allocation, no lock, no system call after the thread's first record. Everything else happens on the
+//! collector thread, which owns the calibration state.
+//!
+//! Clocks are mapped to the reference by a [`CalibrationHistory`]: bursts of bracketed samples
+//! `(source ticks, reference ns, max deviation)`, the tightest kept, a robust fit over a sliding window, and
+//! knots at the window's centroid. A tick between knots is interpolated between calibration points on
+//! both sides; a newer one is extrapolated by the newest fit. Every conversion comes with an uncertainty
+//! ([`Converted`]), and the output never runs backwards across a refit.
+//!
+//! # Internals
+//!
+//! - `ring`: the SPSC ring (checked with loom and Miri); `record`: the 16-byte record and field payloads.
+//! - `recorder`: each thread's ring per timeline; `layer`, `scope`: what records.
+//! - `collector`: drains every ring each `poll_interval`, resolves span names and fields, converts, keeps
+//!   per-track order, batches for the [`Exporter`]s.
+//! - [`calibration`]: pure math (fits, histories, the simulated clock pair); `clock`: reading counters, the
+//!   TSC reliability check, the live TSC calibrator, the division-free [`FastConverter`].
+//!
+//! # Caveats
+//!
+//! - **Non-invariant or unsynchronised TSC.** At start the TSC is checked (shift between CPUs, a CAS-ordered
+//!   monotonicity run, the rate on every CPU); if it fails, tickline records `CLOCK_MONOTONIC` instead and
+//!   [`Timeline::tsc_fallback_reason`] says why. `tickline clock` prints the full report.
+//! - **Suspend.** Timestamps are `CLOCK_MONOTONIC`, which stops while suspended; the Perfetto exporter writes
+//!   BOOTTIME and records a new clock snapshot after a suspend.
+//! - **VMs.** A hypervisor may migrate vCPUs between hosts with different TSC offsets; the reliability check
+//!   sees the state at start only. The live calibration follows rate changes, not per-CPU jumps.
+//! - **Separate GPU clock domains.** Each GPU clock gets its own calibration history against the same
+//!   reference; their accuracy is stated per conversion, never assumed.
+//! - **Span ids.** Records carry `tracing`'s span ids, which the registry reuses after a span closes; the
+//!   collector resolves them within a couple of drain passes, so an id reused with the same value inside one
+//!   pass (about a millisecond) could attach the wrong name. Track ids in exported traces are unique per
+//!   timeline.
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
 #![doc(test(attr(deny(warnings))))]
