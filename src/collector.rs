@@ -824,15 +824,7 @@ impl Processor {
                         let track = self.counter_track(g.head.word1);
                         let name = self.callsite_info(g.head.word1).name;
                         let ts = self.convert(ring, ticks, now_ticks, conv);
-                        self.counter_events.push(Event {
-                            ts_ns: ts,
-                            track,
-                            kind: EventKind::Counter(value),
-                            name,
-                            fields: 0..0,
-                            flow_out: None,
-                            flow_in: None,
-                        });
+                        self.push_counter(track, ts, name, value);
                     }
                 }
                 Some(Kind::SpanNew) | Some(Kind::SpanRecord) | Some(Kind::Data) | None => {}
@@ -872,6 +864,11 @@ impl Processor {
 
     fn own_counter(&mut self, track: TrackId, ts_ns: u64, value: f64) {
         let name = self.own_counters.as_ref().expect("created in new").value_name;
+        self.push_counter(track, ts_ns, name, value);
+    }
+
+    /// Queues a counter value; [`flush_counters`](Self::flush_counters) orders them into the batch.
+    fn push_counter(&mut self, track: TrackId, ts_ns: u64, name: NameId, value: f64) {
         self.counter_events.push(Event {
             ts_ns,
             track,

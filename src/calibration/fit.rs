@@ -7,6 +7,7 @@
 //! that carried the fit, which makes the errors of the intercept and of the slope (nearly) uncorrelated, as
 //! [`ClockCalibration::uncertainty_ns`](super::ClockCalibration::uncertainty_ns) assumes.
 
+use super::SplitMix64;
 use super::{CalibrationError, CalibrationSample};
 
 /// How the line is fitted through the (filtered) samples.
@@ -406,18 +407,7 @@ fn median_standard_error(values: &mut [f64]) -> f64 {
     (values[n - k] - values[k - 1]).abs() / (2.0 * z)
 }
 
-/// Deterministic SplitMix64 generator (no `rand` dependency).
-struct SplitMix64(u64);
-
 impl SplitMix64 {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
     /// Uniform in `0..n` (`n > 0`).
     fn below(&mut self, n: usize) -> usize {
         ((self.next_u64() as u128 * n as u128) >> 64) as usize

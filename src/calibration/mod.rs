@@ -86,3 +86,18 @@ impl fmt::Display for CalibrationError {
 }
 
 impl std::error::Error for CalibrationError {}
+
+/// SplitMix64: the small deterministic generator the fits (RANSAC, pair subsampling) and the simulated
+/// clocks draw from, so results repeat exactly for a seed without a `rand` dependency.
+#[derive(Clone, Debug)]
+pub(crate) struct SplitMix64(pub(crate) u64);
+
+impl SplitMix64 {
+    pub(crate) fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+}

@@ -63,7 +63,7 @@
 //! million knots (about 400 MB unless retention is set). Without wander there is a single knot and any time,
 //! up to `u64::MAX`, is O(1).
 
-use super::{CalibrationError, CalibrationSample, ClockDomain};
+use super::{CalibrationError, CalibrationSample, ClockDomain, SplitMix64};
 use std::collections::VecDeque;
 use std::fmt;
 
@@ -710,19 +710,6 @@ fn shl_wrapping(x: u128, k: u32) -> u128 {
         0
     } else {
         x << k
-    }
-}
-
-/// splitmix64: seeds the generators.
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
     }
 }
 
