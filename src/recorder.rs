@@ -226,6 +226,9 @@ pub(crate) fn record_group(
 ) {
     let _ = SCRATCH.try_with(|scratch| {
         let Ok(mut scratch) = scratch.try_borrow_mut() else {
+            // Re-entered: a field's `Debug` impl recorded while this thread was encoding. Count the inner
+            // record as dropped rather than lose it silently.
+            with_ring(shared, |ring| ring.producer.count_drops(1));
             return;
         };
         let (bytes, group) = &mut *scratch;

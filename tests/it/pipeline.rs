@@ -386,3 +386,38 @@ fn open_slices_are_closed_at_shutdown_and_the_memory_exporter_is_finished() {
     assert_eq!(trace.slice_count("still open"), 1);
     assert_eq!(trace.events.iter().filter(|e| e.kind == EventKind::SliceEnd).count(), 1);
 }
+
+#[test]
+fn an_event_logged_while_a_field_is_formatted_leaves_the_outer_event_intact() {
+    let _x = exclusive();
+    struct LogsWhileFormatted;
+    impl std::fmt::Debug for LogsWhileFormatted {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            tracing::info!("inner");
+            f.write_str("outer value")
+        }
+    }
+    let memory = MemoryExporter::default();
+    let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
+    let subscriber = tracing_subscriber::registry().with(timeline.layer());
+    tracing::subscriber::with_default(subscriber, || {
+        tracing::info!(value = ?LogsWhileFormatted, "outer");
+    });
+    let stats = timeline.shutdown().unwrap();
+    let trace = memory.snapshot();
+    let outer = trace
+        .events
+        .iter()
+        .find(|e| e.kind == EventKind::Instant)
+        .expect("the outer event");
+    assert!(
+        outer
+            .fields
+            .contains(&("value".into(), FieldValue::Str("outer value".into()))),
+        "{outer:?}"
+    );
+    // tracing itself does not dispatch an event raised inside another's dispatch, so the inner one never
+    // reaches any layer; nothing of the outer one is lost.
+    assert_eq!(trace.events.iter().filter(|e| e.kind == EventKind::Instant).count(), 1);
+    assert_eq!(stats.dropped_records, 0, "{stats:?}");
+}
