@@ -969,7 +969,14 @@ impl Collector {
             };
             for pass in 0..passes {
                 let force = reply.is_some() && pass + 1 == passes;
-                let more = self.pass(&conv, force, &mut dropped_of_freed, &mut dropped_reported);
+                // Unbounded drains: everything recorded before the request is in the rings now (a ring holds
+                // at most its capacity), so one drain per ring takes all of it.
+                let max = if reply.is_some() {
+                    usize::MAX
+                } else {
+                    self.max_records_per_pass
+                };
+                let more = self.pass(&conv, max, force, &mut dropped_of_freed, &mut dropped_reported);
                 if reply.is_some() && !more && pass > 0 {
                     break;
                 }
@@ -992,12 +999,12 @@ impl Collector {
     fn pass(
         &mut self,
         conv: &FastConverter,
+        max: usize,
         force: bool,
         dropped_of_freed: &mut u64,
         dropped_reported: &mut u64,
     ) -> bool {
         let mut drained = 0u64;
-        let max = self.max_records_per_pass;
         for ring in &mut self.rings {
             ring.closed = !ring.consumer.is_producer_alive();
             let staging = &mut ring.staging;

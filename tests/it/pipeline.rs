@@ -421,3 +421,30 @@ fn an_event_logged_while_a_field_is_formatted_leaves_the_outer_event_intact() {
     assert_eq!(trace.events.iter().filter(|e| e.kind == EventKind::Instant).count(), 1);
     assert_eq!(stats.dropped_records, 0, "{stats:?}");
 }
+
+#[test]
+fn flush_drains_full_rings_not_just_one_batch() {
+    let _x = exclusive();
+    const SPANS: u64 = 200_000;
+    let counting = Counting::default();
+    // A big ring and a collector that would not poll on its own during the test: the flush alone must
+    // take all 400,000 records, several times the collector's per-pass batch.
+    let timeline = Timeline::builder()
+        .lossless(true)
+        .ring_capacity(1 << 20)
+        .poll_interval(std::time::Duration::from_secs(60))
+        .exporter(counting.clone())
+        .start()
+        .unwrap();
+    let subscriber = tracing_subscriber::registry().with(timeline.layer());
+    tracing::subscriber::with_default(subscriber, || {
+        let span = tracing::info_span!("queued");
+        for _ in 0..SPANS {
+            let _e = span.enter();
+        }
+    });
+    timeline.flush().unwrap();
+    let s = counting.0.lock().unwrap();
+    assert_eq!(s.begins.values().sum::<u64>(), SPANS);
+    assert_eq!(s.ends.values().sum::<u64>(), SPANS);
+}
