@@ -82,6 +82,7 @@ impl LocalRing {
         }
     }
 
+    #[inline]
     fn push_group(&mut self, group: &[Record]) {
         if self.lossless {
             while !self.producer.try_push_all(group) {
