@@ -19,6 +19,7 @@ use crate::error::TicklineError;
 use crate::export::{
     Batch, Event, EventKind, ExportError, Exporter, Field, FieldValue, NameId, TrackDescriptor, TrackId, TrackKind,
 };
+use crate::gpu::{GpuBackend, GpuCalibrationConfig, GpuCollector, GpuControl, GpuDevice};
 use crate::layer::TicklineLayer;
 use crate::record::{collect_payload, decode_fields, restore_ticks, Kind, RawValue, Record};
 use crate::recorder::{self, Control, Shared};
@@ -43,6 +44,7 @@ pub struct TimelineBuilder {
     poll_interval: Duration,
     tick_source: Option<TickSource>,
     calibration: TscCalibratorConfig,
+    gpu_calibration: GpuCalibrationConfig,
     max_records_per_pass: usize,
 }
 
@@ -68,6 +70,7 @@ impl Default for TimelineBuilder {
             poll_interval: Duration::from_millis(1),
             tick_source: None,
             calibration: TscCalibratorConfig::default(),
+            gpu_calibration: GpuCalibrationConfig::default(),
             max_records_per_pass: 1 << 16,
         }
     }
@@ -111,6 +114,21 @@ impl TimelineBuilder {
         self
     }
 
+    /// How GPU device clocks are calibrated: burst size, schedule and time budget, and how long a finished
+    /// GPU slice may wait for a calibration point after it.
+    pub fn gpu_calibration(mut self, config: GpuCalibrationConfig) -> Self {
+        self.gpu_calibration = config;
+        self
+    }
+
+    /// Longest time a finished GPU slice is held for a two-sided (interpolated) conversion before it is
+    /// converted with the newest fit and exported (default 5 s). Shorter: less latency (live viewers); longer:
+    /// more slices placed by interpolation.
+    pub fn gpu_latency_bound(mut self, bound: Duration) -> Self {
+        self.gpu_calibration.latency_bound = bound;
+        self
+    }
+
     /// Checks the tick source, calibrates it, and starts the collector thread.
     pub fn start(self) -> Result<Timeline, TicklineError> {
         let (source, tsc_fallback_reason) = match self.tick_source {
@@ -151,7 +169,7 @@ impl TimelineBuilder {
                 })
                 .collect(),
             calibrator,
-            processor: Processor::new(std::process::id()),
+            processor: Processor::new(std::process::id(), self.gpu_calibration),
             rings: Vec::new(),
             stats: stats.clone(),
             poll_interval: self.poll_interval,
@@ -192,6 +210,15 @@ pub struct TimelineStats {
     pub monotonic_clamps: u64,
     /// Exporter failures (each failed exporter is counted once and then skipped).
     pub export_failures: u64,
+    /// GPU scopes whose begin reached the collector.
+    pub gpu_scopes: u64,
+    /// GPU scopes never finished by the GPU within the loss bound (their commands were not submitted), or whose
+    /// device was unknown. Their flows have no GPU end.
+    pub gpu_lost_scopes: u64,
+    /// GPU slices that converted to before the CPU recorded them: calibration failures (clamped for display).
+    pub gpu_causality_violations: u64,
+    /// GPU calibration bursts that failed or gave no usable sample.
+    pub gpu_failed_calibrations: u64,
 }
 
 #[derive(Default)]
@@ -204,6 +231,10 @@ struct SharedStats {
     unknown_spans: AtomicU64,
     monotonic_clamps: AtomicU64,
     export_failures: AtomicU64,
+    gpu_scopes: AtomicU64,
+    gpu_lost_scopes: AtomicU64,
+    gpu_causality_violations: AtomicU64,
+    gpu_failed_calibrations: AtomicU64,
     first_export_error: Mutex<Option<(std::io::ErrorKind, String)>>,
 }
 
@@ -270,7 +301,25 @@ impl Timeline {
             unknown_spans: s.unknown_spans.load(Ordering::Relaxed),
             monotonic_clamps: s.monotonic_clamps.load(Ordering::Relaxed),
             export_failures: s.export_failures.load(Ordering::Relaxed),
+            gpu_scopes: s.gpu_scopes.load(Ordering::Relaxed),
+            gpu_lost_scopes: s.gpu_lost_scopes.load(Ordering::Relaxed),
+            gpu_causality_violations: s.gpu_causality_violations.load(Ordering::Relaxed),
+            gpu_failed_calibrations: s.gpu_failed_calibrations.load(Ordering::Relaxed),
         }
+    }
+
+    /// Adds a GPU device to the timeline: its clock is calibrated live by the collector, and
+    /// [`gpu_scope!`](macro@crate::gpu_scope)s recorded through its queues appear under a "GPU" track.
+    ///
+    /// ```
+    /// use tickline::gpu::sim::{SimGpu, SimGpuConfig};
+    /// let timeline = tickline::Timeline::builder().start().unwrap();
+    /// let gpu = timeline.gpu(SimGpu::new(SimGpuConfig::default()).unwrap()).unwrap();
+    /// let queue = gpu.queue("compute").unwrap();
+    /// # let _ = queue;
+    /// ```
+    pub fn gpu<B: GpuBackend>(&self, backend: B) -> Result<GpuDevice<B>, TicklineError> {
+        GpuDevice::register(&self.shared, backend)
     }
 
     /// Drains everything recorded before this call, exports it and flushes the exporters.
@@ -427,6 +476,7 @@ pub(crate) struct Processor {
     pass: u64,
     payload: Vec<u8>,
     stats: TimelineStats,
+    gpu: GpuCollector,
 }
 
 struct OwnCounters {
@@ -437,6 +487,8 @@ struct OwnCounters {
 }
 
 const UNKNOWN_SPAN: &str = "unknown span";
+/// Longest a shutdown waits for GPU scopes still in flight.
+const GPU_SHUTDOWN_WAIT: Duration = Duration::from_secs(1);
 /// Passes a record waits for its span's announcement before it is shown as unknown. One pass is enough in
 /// theory (the announcement happened before the enter, so the next pass's drain sees it); two give margin.
 const MAX_WAIT_PASSES: u32 = 2;
@@ -472,7 +524,7 @@ fn group_at(records: &[Record], i: usize) -> Group<'_> {
     let head = records[i];
     let kind = head.kind();
     match kind {
-        Some(Kind::SpanNew | Kind::SpanRecord | Kind::Event) => {
+        Some(Kind::SpanNew | Kind::SpanRecord | Kind::Event | Kind::GpuBegin) => {
             let Some(h) = records.get(i + 1) else {
                 return Group {
                     head,
@@ -514,7 +566,7 @@ fn group_at(records: &[Record], i: usize) -> Group<'_> {
 }
 
 impl Processor {
-    pub(crate) fn new(pid: u32) -> Self {
+    pub(crate) fn new(pid: u32, gpu_calibration: GpuCalibrationConfig) -> Self {
         let mut p = Processor {
             pid,
             batch: Batch::default(),
@@ -531,6 +583,7 @@ impl Processor {
             pass: 0,
             payload: Vec::new(),
             stats: TimelineStats::default(),
+            gpu: GpuCollector::new(gpu_calibration),
         };
         let process_name = std::env::args()
             .next()
@@ -560,7 +613,7 @@ impl Processor {
         p
     }
 
-    fn new_track(&mut self, parent: Option<TrackId>, kind: TrackKind) -> TrackId {
+    pub(crate) fn new_track(&mut self, parent: Option<TrackId>, kind: TrackKind) -> TrackId {
         let id = TrackId(self.next_track);
         self.next_track += 1;
         self.batch.new_tracks.push(TrackDescriptor { id, parent, kind });
@@ -583,7 +636,17 @@ impl Processor {
         self.new_track(parent, TrackKind::Thread { pid, tid, name })
     }
 
-    fn intern(&mut self, s: &'static str) -> NameId {
+    /// The process track (the root).
+    pub(crate) fn process_track(&self) -> TrackId {
+        self.process_track
+    }
+
+    /// The name of counter values ("value").
+    pub(crate) fn value_name(&self) -> NameId {
+        self.own_counters.as_ref().expect("created in new").value_name
+    }
+
+    pub(crate) fn intern(&mut self, s: &'static str) -> NameId {
         if let Some(&id) = self.names.get(s) {
             return id;
         }
@@ -612,12 +675,14 @@ impl Processor {
 
     fn callsite_info(&mut self, addr: u64) -> &mut CallsiteInfo {
         if !self.callsites.contains_key(&addr) {
-            let name = self.intern(callsite_at(addr).name());
+            let callsite = callsite_at(addr);
+            let name = self.intern(callsite.name());
+            let field_names = callsite.fields().iter().map(|f| self.intern(f)).collect();
             self.callsites.insert(
                 addr,
                 CallsiteInfo {
                     name,
-                    field_names: Vec::new(),
+                    field_names,
                     counter_track: None,
                 },
             );
@@ -629,6 +694,11 @@ impl Processor {
         if meta != 0 {
             self.metadata_info(meta);
         }
+        self.decode_known_fields(meta, data, len, out);
+    }
+
+    /// Decodes a payload whose field names are already in `callsites[key]` (nothing decoded otherwise).
+    fn decode_known_fields(&mut self, meta: u64, data: &[Record], len: usize, out: &mut Vec<Field>) {
         collect_payload(data, len, &mut self.payload);
         let names: &[NameId] = self.callsites.get(&meta).map_or(&[], |c| &c.field_names);
         for (index, value) in decode_fields(&self.payload) {
@@ -734,6 +804,52 @@ impl Processor {
         });
     }
 
+    /// Queues a GPU slice event (a flow ends at its begin).
+    pub(crate) fn push_gpu_event(
+        &mut self,
+        ts_ns: u64,
+        track: TrackId,
+        kind: EventKind,
+        name: NameId,
+        fields: &[Field],
+        flow_in: Option<u64>,
+    ) {
+        self.push_event(ts_ns, track, kind, name, fields);
+        self.batch.events.last_mut().expect("just pushed").flow_in = flow_in;
+    }
+
+    /// The GPU side: device registration, polling.
+    pub(crate) fn gpu_control(&mut self, message: GpuControl) {
+        let mut gpu = std::mem::take(&mut self.gpu);
+        match message {
+            GpuControl::Device { device, info, link } => gpu.add_device(self, device, info, link),
+            GpuControl::Queue { device, queue, name } => gpu.add_queue(self, device, queue, name),
+        }
+        self.gpu = gpu;
+    }
+
+    /// Whether GPU scopes are in flight or waiting to be exported.
+    pub(crate) fn gpu_busy(&self) -> bool {
+        self.gpu.busy()
+    }
+
+    /// Counts every GPU scope still in flight as lost (shutdown).
+    pub(crate) fn gpu_abandon_in_flight(&mut self) {
+        self.stats.gpu_lost_scopes += self.gpu.abandon_in_flight();
+    }
+
+    /// One GPU pass; see [`GpuCollector::poll`].
+    pub(crate) fn poll_gpu(&mut self, now_ns: u64, drain_ns: u64, force: bool) {
+        let mut gpu = std::mem::take(&mut self.gpu);
+        gpu.poll(self, now_ns, drain_ns, force);
+        let s = gpu.stats;
+        self.gpu = gpu;
+        self.stats.gpu_scopes = s.scopes;
+        self.stats.gpu_lost_scopes = s.lost_scopes;
+        self.stats.gpu_causality_violations = s.causality_violations;
+        self.stats.gpu_failed_calibrations = s.failed_calibrations;
+    }
+
     fn close_slice(&mut self, ring: &mut RingState, key: u64, ts_ns: u64) {
         let Some(pos) = ring.open.iter().rposition(|o| o.key == key) else {
             self.stats.unmatched_ends += 1;
@@ -814,6 +930,23 @@ impl Processor {
                         name,
                     });
                 }
+                Some(Kind::GpuBegin) => {
+                    if let Some((len, key)) = g.header {
+                        let callsite = g.head.word1;
+                        let name = self.callsite_info(callsite).name;
+                        let mut fields = Vec::new();
+                        if len > 0 {
+                            self.decode_known_fields(callsite, g.data, len, &mut fields);
+                        }
+                        let ts = self.convert(ring, ticks, now_ticks, conv);
+                        let flow = self.gpu.next_flow();
+                        // Where this thread recorded the GPU work: the flow's start.
+                        self.push_event(ts, ring.track, EventKind::Instant, name, &[]);
+                        self.batch.events.last_mut().expect("just pushed").flow_out = Some(flow);
+                        let now_ns = conv.to_ns(now_ticks);
+                        self.gpu.begin(key, name, fields, ts, flow, now_ns);
+                    }
+                }
                 Some(Kind::Instant) => {
                     let name = self.callsite_info(g.head.word1).name;
                     let ts = self.convert(ring, ticks, now_ticks, conv);
@@ -868,7 +1001,7 @@ impl Processor {
     }
 
     /// Queues a counter value; [`flush_counters`](Self::flush_counters) orders them into the batch.
-    fn push_counter(&mut self, track: TrackId, ts_ns: u64, name: NameId, value: f64) {
+    pub(crate) fn push_counter(&mut self, track: TrackId, ts_ns: u64, name: NameId, value: f64) {
         self.counter_events.push(Event {
             ts_ns,
             track,
@@ -940,26 +1073,38 @@ impl Collector {
                     }
                 }
             }
-            let (finishing, reply) = match message {
-                Some(Control::NewRing { consumer, tid, name }) => {
-                    let track = self.processor.new_thread_track(tid, name);
-                    self.rings.push(RingState {
-                        consumer,
-                        track,
-                        staging: Vec::new(),
-                        announced_upto: 0,
-                        waited_passes: 0,
-                        open: Vec::new(),
-                        last_ns: 0,
-                        closed: false,
-                    });
-                    self.stats.threads.fetch_add(1, Ordering::Relaxed);
-                    (false, None)
+            // Take every message waiting: registrations (rings, GPU devices and queues) must be known before
+            // the drain below meets their first records.
+            let mut finishing = false;
+            let mut replies = Vec::new();
+            for message in message
+                .into_iter()
+                .chain(std::iter::from_fn(|| self.rx.try_recv().ok()))
+            {
+                match message {
+                    Control::NewRing { consumer, tid, name } => {
+                        let track = self.processor.new_thread_track(tid, name);
+                        self.rings.push(RingState {
+                            consumer,
+                            track,
+                            staging: Vec::new(),
+                            announced_upto: 0,
+                            waited_passes: 0,
+                            open: Vec::new(),
+                            last_ns: 0,
+                            closed: false,
+                        });
+                        self.stats.threads.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Control::Gpu(gpu) => self.processor.gpu_control(gpu),
+                    Control::Flush(reply) => replies.push(reply),
+                    Control::Shutdown(reply) => {
+                        finishing = true;
+                        replies.push(reply);
+                    }
                 }
-                Some(Control::Flush(reply)) => (false, Some(reply)),
-                Some(Control::Shutdown(reply)) => (true, Some(reply)),
-                None => (false, None),
-            };
+            }
+            let reply = (!replies.is_empty()).then_some(());
             // A flush or shutdown must see everything recorded before it: drain until the rings are empty and
             // nothing waits for an announcement (bounded: a record waits at most MAX_WAIT_PASSES passes).
             let passes = if reply.is_some() {
@@ -981,18 +1126,53 @@ impl Collector {
                     break;
                 }
             }
+            if reply.is_some() && !finishing {
+                // A flush exports every finished GPU slice now, with a fresh calibration burst.
+                let drain_ns = conv.to_ns(self.calibrator.source().read().0);
+                self.processor.poll_gpu(monotonic_ns().0, drain_ns, true);
+            }
             if finishing {
+                self.finish_gpu(&conv);
                 self.close_all_open(&conv);
             }
             self.export();
-            if let Some(reply) = reply {
+            if !replies.is_empty() {
                 let result = self.flush_exporters(finishing);
-                let _ = reply.send(result);
+                for reply in replies {
+                    let _ = reply.send(result.clone());
+                }
                 if finishing {
                     return;
                 }
             }
         }
+    }
+
+    /// At shutdown: waits a bounded time for GPU scopes still in flight (the app should wait for its GPU
+    /// work before shutting down), then exports everything finished. What is left is counted as lost.
+    fn finish_gpu(&mut self, conv: &FastConverter) {
+        let deadline = monotonic_ns().0 + GPU_SHUTDOWN_WAIT.as_nanos() as u64;
+        loop {
+            let now = monotonic_ns().0;
+            self.processor
+                .poll_gpu(now, conv.to_ns(self.calibrator.source().read().0), true);
+            if !self.processor.gpu_busy() || now >= deadline {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        self.processor.gpu_abandon_in_flight();
+        self.publish_gpu_stats();
+    }
+
+    fn publish_gpu_stats(&self) {
+        let (p, s) = (&self.processor.stats, &self.stats);
+        s.gpu_scopes.store(p.gpu_scopes, Ordering::Relaxed);
+        s.gpu_lost_scopes.store(p.gpu_lost_scopes, Ordering::Relaxed);
+        s.gpu_causality_violations
+            .store(p.gpu_causality_violations, Ordering::Relaxed);
+        s.gpu_failed_calibrations
+            .store(p.gpu_failed_calibrations, Ordering::Relaxed);
     }
 
     /// One pass over every ring. Returns whether anything is left to do (records staged or not drained).
@@ -1021,6 +1201,7 @@ impl Collector {
             self.processor.emit(ring, now_ticks, conv, force);
             left |= !ring.staging.is_empty() || ring.consumer.len() > 0;
         }
+        self.processor.poll_gpu(monotonic_ns().0, conv.to_ns(now_ticks), false);
         self.processor.flush_counters();
         // Free the rings of exited threads once drained; their open slices end at their last timestamp.
         let mut i = 0;
@@ -1077,6 +1258,8 @@ impl Collector {
         s.unmatched_ends.store(p.stats.unmatched_ends, Ordering::Relaxed);
         s.unknown_spans.store(p.stats.unknown_spans, Ordering::Relaxed);
         s.monotonic_clamps.store(p.stats.monotonic_clamps, Ordering::Relaxed);
+        self.publish_gpu_stats();
+        let (p, s) = (&mut self.processor, &self.stats);
         for slot in &mut self.exporters {
             if slot.failed {
                 continue;
@@ -1161,7 +1344,7 @@ pub mod bench_support {
             let domain = ClockDomain::new(64, 0.4).expect("valid domain");
             let cal = ClockCalibration::from_anchor(domain, base, 1_000_000_000, 0.4).expect("valid calibration");
             let (producer, consumer) = crate::ring::channel(64);
-            let mut processor = Processor::new(1);
+            let mut processor = Processor::new(1, GpuCalibrationConfig::default());
             let track = processor.new_thread_track(1, "bench".into());
             let ring = RingState {
                 consumer,

@@ -18,6 +18,8 @@ pub enum TicklineError {
     /// An exporter failed (disk full, file not writable, viewer disconnected). The timeline keeps running
     /// for the other exporters; this is the first failure.
     Export(ExportError),
+    /// A GPU backend could not be set up (no driver, no device, no timestamps...).
+    Gpu(crate::gpu::GpuError),
 }
 
 impl fmt::Display for TicklineError {
@@ -27,6 +29,7 @@ impl fmt::Display for TicklineError {
             TicklineError::CollectorSpawn(e) => write!(f, "cannot start tickline's collector thread: {e}"),
             TicklineError::CollectorGone => write!(f, "tickline's collector thread is no longer running"),
             TicklineError::Export(e) => write!(f, "{e}"),
+            TicklineError::Gpu(e) => write!(f, "{e}"),
         }
     }
 }
@@ -37,6 +40,7 @@ impl std::error::Error for TicklineError {
             TicklineError::Calibration(e) => Some(e),
             TicklineError::CollectorSpawn(e) => Some(e),
             TicklineError::Export(e) => Some(e),
+            TicklineError::Gpu(e) => Some(e),
             TicklineError::CollectorGone => None,
         }
     }
@@ -51,5 +55,11 @@ impl From<CalibrationError> for TicklineError {
 impl From<ExportError> for TicklineError {
     fn from(e: ExportError) -> Self {
         TicklineError::Export(e)
+    }
+}
+
+impl From<crate::gpu::GpuError> for TicklineError {
+    fn from(e: crate::gpu::GpuError) -> Self {
+        TicklineError::Gpu(e)
     }
 }

@@ -65,6 +65,7 @@ mod clock;
 mod collector;
 mod error;
 mod export;
+pub mod gpu;
 mod layer;
 mod record;
 mod recorder;

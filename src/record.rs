@@ -50,6 +50,9 @@ pub(crate) enum Kind {
     Instant = 9,
     /// Word 1: native callsite address. One data record follows with the f64 value's bits in word 0.
     Counter = 10,
+    /// Word 1: native callsite address. A payload group follows: header `[len, scope key]` (device, queue,
+    /// timestamp pair; see `gpu::scope_key`) and the encoded fields.
+    GpuBegin = 11,
     /// A payload header or data record (never first in a group).
     Data = 15,
 }
@@ -67,6 +70,7 @@ impl Kind {
             8 => Kind::ScopeEnd,
             9 => Kind::Instant,
             10 => Kind::Counter,
+            11 => Kind::GpuBegin,
             15 => Kind::Data,
             _ => return None,
         })

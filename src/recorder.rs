@@ -22,6 +22,8 @@ pub(crate) enum Control {
         tid: u32,
         name: String,
     },
+    /// A GPU device or queue joined the timeline.
+    Gpu(crate::gpu::GpuControl),
     /// Drain everything recorded before this message, export, flush, then answer.
     Flush(Sender<Result<(), String>>),
     /// Drain everything, finish the exporters, answer and exit.
@@ -82,17 +84,22 @@ impl LocalRing {
         }
     }
 
+    /// Pushes a whole group or, in drop mode when it does not fit, counts it as dropped. True when pushed.
     #[inline]
-    fn push_group(&mut self, group: &[Record]) {
+    fn push_group(&mut self, group: &[Record]) -> bool {
         if self.lossless {
             while !self.producer.try_push_all(group) {
                 if !self.producer.is_consumer_alive() {
-                    return;
+                    return false;
                 }
                 std::thread::yield_now();
             }
+            true
         } else if !self.producer.try_push_all(group) {
             self.producer.count_drops(group.len() as u64);
+            false
+        } else {
+            true
         }
     }
 }
@@ -273,4 +280,53 @@ pub(crate) fn record_counter(shared: &impl Target, callsite: u64, value: f64) {
         ];
         ring.push_group(&group);
     });
+}
+
+/// Counts one record as dropped on this thread's ring (a record that could not be made, e.g. a GPU scope that
+/// found no free timestamp pair).
+pub(crate) fn count_drop(shared: &Arc<Shared>) {
+    with_ring(shared, |ring| ring.producer.count_drops(1));
+}
+
+/// Records a GPU scope's begin: `GpuBegin` stamped now with the call site, then a header `[len, key]` and the
+/// encoded fields, all or nothing. True when the group is in the ring.
+pub(crate) fn record_gpu_begin(
+    shared: &Arc<Shared>,
+    callsite: u64,
+    key: u64,
+    encode: Option<impl FnOnce(&mut Vec<u8>)>,
+) -> bool {
+    let mut pushed = false;
+    match encode {
+        None => with_ring(shared, |ring| {
+            let ticks = ring.source.read().0;
+            let group = [
+                Record::new(Kind::GpuBegin, ticks, callsite),
+                Record::new(Kind::Data, 0, key),
+            ];
+            pushed = ring.push_group(&group);
+        }),
+        Some(encode) => {
+            let _ = SCRATCH.try_with(|scratch| {
+                let Ok(mut scratch) = scratch.try_borrow_mut() else {
+                    with_ring(shared, |ring| ring.producer.count_drops(1));
+                    return;
+                };
+                let (bytes, group) = &mut *scratch;
+                bytes.clear();
+                encode(bytes);
+                bytes.truncate(MAX_PAYLOAD_BYTES);
+                with_ring(shared, |ring| {
+                    let max_data_records = (ring.producer.capacity() / 2).saturating_sub(2);
+                    bytes.truncate(max_data_records * 16);
+                    group.clear();
+                    group.push(Record::new(Kind::GpuBegin, ring.source.read().0, callsite));
+                    group.push(Record::new(Kind::Data, bytes.len() as u64, key));
+                    group.extend(payload_records(bytes));
+                    pushed = ring.push_group(group);
+                });
+            });
+        }
+    }
+    pushed
 }

@@ -12,6 +12,7 @@ use crate::recorder::{record_counter, record_now, Current};
 #[derive(Debug)]
 pub struct Callsite {
     name: &'static str,
+    fields: &'static [&'static str],
     file: &'static str,
     line: u32,
 }
@@ -20,7 +21,33 @@ impl Callsite {
     /// A call site named `name` at `file:line`. Used by the macros in a `static`.
     #[doc(hidden)]
     pub const fn new(name: &'static str, file: &'static str, line: u32) -> Self {
-        Callsite { name, file, line }
+        Callsite {
+            name,
+            fields: &[],
+            file,
+            line,
+        }
+    }
+
+    /// A call site with named fields (a [`gpu_scope!`](macro@crate::gpu_scope) with fields).
+    #[doc(hidden)]
+    pub const fn with_fields(
+        name: &'static str,
+        fields: &'static [&'static str],
+        file: &'static str,
+        line: u32,
+    ) -> Self {
+        Callsite {
+            name,
+            fields,
+            file,
+            line,
+        }
+    }
+
+    /// The names of the fields the call site records, in order.
+    pub fn fields(&self) -> &'static [&'static str] {
+        self.fields
     }
 
     /// The name given to the macro.

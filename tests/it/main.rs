@@ -1,4 +1,5 @@
 //! Integration tests, built as one binary.
 
 mod cli;
+mod gpu;
 mod pipeline;

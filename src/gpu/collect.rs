@@ -1,0 +1,379 @@
+//! The collector's GPU side: per device, the scopes in flight, the clock tracker, the queues' lanes and the
+//! device's counter tracks. Runs on the collector thread only.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use super::lanes::{LaneEvent, Lanes, Slice};
+use super::tracker::{GpuCalibrationConfig, GpuClockTracker};
+use super::{split_key, DeviceLink, GpuDeviceInfo, GpuTicks};
+use crate::calibration::CalibrationSample;
+use crate::collector::Processor;
+use crate::export::{EventKind, Field, FieldValue, NameId, TrackId, TrackKind};
+
+/// A scope whose begin record the collector has seen.
+struct InFlight {
+    queue: u16,
+    pair: u32,
+    name: NameId,
+    fields: Vec<Field>,
+    /// When the CPU recorded it (reference ns): GPU work cannot start before.
+    cpu_ns: u64,
+    flow: u64,
+    seen_ns: u64,
+    begin: Option<GpuTicks>,
+    end: Option<GpuTicks>,
+    /// When both timestamps were read (reference ns).
+    finished_ns: Option<u64>,
+}
+
+/// What a laid-out slice carries to its begin event.
+struct SlicePayload {
+    name: NameId,
+    fields: Vec<Field>,
+    flow: u64,
+}
+
+struct QueueState {
+    name: String,
+    /// Lane tracks: `[0]` is the queue's own track, the rest siblings made for overlapping slices.
+    tracks: Vec<TrackId>,
+    lanes: Lanes<SlicePayload>,
+    /// Per lane, the names of its open slices (innermost last), for the ends.
+    open_names: Vec<Vec<NameId>>,
+}
+
+struct DeviceState {
+    link: Arc<dyn DeviceLink>,
+    info: GpuDeviceInfo,
+    track: TrackId,
+    queues: Vec<QueueState>,
+    tracker: GpuClockTracker,
+    in_flight: Vec<InFlight>,
+    /// Pairs whose begin record was lost: recycled once the GPU wrote both timestamps.
+    orphans: Vec<(u32, u64)>,
+    drift_track: TrackId,
+    error_track: TrackId,
+    offset_track: TrackId,
+    violations_track: TrackId,
+    reported_fit_ns: u64,
+    reported_violations: u64,
+    violations: u64,
+}
+
+/// GPU counters for [`crate::TimelineStats`].
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct GpuStats {
+    pub(crate) scopes: u64,
+    pub(crate) lost_scopes: u64,
+    pub(crate) causality_violations: u64,
+    pub(crate) failed_calibrations: u64,
+}
+
+/// Every GPU device of one timeline.
+#[derive(Default)]
+pub(crate) struct GpuCollector {
+    config: GpuCalibrationConfig,
+    devices: HashMap<u16, DeviceState>,
+    next_flow: u64,
+    samples: Vec<CalibrationSample>,
+    reads: Vec<Option<GpuTicks>>,
+    pub(crate) stats: GpuStats,
+    uncertainty_name: Option<NameId>,
+}
+
+impl GpuCollector {
+    pub(crate) fn new(config: GpuCalibrationConfig) -> Self {
+        GpuCollector {
+            config,
+            next_flow: 1,
+            ..Default::default()
+        }
+    }
+
+    /// Whether any device has scopes in flight or slices not exported yet.
+    pub(crate) fn busy(&self) -> bool {
+        self.devices
+            .values()
+            .any(|d| !d.in_flight.is_empty() || d.queues.iter().any(|q| q.lanes.waiting() > 0))
+    }
+
+    pub(crate) fn add_device(
+        &mut self,
+        p: &mut Processor,
+        device: u16,
+        info: GpuDeviceInfo,
+        link: Arc<dyn DeviceLink>,
+    ) {
+        let track = p.new_track(
+            Some(p.process_track()),
+            TrackKind::Group {
+                name: format!("GPU: {} ({})", info.name, info.api),
+            },
+        );
+        let counter = |p: &mut Processor, what: &str, unit: &str| {
+            p.new_track(
+                Some(track),
+                TrackKind::Counter {
+                    name: format!("{} {what}", info.name),
+                    unit: unit.into(),
+                },
+            )
+        };
+        let drift_track = counter(p, "clock drift", "ppm");
+        let error_track = counter(p, "clock error bound", "ns");
+        let offset_track = counter(p, "clock offset", "ns");
+        let violations_track = counter(p, "causality violations", "slices");
+        let tracker = GpuClockTracker::new(info.clock, self.config);
+        self.devices.insert(
+            device,
+            DeviceState {
+                link,
+                info,
+                track,
+                queues: Vec::new(),
+                tracker,
+                in_flight: Vec::new(),
+                orphans: Vec::new(),
+                drift_track,
+                error_track,
+                offset_track,
+                violations_track,
+                reported_fit_ns: 0,
+                reported_violations: 0,
+                violations: 0,
+            },
+        );
+    }
+
+    pub(crate) fn add_queue(&mut self, p: &mut Processor, device: u16, queue: u16, name: String) {
+        let Some(d) = self.devices.get_mut(&device) else {
+            return;
+        };
+        while d.queues.len() <= queue as usize {
+            let index = d.queues.len();
+            let name = if index == queue as usize {
+                name.clone()
+            } else {
+                format!("queue {index}")
+            };
+            let track = p.new_track(Some(d.track), TrackKind::Group { name: name.clone() });
+            d.queues.push(QueueState {
+                name,
+                tracks: vec![track],
+                lanes: Lanes::default(),
+                open_names: Vec::new(),
+            });
+        }
+    }
+
+    /// Drops every scope still in flight (shutdown); returns how many. Their pairs are retired.
+    pub(crate) fn abandon_in_flight(&mut self) -> u64 {
+        let mut lost = 0;
+        for d in self.devices.values_mut() {
+            lost += d.in_flight.len() as u64;
+            d.in_flight.clear();
+        }
+        self.stats.lost_scopes += lost;
+        lost
+    }
+
+    /// A new flow id (unique per timeline).
+    pub(crate) fn next_flow(&mut self) -> u64 {
+        let flow = self.next_flow;
+        self.next_flow += 1;
+        flow
+    }
+
+    /// A scope's begin record, recorded by the CPU at `cpu_ns` with flow `flow`. Returns false when its device
+    /// is unknown (the scope is counted as lost).
+    pub(crate) fn begin(&mut self, key: u64, name: NameId, fields: Vec<Field>, cpu_ns: u64, flow: u64, now_ns: u64) {
+        let (device, queue, pair) = split_key(key);
+        self.stats.scopes += 1;
+        let Some(d) = self.devices.get_mut(&device) else {
+            self.stats.lost_scopes += 1;
+            return;
+        };
+        d.in_flight.push(InFlight {
+            queue,
+            pair,
+            name,
+            fields,
+            cpu_ns,
+            flow,
+            seen_ns: now_ns,
+            begin: None,
+            end: None,
+            finished_ns: None,
+        });
+    }
+
+    /// One collector pass: calibrate when due, read finished timestamps, convert what is ready, lay slices
+    /// out and export them, export calibration counters. `drain_ns` is when this pass drained the rings: every
+    /// scope recorded before it has been seen. `force` (flush, shutdown) takes a fresh burst and converts and
+    /// exports every finished slice now.
+    pub(crate) fn poll(&mut self, p: &mut Processor, now_ns: u64, drain_ns: u64, force: bool) {
+        let uncertainty_name = *self.uncertainty_name.get_or_insert_with(|| p.intern("uncertainty_ns"));
+        let config = self.config;
+        for d in self.devices.values_mut() {
+            // Calibration.
+            if force || d.tracker.burst_due(now_ns) {
+                self.samples.clear();
+                let result = d
+                    .link
+                    .calibrate(config.burst_samples, config.burst_budget, &mut self.samples);
+                let taken_ns = crate::clock::monotonic_ns().0;
+                if result.is_err() || d.tracker.add_burst(taken_ns, &self.samples).is_err() {
+                    self.stats.failed_calibrations += 1;
+                }
+            }
+            if let Some(fit) = d.tracker.history().latest() {
+                if fit.calibrated_at_ns() != d.reported_fit_ns {
+                    d.reported_fit_ns = fit.calibrated_at_ns();
+                    let value = p.value_name();
+                    p.push_counter(d.drift_track, now_ns, value, fit.drift_ppm());
+                    p.push_counter(d.error_track, now_ns, value, fit.error_bound_ns());
+                    // The device clock's offset from the reference now: device time (nominal ns) minus host ns.
+                    let device_ns = fit.from_reference_ns(now_ns) as f64 * d.info.clock.nominal_ns_per_tick();
+                    let offset = device_ns - now_ns as f64;
+                    p.push_counter(d.offset_track, now_ns, value, offset);
+                }
+            }
+
+            // Read finished timestamps.
+            for scope in d.in_flight.iter_mut().filter(|s| s.finished_ns.is_none()) {
+                self.reads.clear();
+                self.reads.resize(2, None);
+                if d.link.read_timestamps(2 * scope.pair, &mut self.reads).is_ok() {
+                    scope.begin = scope.begin.or(self.reads[0]);
+                    scope.end = scope.end.or(self.reads[1]);
+                    if scope.begin.is_some() && scope.end.is_some() {
+                        scope.finished_ns = Some(now_ns);
+                    }
+                }
+            }
+            while let Some(pair) = d.link.take_orphan() {
+                d.orphans.push((pair, now_ns));
+            }
+            let lost_after = config.lost_after.as_nanos() as u64;
+            d.orphans.retain(|&(pair, since)| {
+                self.reads.clear();
+                self.reads.resize(2, None);
+                let done =
+                    d.link.read_timestamps(2 * pair, &mut self.reads).is_ok() && self.reads.iter().all(Option::is_some);
+                if done {
+                    let _ = d.link.release_pair(pair);
+                }
+                // An orphan never written is retired (never reused: a late write would corrupt a new scope).
+                !done && now_ns.saturating_sub(since) < lost_after
+            });
+
+            // Convert what is ready, in begin-tick order so the history's monotonic guard holds.
+            let mut ready: Vec<InFlight> = Vec::new();
+            let mut i = 0;
+            while i < d.in_flight.len() {
+                let s = &d.in_flight[i];
+                let convert = match (s.end, s.finished_ns) {
+                    (Some(end), Some(finished)) => {
+                        d.tracker.history().latest().is_some() && (force || d.tracker.ready(end.0, finished, now_ns))
+                    }
+                    _ => false,
+                };
+                if convert {
+                    ready.push(d.in_flight.swap_remove(i));
+                } else if s.finished_ns.is_none() && now_ns.saturating_sub(s.seen_ns) >= lost_after {
+                    // Never written: its commands were not submitted. Counted; the pair is retired.
+                    d.in_flight.swap_remove(i);
+                    self.stats.lost_scopes += 1;
+                } else {
+                    i += 1;
+                }
+            }
+            ready.sort_by_key(|s| s.begin.map_or(0, |t| d.info.clock.delta_ticks(0, t.0)));
+            for s in ready {
+                let (Some(begin), Some(end)) = (s.begin, s.end) else {
+                    continue;
+                };
+                let (Some(b), Some(e)) = (d.tracker.convert(begin.0), d.tracker.convert(end.0)) else {
+                    continue;
+                };
+                let _ = d.link.release_pair(s.pair);
+                let mut begin_ns = b.ns;
+                if begin_ns < s.cpu_ns {
+                    // The GPU cannot run work before the CPU recorded it: the calibration is wrong here.
+                    // Counted and exported; clamped only so viewers draw the flow forwards.
+                    d.violations += 1;
+                    self.stats.causality_violations += 1;
+                    begin_ns = s.cpu_ns;
+                }
+                let end_ns = e.ns.max(begin_ns);
+                let mut fields = s.fields;
+                fields.push(Field {
+                    name: uncertainty_name,
+                    value: FieldValue::U64(b.uncertainty_ns.max(e.uncertainty_ns)),
+                });
+                if let Some(q) = d.queues.get_mut(s.queue as usize) {
+                    q.lanes.push(Slice {
+                        begin_ns,
+                        end_ns,
+                        payload: SlicePayload {
+                            name: s.name,
+                            fields,
+                            flow: s.flow,
+                        },
+                    });
+                } else {
+                    self.stats.lost_scopes += 1;
+                }
+            }
+
+            // Lay out and export, per queue, up to what no scope still to come can precede.
+            for (index, q) in d.queues.iter_mut().enumerate() {
+                let watermark = d
+                    .in_flight
+                    .iter()
+                    .filter(|s| s.queue as usize == index)
+                    .map(|s| s.cpu_ns)
+                    .min()
+                    .unwrap_or(u64::MAX)
+                    .min(drain_ns);
+                let device_track = d.track;
+                let QueueState {
+                    name: queue_name,
+                    tracks,
+                    lanes,
+                    open_names,
+                } = q;
+                lanes.emit(watermark, force, &mut |event| match event {
+                    LaneEvent::Begin { lane, ts_ns, payload } => {
+                        while tracks.len() <= lane {
+                            let name = format!("{queue_name} ({})", tracks.len() + 1);
+                            tracks.push(p.new_track(Some(device_track), TrackKind::Group { name }));
+                        }
+                        if open_names.len() <= lane {
+                            open_names.resize_with(lane + 1, Vec::new);
+                        }
+                        open_names[lane].push(payload.name);
+                        p.push_gpu_event(
+                            ts_ns,
+                            tracks[lane],
+                            EventKind::SliceBegin,
+                            payload.name,
+                            &payload.fields,
+                            Some(payload.flow),
+                        );
+                    }
+                    LaneEvent::End { lane, ts_ns } => {
+                        let name = open_names.get_mut(lane).and_then(Vec::pop).unwrap_or(NameId(0));
+                        p.push_gpu_event(ts_ns, tracks[lane], EventKind::SliceEnd, name, &[], None);
+                    }
+                });
+            }
+            if d.violations != d.reported_violations {
+                d.reported_violations = d.violations;
+                let value = p.value_name();
+                p.push_counter(d.violations_track, now_ns, value, d.violations as f64);
+            }
+        }
+    }
+}

@@ -1,0 +1,544 @@
+//! GPU timelines: the [`GpuBackend`] trait every GPU API implements, the [`gpu_scope!`](macro@crate::gpu_scope)
+//! guard, and the handles a program keeps ([`GpuDevice`], [`GpuQueue`]).
+//!
+//! A GPU scope writes two device timestamps into a command stream (a Vulkan command buffer, a CUDA stream, a
+//! simulated command list): the begin when the scope opens, the end when its guard drops. The recording thread
+//! also pushes one record group into its CPU ring: the CPU tick at which the scope was recorded, the call site,
+//! the timestamp pair and optional fields. The collector thread polls the backend for finished timestamps
+//! (never blocking the app), converts them with the device clock's live calibration history, holds each slice
+//! until a calibration point after it exists (or a latency bound passes), and exports it on the queue's track
+//! with its uncertainty and a flow from the CPU code that recorded it.
+//!
+//! Timestamp slots come in pairs (`2k` begin, `2k + 1` end). A backend owns `timestamp_slots` slots (a Vulkan
+//! query pool, an array of device words); tickline hands pairs out, reads them back and recycles them.
+
+mod collect;
+mod lanes;
+pub mod sim;
+mod tracker;
+#[cfg(feature = "vulkan")]
+pub mod vulkan;
+
+pub(crate) use collect::GpuCollector;
+pub use tracker::GpuCalibrationConfig;
+#[doc(hidden)]
+pub use tracker::GpuClockTracker;
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crossbeam_queue::ArrayQueue;
+
+use crate::calibration::{CalibrationSample, ClockDomain};
+use crate::record::FieldEncoder;
+use crate::recorder::{record_gpu_begin, Control, Shared};
+use crate::scope::Callsite;
+
+/// Raw device-clock ticks, as a GPU timestamp query returns them (masked to the clock's valid bits).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct GpuTicks(pub u64);
+
+/// What a backend says about its device.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GpuDeviceInfo {
+    /// The device's name, as its driver reports it.
+    pub name: String,
+    /// The API: "Vulkan", "CUDA", "simulated"...
+    pub api: &'static str,
+    /// The device clock: valid bits and nominal ns per tick (Vulkan's `timestampPeriod`).
+    pub clock: ClockDomain,
+    /// How many timestamp slots the backend holds (even; each scope uses two while in flight).
+    pub timestamp_slots: u32,
+}
+
+/// Why a GPU backend could not be set up or used. Setup errors are typed; the hot path never fails (a scope
+/// that finds no free timestamp pair is counted as dropped).
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum GpuError {
+    /// The API's loader or driver library is not installed (`libvulkan.so.1`, `libcuda.so`).
+    NoLoader {
+        /// Which library, and what the system said.
+        detail: String,
+    },
+    /// The loader is there but no usable device is.
+    NoDevice {
+        /// What was looked for.
+        detail: String,
+    },
+    /// The device or queue cannot write timestamps (Vulkan: `timestampValidBits == 0` on the queue family).
+    NoTimestamps {
+        /// Which queue or device.
+        detail: String,
+    },
+    /// An API call failed.
+    Api {
+        /// The call.
+        call: &'static str,
+        /// The API's result, in words.
+        detail: String,
+    },
+    /// The arguments do not fit the backend (too many queues, a zero-sized pool...).
+    Invalid {
+        /// What is wrong.
+        detail: String,
+    },
+}
+
+impl fmt::Display for GpuError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            GpuError::NoLoader { detail } => write!(f, "GPU API library not available: {detail}"),
+            GpuError::NoDevice { detail } => write!(f, "no usable GPU device: {detail}"),
+            GpuError::NoTimestamps { detail } => write!(f, "GPU timestamps not supported: {detail}"),
+            GpuError::Api { call, detail } => write!(f, "GPU API call {call} failed: {detail}"),
+            GpuError::Invalid { detail } => write!(f, "invalid GPU setup: {detail}"),
+        }
+    }
+}
+
+impl std::error::Error for GpuError {}
+
+/// A GPU API as tickline drives it. Implemented by [`sim::SimGpu`] and the `vulkan` backend; implement it for
+/// another API to put its work on the timeline.
+///
+/// Called from two sides: [`write_timestamp`](Self::write_timestamp) on the thread that records commands (the
+/// hot path: no blocking, no allocation), everything else on tickline's collector thread.
+pub trait GpuBackend: Send + Sync + 'static {
+    /// What a scope's timestamps are written into: a command buffer, a stream, a command list.
+    type Commands: ?Sized;
+
+    /// The device and its clock. Called once, when the device joins a timeline.
+    fn info(&self) -> GpuDeviceInfo;
+
+    /// Records a command that writes the device clock into timestamp `slot` when the GPU reaches it.
+    /// `slot < info().timestamp_slots`, and the slot was recycled since it was last written.
+    fn write_timestamp(&self, commands: &Self::Commands, slot: u32);
+
+    /// Reads finished timestamps of slots `first..first + out.len()` without waiting: `Some(raw ticks)` where
+    /// the GPU has written the slot, `None` where it has not yet.
+    fn read_timestamps(&self, first: u32, out: &mut [Option<GpuTicks>]) -> Result<(), GpuError>;
+
+    /// Makes slots `first..first + count` writable again (a host query reset, or nothing).
+    fn recycle(&self, first: u32, count: u32) -> Result<(), GpuError>;
+
+    /// Takes up to `samples` calibration samples of the device clock against `CLOCK_MONOTONIC`
+    /// (`(device ticks, reference ns, max deviation ns)`), appending them to `out`. Must return within about
+    /// `budget` even if fewer samples were taken: the collector never waits unbounded for a tight sample.
+    fn calibrate(&self, samples: usize, budget: Duration, out: &mut Vec<CalibrationSample>) -> Result<(), GpuError>;
+}
+
+/// GPU registrations, sent to the collector over the timeline's control channel.
+pub(crate) enum GpuControl {
+    /// A device joined the timeline.
+    Device {
+        device: u16,
+        info: GpuDeviceInfo,
+        link: Arc<dyn DeviceLink>,
+    },
+    /// A queue of a device was named.
+    Queue { device: u16, queue: u16, name: String },
+}
+
+/// The collector's view of a device: everything but writing timestamps, object-safe.
+pub(crate) trait DeviceLink: Send + Sync {
+    fn read_timestamps(&self, first: u32, out: &mut [Option<GpuTicks>]) -> Result<(), GpuError>;
+    fn calibrate(&self, samples: usize, budget: Duration, out: &mut Vec<CalibrationSample>) -> Result<(), GpuError>;
+    /// Recycles pair `pair` and makes it available to scopes again.
+    fn release_pair(&self, pair: u32) -> Result<(), GpuError>;
+    /// Pairs whose begin record never reached the collector (a full ring dropped it).
+    fn take_orphan(&self) -> Option<u32>;
+}
+
+/// State shared by a device's handles and the collector.
+struct DeviceShared<B: GpuBackend> {
+    backend: B,
+    timeline: Arc<Shared>,
+    device: u16,
+    info: GpuDeviceInfo,
+    free_pairs: ArrayQueue<u32>,
+    /// Pairs written whose begin record was dropped: the collector waits for them and recycles them.
+    orphans: ArrayQueue<u32>,
+    /// Scopes that found no free pair.
+    starved: AtomicU64,
+    queue_names: Mutex<Vec<String>>,
+}
+
+impl<B: GpuBackend> DeviceLink for DeviceShared<B> {
+    fn read_timestamps(&self, first: u32, out: &mut [Option<GpuTicks>]) -> Result<(), GpuError> {
+        self.backend.read_timestamps(first, out)
+    }
+    fn calibrate(&self, samples: usize, budget: Duration, out: &mut Vec<CalibrationSample>) -> Result<(), GpuError> {
+        self.backend.calibrate(samples, budget, out)
+    }
+    fn release_pair(&self, pair: u32) -> Result<(), GpuError> {
+        let result = self.backend.recycle(2 * pair, 2);
+        if result.is_ok() {
+            // Cannot fail: the queue holds every pair, and each pair is in at most one place at a time.
+            let _ = self.free_pairs.push(pair);
+        }
+        result
+    }
+    fn take_orphan(&self) -> Option<u32> {
+        self.orphans.pop()
+    }
+}
+
+/// Most devices one process can register (device ids are 16 bits in a scope's record).
+const MAX_DEVICES: u64 = u16::MAX as u64;
+/// Most queues per device (queue ids are 16 bits in a scope's record).
+const MAX_QUEUES: usize = u16::MAX as usize;
+
+static NEXT_DEVICE: AtomicU64 = AtomicU64::new(0);
+
+/// A GPU device on a [`crate::Timeline`]: made by [`crate::Timeline::gpu`]. Cheap to clone.
+pub struct GpuDevice<B: GpuBackend> {
+    shared: Arc<DeviceShared<B>>,
+}
+
+impl<B: GpuBackend> Clone for GpuDevice<B> {
+    fn clone(&self) -> Self {
+        GpuDevice {
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<B: GpuBackend> fmt::Debug for GpuDevice<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GpuDevice")
+            .field("name", &self.shared.info.name)
+            .field("api", &self.shared.info.api)
+            .finish()
+    }
+}
+
+impl<B: GpuBackend> GpuDevice<B> {
+    pub(crate) fn register(timeline: &Arc<Shared>, backend: B) -> Result<Self, crate::TicklineError> {
+        let info = backend.info();
+        let pairs = info.timestamp_slots / 2;
+        if pairs == 0 {
+            return Err(GpuError::Invalid {
+                detail: format!(
+                    "{} reports {} timestamp slots; a scope needs 2",
+                    info.name, info.timestamp_slots
+                ),
+            }
+            .into());
+        }
+        let device = NEXT_DEVICE.fetch_add(1, Ordering::Relaxed);
+        if device >= MAX_DEVICES {
+            return Err(GpuError::Invalid {
+                detail: format!("more than {MAX_DEVICES} GPU devices registered in this process"),
+            }
+            .into());
+        }
+        let free_pairs = ArrayQueue::new(pairs as usize);
+        for pair in 0..pairs {
+            let _ = free_pairs.push(pair);
+        }
+        let shared = Arc::new(DeviceShared {
+            backend,
+            timeline: timeline.clone(),
+            device: device as u16,
+            info: info.clone(),
+            free_pairs,
+            orphans: ArrayQueue::new(pairs as usize),
+            starved: AtomicU64::new(0),
+            queue_names: Mutex::new(Vec::new()),
+        });
+        let link: Arc<dyn DeviceLink> = shared.clone();
+        timeline
+            .control
+            .send(Control::Gpu(GpuControl::Device {
+                device: device as u16,
+                info,
+                link,
+            }))
+            .map_err(|_| crate::TicklineError::CollectorGone)?;
+        Ok(GpuDevice { shared })
+    }
+
+    /// The backend (to submit work, create command lists...).
+    pub fn backend(&self) -> &B {
+        &self.shared.backend
+    }
+
+    /// What the backend said about the device.
+    pub fn info(&self) -> &GpuDeviceInfo {
+        &self.shared.info
+    }
+
+    /// A queue (or stream) of this device, shown as its own track under the device's track. Scopes recorded
+    /// through it land on that track. Calling it twice with one name gives the same queue.
+    pub fn queue(&self, name: &str) -> Result<GpuQueue<B>, crate::TicklineError> {
+        let mut names = self.shared.queue_names.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(index) = names.iter().position(|n| n == name) {
+            return Ok(GpuQueue {
+                shared: self.shared.clone(),
+                queue: index as u16,
+            });
+        }
+        if names.len() >= MAX_QUEUES {
+            return Err(GpuError::Invalid {
+                detail: format!("more than {MAX_QUEUES} queues on one device"),
+            }
+            .into());
+        }
+        let queue = names.len() as u16;
+        self.shared
+            .timeline
+            .control
+            .send(Control::Gpu(GpuControl::Queue {
+                device: self.shared.device,
+                queue,
+                name: name.to_owned(),
+            }))
+            .map_err(|_| crate::TicklineError::CollectorGone)?;
+        names.push(name.to_owned());
+        Ok(GpuQueue {
+            shared: self.shared.clone(),
+            queue,
+        })
+    }
+
+    /// Scopes not recorded because every timestamp pair was in flight (also counted in the timeline's
+    /// dropped records).
+    pub fn starved_scopes(&self) -> u64 {
+        self.shared.starved.load(Ordering::Relaxed)
+    }
+}
+
+/// A queue or stream of a [`GpuDevice`]: what [`gpu_scope!`](macro@crate::gpu_scope) records into.
+pub struct GpuQueue<B: GpuBackend> {
+    shared: Arc<DeviceShared<B>>,
+    queue: u16,
+}
+
+impl<B: GpuBackend> Clone for GpuQueue<B> {
+    fn clone(&self) -> Self {
+        GpuQueue {
+            shared: self.shared.clone(),
+            queue: self.queue,
+        }
+    }
+}
+
+impl<B: GpuBackend> fmt::Debug for GpuQueue<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GpuQueue")
+            .field("device", &self.shared.info.name)
+            .field("queue", &self.queue)
+            .finish()
+    }
+}
+
+impl<B: GpuBackend> GpuQueue<B> {
+    /// The backend (to submit work).
+    pub fn backend(&self) -> &B {
+        &self.shared.backend
+    }
+
+    /// The queue's index within its device (in order of [`GpuDevice::queue`] calls).
+    pub fn index(&self) -> u16 {
+        self.queue
+    }
+}
+
+/// The key a scope's record carries: device, queue and timestamp pair.
+#[inline]
+pub(crate) fn scope_key(device: u16, queue: u16, pair: u32) -> u64 {
+    (u64::from(device) << 48) | (u64::from(queue) << 32) | u64::from(pair)
+}
+
+/// Splits a [`scope_key`].
+#[inline]
+pub(crate) fn split_key(key: u64) -> (u16, u16, u32) {
+    ((key >> 48) as u16, (key >> 32) as u16, key as u32)
+}
+
+/// An open GPU scope: the end timestamp is written into the same command stream when this guard drops.
+#[must_use = "the GPU scope ends when this guard is dropped"]
+pub struct GpuScope<'a, B: GpuBackend> {
+    queue: &'a GpuQueue<B>,
+    commands: &'a B::Commands,
+    /// The timestamp pair, or `u32::MAX` when the scope is not recorded (no free pair, or no timeline).
+    pair: u32,
+}
+
+impl<B: GpuBackend> fmt::Debug for GpuScope<'_, B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GpuScope").field("pair", &self.pair).finish()
+    }
+}
+
+const NO_PAIR: u32 = u32::MAX;
+
+impl<'a, B: GpuBackend> GpuScope<'a, B> {
+    /// Opens a scope. Use [`gpu_scope!`](macro@crate::gpu_scope).
+    #[doc(hidden)]
+    #[inline]
+    pub fn begin(
+        queue: &'a GpuQueue<B>,
+        commands: &'a B::Commands,
+        callsite: &'static Callsite,
+        fields: Option<&dyn Fn(&mut GpuFieldEncoder<'_>)>,
+    ) -> Self {
+        let shared = &*queue.shared;
+        let Some(pair) = shared.free_pairs.pop() else {
+            shared.starved.fetch_add(1, Ordering::Relaxed);
+            crate::recorder::count_drop(&shared.timeline);
+            return GpuScope {
+                queue,
+                commands,
+                pair: NO_PAIR,
+            };
+        };
+        shared.backend.write_timestamp(commands, 2 * pair);
+        let key = scope_key(shared.device, queue.queue, pair);
+        let encode = fields.map(|f| {
+            move |buf: &mut Vec<u8>| {
+                f(&mut GpuFieldEncoder {
+                    inner: FieldEncoder { buf },
+                })
+            }
+        });
+        if !record_gpu_begin(&shared.timeline, callsite.addr(), key, encode) {
+            // The begin record was dropped (full ring) or the timeline is gone: the timestamps are still
+            // written, so hand the pair to the collector to wait for and recycle.
+            let _ = shared.orphans.push(pair);
+        }
+        GpuScope { queue, commands, pair }
+    }
+}
+
+impl<B: GpuBackend> Drop for GpuScope<'_, B> {
+    #[inline]
+    fn drop(&mut self) {
+        if self.pair != NO_PAIR {
+            self.queue
+                .shared
+                .backend
+                .write_timestamp(self.commands, 2 * self.pair + 1);
+        }
+    }
+}
+
+/// Encodes a GPU scope's fields. Used by [`gpu_scope!`](macro@crate::gpu_scope).
+#[doc(hidden)]
+pub struct GpuFieldEncoder<'a> {
+    inner: FieldEncoder<'a>,
+}
+
+/// A value a [`gpu_scope!`](macro@crate::gpu_scope) field can take: integers, floats, `bool`, strings.
+pub trait GpuFieldValue {
+    /// Writes the value as field `index`.
+    #[doc(hidden)]
+    fn encode(&self, index: u8, encoder: &mut GpuFieldEncoder<'_>);
+}
+
+macro_rules! field_value {
+    ($method:ident as $target:ty: $($t:ty),*) => {$(
+        impl GpuFieldValue for $t {
+            #[inline]
+            fn encode(&self, index: u8, encoder: &mut GpuFieldEncoder<'_>) {
+                encoder.inner.$method(index, *self as $target);
+            }
+        }
+    )*};
+}
+field_value!(i64 as i64: i8, i16, i32, i64, isize);
+field_value!(u64 as u64: u8, u16, u32, u64, usize);
+field_value!(f64 as f64: f32, f64);
+
+impl GpuFieldValue for bool {
+    fn encode(&self, index: u8, encoder: &mut GpuFieldEncoder<'_>) {
+        encoder.inner.bool(index, *self);
+    }
+}
+impl GpuFieldValue for str {
+    fn encode(&self, index: u8, encoder: &mut GpuFieldEncoder<'_>) {
+        encoder.inner.str(index, self);
+    }
+}
+impl GpuFieldValue for String {
+    fn encode(&self, index: u8, encoder: &mut GpuFieldEncoder<'_>) {
+        encoder.inner.str(index, self);
+    }
+}
+impl<T: GpuFieldValue + ?Sized> GpuFieldValue for &T {
+    fn encode(&self, index: u8, encoder: &mut GpuFieldEncoder<'_>) {
+        (**self).encode(index, encoder);
+    }
+}
+
+impl GpuFieldEncoder<'_> {
+    /// Writes field `index`.
+    #[doc(hidden)]
+    #[inline]
+    pub fn field(&mut self, index: u8, value: &(impl GpuFieldValue + ?Sized)) {
+        value.encode(index, self);
+    }
+}
+
+/// Opens a GPU scope on a queue: writes a begin timestamp into `commands` now and the end timestamp when the
+/// returned [`GpuScope`] guard drops. Scopes nest. Optional fields follow the name, as in `tracing` spans.
+///
+/// The slice appears on the queue's track once the GPU has run the commands, placed on the CPU's time axis by
+/// the device clock's live calibration, with its uncertainty as the `uncertainty_ns` annotation and a flow from
+/// the point on this thread where the scope was recorded.
+///
+/// ```
+/// use std::time::Duration;
+/// use tickline::gpu::sim::{SimCommands, SimGpu, SimGpuConfig};
+///
+/// let timeline = tickline::Timeline::builder().start().unwrap();
+/// let gpu = timeline.gpu(SimGpu::new(SimGpuConfig::default()).unwrap()).unwrap();
+/// let queue = gpu.queue("compute").unwrap();
+/// let commands = SimCommands::new();
+/// {
+///     let _frame = tickline::gpu_scope!(queue, &commands, "frame", index = 7);
+///     let _blur = tickline::gpu_scope!(queue, &commands, "blur");
+///     commands.work(Duration::from_micros(50));
+/// }
+/// gpu.backend().submit(commands).wait();
+/// timeline.shutdown().unwrap();
+/// ```
+#[macro_export]
+macro_rules! gpu_scope {
+    ($queue:expr, $commands:expr, $name:expr $(,)?) => {{
+        static CALLSITE: $crate::Callsite = $crate::Callsite::new($name, file!(), line!());
+        $crate::gpu::GpuScope::begin(&$queue, $commands, &CALLSITE, None)
+    }};
+    ($queue:expr, $commands:expr, $name:expr, $($field:ident = $value:expr),+ $(,)?) => {{
+        static CALLSITE: $crate::Callsite =
+            $crate::Callsite::with_fields($name, &[$(stringify!($field)),+], file!(), line!());
+        $crate::gpu::GpuScope::begin(
+            &$queue,
+            $commands,
+            &CALLSITE,
+            Some(&|encoder: &mut $crate::gpu::GpuFieldEncoder<'_>| {
+                let mut index = 0u8;
+                $(
+                    encoder.field(index, &$value);
+                    index += 1;
+                )+
+                let _ = index;
+            }),
+        )
+    }};
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scope_keys_round_trip() {
+        for (d, q, p) in [(0, 0, 0), (1, 2, 3), (u16::MAX, u16::MAX, u32::MAX - 1)] {
+            assert_eq!(split_key(scope_key(d, q, p)), (d, q, p));
+        }
+    }
+}

@@ -1,0 +1,1 @@
+//! The Vulkan backend (feature `vulkan`): being written.

@@ -1,0 +1,228 @@
+//! GPU timelines end to end on the simulated GPU: scopes -> backend -> collector -> exporter.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use tickline::gpu::sim::{SimCommands, SimGpu, SimGpuConfig};
+use tickline::{EventKind, FieldValue, MemoryExporter, MemoryTrace, Timeline, TrackId, TrackKind};
+use tracing_subscriber::layer::SubscriberExt;
+
+/// A slice as the trace shows it.
+#[derive(Debug)]
+struct Slice {
+    name: String,
+    begin: u64,
+    end: u64,
+    fields: Vec<(String, FieldValue)>,
+    flow_in: Option<u64>,
+}
+
+/// Pairs begins and ends per track, checking time order and nesting; returns the slices per track.
+fn slices_per_track(trace: &MemoryTrace) -> HashMap<TrackId, Vec<Slice>> {
+    let mut open: HashMap<TrackId, Vec<Slice>> = HashMap::new();
+    let mut done: HashMap<TrackId, Vec<Slice>> = HashMap::new();
+    let mut last: HashMap<TrackId, u64> = HashMap::new();
+    for e in &trace.events {
+        if !matches!(e.kind, EventKind::Counter(_)) {
+            let last = last.entry(e.track).or_insert(0);
+            assert!(e.ts_ns >= *last, "track {:?} goes back in time at {e:?}", e.track);
+            *last = e.ts_ns;
+        }
+        match e.kind {
+            EventKind::SliceBegin => open.entry(e.track).or_default().push(Slice {
+                name: e.name.clone(),
+                begin: e.ts_ns,
+                end: 0,
+                fields: e.fields.clone(),
+                flow_in: e.flow_in,
+            }),
+            EventKind::SliceEnd => {
+                let mut s = open.get_mut(&e.track).and_then(Vec::pop).expect("end without begin");
+                s.end = e.ts_ns;
+                done.entry(e.track).or_default().push(s);
+            }
+            _ => {}
+        }
+    }
+    assert!(open.values().all(Vec::is_empty), "unclosed slices: {open:?}");
+    done
+}
+
+fn gpu_tracks(trace: &MemoryTrace) -> (TrackId, Vec<TrackId>) {
+    let device = trace
+        .tracks
+        .iter()
+        .find(|t| matches!(&t.kind, TrackKind::Group { name } if name.starts_with("GPU: ")))
+        .expect("a GPU device track")
+        .id;
+    let queues = trace
+        .tracks
+        .iter()
+        .filter(|t| t.parent == Some(device) && matches!(t.kind, TrackKind::Group { .. }))
+        .map(|t| t.id)
+        .collect();
+    (device, queues)
+}
+
+#[test]
+fn simulated_gpu_slices_sit_in_their_submission_window_with_flows_and_uncertainty() {
+    let memory = MemoryExporter::default();
+    let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
+    let gpu = timeline.gpu(SimGpu::new(SimGpuConfig::default()).unwrap()).unwrap();
+    let queue = gpu.queue("compute").unwrap();
+    let subscriber = tracing_subscriber::registry().with(timeline.layer());
+    let mut windows = Vec::new();
+    tracing::subscriber::with_default(subscriber, || {
+        for frame in 0..40u32 {
+            let _span = tracing::info_span!("record frame", frame).entered();
+            let commands = SimCommands::new();
+            {
+                let _frame = tickline::gpu_scope!(queue, &commands, "frame", index = frame, label = "main");
+                {
+                    let _blur = tickline::gpu_scope!(queue, &commands, "blur");
+                    commands.work(Duration::from_micros(200));
+                }
+                let _sharpen = tickline::gpu_scope!(queue, &commands, "sharpen");
+                commands.work(Duration::from_micros(100));
+            }
+            windows.push(gpu.backend().submit(commands).wait());
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    });
+    let stats = timeline.shutdown().unwrap();
+    assert_eq!(stats.gpu_scopes, 120);
+    assert_eq!(stats.gpu_lost_scopes, 0);
+    assert_eq!(stats.gpu_causality_violations, 0, "{stats:?}");
+
+    let trace = memory.snapshot();
+    let (device, queues) = gpu_tracks(&trace);
+    assert_eq!(queues.len(), 1, "nested scopes share the queue's track");
+    let per_track = slices_per_track(&trace);
+    let gpu_slices = &per_track[&queues[0]];
+    assert_eq!(gpu_slices.len(), 120);
+    for name in ["frame", "blur", "sharpen"] {
+        assert_eq!(gpu_slices.iter().filter(|s| s.name == name).count(), 40, "{name}");
+    }
+    // Counters of the device hang under its track.
+    let counters: Vec<_> = trace
+        .tracks
+        .iter()
+        .filter(|t| t.parent == Some(device) && matches!(t.kind, TrackKind::Counter { .. }))
+        .collect();
+    assert_eq!(counters.len(), 4, "drift, error bound, offset, causality violations");
+
+    // Every GPU slice: inside its submission's window (the sim clock's truth lies there), an uncertainty
+    // annotation, and a flow from an instant on the recording thread.
+    let flow_starts: HashMap<u64, &tickline::RecordedEvent> =
+        trace.events.iter().filter_map(|e| e.flow_out.map(|f| (f, e))).collect();
+    let thread = trace.thread_track("main").or_else(|| {
+        trace
+            .tracks
+            .iter()
+            .find(|t| matches!(&t.kind, TrackKind::Thread { .. }))
+            .map(|t| t.id)
+    });
+    let mut frames: Vec<&Slice> = gpu_slices.iter().filter(|s| s.name == "frame").collect();
+    frames.sort_by_key(|s| s.begin);
+    for (slice, &(started, finished)) in frames.iter().zip(&windows) {
+        let uncertainty = slice
+            .fields
+            .iter()
+            .find_map(|(k, v)| match (k.as_str(), v) {
+                ("uncertainty_ns", FieldValue::U64(u)) => Some(*u),
+                _ => None,
+            })
+            .expect("uncertainty annotation");
+        let slack = uncertainty.max(2_000);
+        assert!(
+            slice.begin + slack >= started && slice.end <= finished + slack,
+            "slice {}..{} outside its window {started}..{finished} (± {slack})",
+            slice.begin,
+            slice.end
+        );
+        assert!(slice
+            .fields
+            .iter()
+            .any(|(k, v)| k == "label" && *v == FieldValue::Str("main".into())));
+        let flow = slice.flow_in.expect("a flow ends at the GPU slice");
+        let start = flow_starts.get(&flow).expect("the flow starts on the CPU");
+        assert_eq!(start.kind, EventKind::Instant);
+        assert_eq!(Some(start.track), thread);
+        assert!(
+            start.ts_ns <= slice.begin,
+            "the CPU recorded the work before the GPU ran it"
+        );
+    }
+    for s in gpu_slices {
+        assert!(
+            s.flow_in.is_some() && s.fields.iter().any(|(k, _)| k == "uncertainty_ns"),
+            "{s:?}"
+        );
+    }
+}
+
+#[test]
+fn overlapping_gpu_work_on_one_queue_goes_to_sibling_tracks() {
+    let memory = MemoryExporter::default();
+    let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
+    let config = SimGpuConfig {
+        hardware_queues: 2,
+        ..Default::default()
+    };
+    let gpu = timeline.gpu(SimGpu::new(config).unwrap()).unwrap();
+    let queue = gpu.queue("async compute").unwrap();
+    for round in 0..10 {
+        let (a, b) = (SimCommands::new(), SimCommands::new());
+        {
+            let _a = tickline::gpu_scope!(queue, &a, "long");
+            a.work(Duration::from_micros(800));
+        }
+        {
+            let _b = tickline::gpu_scope!(queue, &b, "short", round = round);
+            b.work(Duration::from_micros(300));
+        }
+        // Two hardware queues run them at once; the second starts 100 µs into the first and, in odd rounds,
+        // outlasts it.
+        let first = gpu.backend().submit_to(0, a);
+        std::thread::sleep(Duration::from_micros(100));
+        let extra = SimCommands::new();
+        if round % 2 == 1 {
+            extra.work(Duration::from_micros(600));
+        }
+        let second = gpu.backend().submit_to(1, b);
+        let _ = (first.wait(), second.wait(), extra);
+    }
+    let stats = timeline.shutdown().unwrap();
+    assert_eq!(stats.gpu_scopes, 20);
+    let trace = memory.snapshot();
+    let (_, queues) = gpu_tracks(&trace);
+    let per_track = slices_per_track(&trace);
+    let total: usize = queues.iter().map(|q| per_track.get(q).map_or(0, Vec::len)).sum();
+    assert_eq!(total, 20, "every slice on a track of the device");
+    // On every track, slices nest or follow each other: never a partial overlap.
+    for q in &queues {
+        let slices = per_track.get(q).map(Vec::as_slice).unwrap_or_default();
+        for a in slices {
+            for b in slices {
+                let disjoint = a.end <= b.begin || b.end <= a.begin;
+                let nested = (a.begin <= b.begin && b.end <= a.end) || (b.begin <= a.begin && a.end <= b.end);
+                assert!(disjoint || nested, "partial overlap on one track: {a:?} {b:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_scope_whose_commands_are_never_submitted_is_counted_lost() {
+    let memory = MemoryExporter::default();
+    let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
+    let gpu = timeline.gpu(SimGpu::new(SimGpuConfig::default()).unwrap()).unwrap();
+    let queue = gpu.queue("graphics").unwrap();
+    let commands = SimCommands::new();
+    {
+        let _never = tickline::gpu_scope!(queue, &commands, "never submitted");
+    }
+    drop(commands);
+    let stats = timeline.shutdown().unwrap();
+    assert_eq!((stats.gpu_scopes, stats.gpu_lost_scopes), (1, 1));
+}
