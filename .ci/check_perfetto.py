@@ -3,11 +3,15 @@
 
 usage: check_perfetto.py TRACE [--expect-slices NAME=COUNT ...] [--expect-total-slices N]
                                [--expect-thread-tracks N] [--require-annotation NAME]
+                               [--expect-gpu-devices N] [--expect-gpu-slices N]
 
 Asserts, streaming packet by packet: a clock snapshot comes first and the first packet clears the incremental
 state; every track uuid is described before use; interned ids are defined before use; timestamps never go
 backwards per track; every slice begin has its end on the same track and nothing is left open; every flow
-has both ends. With the options, slice counts per name, the total, and the thread track count must match.
+has both ends. GPU: a device track is named "GPU: ...", every slice that is not on a thread track lies on a
+track whose parent is a device track, carries the `uncertainty_ns` annotation and ends a flow (from the CPU
+code that recorded it). With the options, slice counts per name, the total, the thread track count, the GPU
+device count and the GPU slice count must match.
 Exits non-zero with one clear line on the first failure.
 """
 import argparse
@@ -53,7 +57,12 @@ def packets(data):
         yield packet
 
 
-def check(path, expect_slices, expect_total, expect_threads, require_annotations):
+GPU_DEVICE_PREFIX = "GPU: "
+UNCERTAINTY = "uncertainty_ns"
+
+
+def check(path, expect_slices, expect_total, expect_threads, require_annotations, expect_gpu_devices=None,
+          expect_gpu_slices=None):
     with open(path, "rb") as f:
         data = f.read()
     if not data:
@@ -65,7 +74,8 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
     slice_counts = collections.Counter()
     flows_out, flows_in = collections.Counter(), collections.Counter()
     annotated = collections.Counter()
-    n_packets = n_events = 0
+    n_packets = n_events = gpu_slices = 0
+    gpu_devices = set()
     for index, packet in enumerate(packets(data)):
         n_packets += 1
         if index == 0:
@@ -80,6 +90,8 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
             if td.HasField("parent_uuid") and td.parent_uuid not in described:
                 raise TraceError(f"track {td.uuid} names parent {td.parent_uuid} before it is described")
             described[td.uuid] = td
+            if td.name.startswith(GPU_DEVICE_PREFIX):
+                gpu_devices.add(td.uuid)
         if packet.HasField("interned_data"):
             for n in packet.interned_data.event_names:
                 event_names[n.iid] = n.name
@@ -98,11 +110,15 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
         last_ts[uuid] = ts
         if ev.HasField("name_iid") and ev.name_iid not in event_names:
             raise TraceError(f"packet {index}: event name iid {ev.name_iid} is not interned")
+        names_here = set()
         for a in ev.debug_annotations:
             if a.HasField("name_iid"):
                 if a.name_iid not in annotation_names:
                     raise TraceError(f"packet {index}: annotation name iid {a.name_iid} is not interned")
                 annotated[annotation_names[a.name_iid]] += 1
+                names_here.add(annotation_names[a.name_iid])
+            elif a.HasField("name"):
+                names_here.add(a.name)
         for flow in ev.flow_ids:
             flows_out[flow] += 1
         for flow in ev.terminating_flow_ids:
@@ -111,6 +127,17 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
         if ev.type == TYPE_SLICE_BEGIN:
             open_slices[uuid].append(name)
             slice_counts[name] += 1
+            td = described[uuid]
+            if not td.HasField("thread"):
+                # A GPU slice: on a queue track under its device, with its uncertainty and a flow from the CPU.
+                gpu_slices += 1
+                if td.parent_uuid not in gpu_devices:
+                    raise TraceError(f"packet {index}: slice {name!r} on track {uuid} ({td.name!r}) whose parent "
+                                     f"is not a GPU device track")
+                if UNCERTAINTY not in names_here:
+                    raise TraceError(f"packet {index}: GPU slice {name!r} has no {UNCERTAINTY} annotation")
+                if not ev.terminating_flow_ids:
+                    raise TraceError(f"packet {index}: GPU slice {name!r} ends no flow from the CPU")
         elif ev.type == TYPE_SLICE_END:
             if not open_slices[uuid]:
                 raise TraceError(f"packet {index}: slice end with no open slice on track {uuid}")
@@ -135,11 +162,16 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
     threads = sum(1 for td in described.values() if td.HasField("thread"))
     if expect_threads is not None and threads != expect_threads:
         raise TraceError(f"expected {expect_threads} thread tracks, found {threads}")
+    if expect_gpu_devices is not None and len(gpu_devices) != expect_gpu_devices:
+        raise TraceError(f"expected {expect_gpu_devices} GPU device tracks, found {len(gpu_devices)}")
+    if expect_gpu_slices is not None and gpu_slices != expect_gpu_slices:
+        raise TraceError(f"expected {expect_gpu_slices} GPU slices, found {gpu_slices}")
     for name in require_annotations:
         if not annotated[name]:
             raise TraceError(f"no event carries the annotation {name!r}")
     return (f"ok: {path}: {n_packets} packets, {n_events} track events, {total} slices on "
-            f"{len(described)} tracks ({threads} threads), {len(flows_out)} flows")
+            f"{len(described)} tracks ({threads} threads, {len(gpu_devices)} GPU devices, {gpu_slices} GPU slices), "
+            f"{len(flows_out)} flows")
 
 
 def main():
@@ -149,6 +181,8 @@ def main():
     parser.add_argument("--expect-total-slices", type=int)
     parser.add_argument("--expect-thread-tracks", type=int)
     parser.add_argument("--require-annotation", action="append", default=[], metavar="NAME")
+    parser.add_argument("--expect-gpu-devices", type=int)
+    parser.add_argument("--expect-gpu-slices", type=int)
     args = parser.parse_args()
     expect = {}
     for item in args.expect_slices:
@@ -158,7 +192,7 @@ def main():
         expect[name] = int(count)
     try:
         print(check(args.trace, expect, args.expect_total_slices, args.expect_thread_tracks,
-                    args.require_annotation))
+                    args.require_annotation, args.expect_gpu_devices, args.expect_gpu_slices))
     except (TraceError, OSError) as e:
         print(f"check_perfetto: {args.trace}: {e}", file=sys.stderr)
         sys.exit(1)
