@@ -250,7 +250,7 @@ fn simulated_gpu_clock_over_ten_minutes_places_slices_within_100_ns() {
         jitter_ns: 1_000.0,
         outlier_fraction: 0.05,
         outlier_ns: 50_000.0,
-        seed: 0x0ddb_a11,
+        seed: 0x00dd_ba11,
         ..SimClockConfig::default()
     })
     .unwrap();
