@@ -19,6 +19,29 @@
 //! assert_eq!(memory.snapshot().slice_count("frame"), 1);
 //! ```
 //!
+//! GPU work joins the same timeline through a [`gpu::GpuBackend`] (Vulkan with the `vulkan` feature, or the
+//! [simulated GPU](gpu::sim)) and [`gpu_scope!`](macro@gpu_scope)s recorded into its command streams: each GPU
+//! slice is placed on the CPU's time axis by the device clock's own live calibration, carries its
+//! uncertainty, and has a flow from the CPU code that recorded it.
+//!
+//! ```
+//! use std::time::Duration;
+//! use tickline::gpu::sim::{SimCommands, SimGpu, SimGpuConfig};
+//!
+//! let memory = tickline::MemoryExporter::default();
+//! let timeline = tickline::Timeline::builder().exporter(memory.clone()).start().unwrap();
+//! let gpu = timeline.gpu(SimGpu::new(SimGpuConfig::default()).unwrap()).unwrap();
+//! let queue = gpu.queue("compute").unwrap();
+//! let commands = SimCommands::new();
+//! {
+//!     let _pass = tickline::gpu_scope!(queue, &commands, "blur", radius = 4);
+//!     commands.work(Duration::from_micros(100));
+//! }
+//! gpu.backend().submit(commands).wait();
+//! timeline.shutdown().unwrap();
+//! assert_eq!(memory.snapshot().slice_count("blur"), 1);
+//! ```
+//!
 //! # Design
 //!
 //! Record cheap raw ticks now; convert them later with the best calibration known then. The hot path reads
@@ -32,12 +55,21 @@
 //! both sides; a newer one is extrapolated by the newest fit. Every conversion comes with an uncertainty
 //! ([`Converted`]), and the output never runs backwards across a refit.
 //!
+//! A GPU scope writes a pair of device timestamps (begin now, end when its guard drops) and pushes one record
+//! group into the CPU thread's ring: the CPU tick, the call site, the device/queue/timestamp pair. The
+//! collector polls the backend for finished pairs without blocking the app, calibrates each device clock in
+//! time-bounded bursts, holds a finished slice until a calibration point after it exists (two-sided
+//! conversion) or [`TimelineBuilder::gpu_latency_bound`] passes, and lays a queue's slices out on tracks that
+//! never hold a partial overlap.
+//!
 //! # Internals
 //!
 //! - `ring`: the SPSC ring (checked with loom and Miri); `record`: the 16-byte record and field payloads.
 //! - `recorder`: each thread's ring per timeline; `layer`, `scope`: what records.
 //! - `collector`: drains every ring each `poll_interval`, resolves span names and fields, converts, keeps
 //!   per-track order, batches for the [`Exporter`]s.
+//! - [`gpu`]: the backend trait, the scope guard and handles; on the collector side, per device, the scopes in
+//!   flight, the clock tracker ([`gpu::GpuCalibrationConfig`]) and the queue lanes.
 //! - [`calibration`]: pure math (fits, histories, the simulated clock pair); `clock`: reading counters, the
 //!   TSC reliability check, the live TSC calibrator, the division-free [`FastConverter`].
 //!
@@ -51,7 +83,13 @@
 //! - **VMs.** A hypervisor may migrate vCPUs between hosts with different TSC offsets; the reliability check
 //!   sees the state at start only. The live calibration follows rate changes, not per-CPU jumps.
 //! - **Separate GPU clock domains.** Each GPU clock gets its own calibration history against the same
-//!   reference; their accuracy is stated per conversion, never assumed.
+//!   reference; their accuracy is stated per conversion (the `uncertainty_ns` annotation), never assumed. A
+//!   GPU slice that converts to before the CPU recorded it is a calibration failure: counted
+//!   ([`TimelineStats::gpu_causality_violations`]) and clamped for display only.
+//! - **GPU scopes need their commands submitted once.** A scope's timestamp pair is read back after the GPU
+//!   wrote it and then reused. Commands recorded but never submitted leave their scope lost after
+//!   [`gpu::GpuCalibrationConfig::lost_after`] (counted; its flow has no GPU end, its pair is retired). A
+//!   command buffer submitted several times rewrites the same pair: record scopes per submission.
 //! - **Span ids.** Records carry `tracing`'s span ids, which the registry reuses after a span closes; the
 //!   collector resolves them within a couple of drain passes, so an id reused with the same value inside one
 //!   pass (about a millisecond) could attach the wrong name. Track ids in exported traces are unique per
