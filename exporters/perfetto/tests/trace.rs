@@ -345,3 +345,102 @@ fn a_whole_timeline_round_trips_through_the_checker() {
     };
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+/// `sample_batch` plus a GPU device track with a queue track under it and one GPU slice on it, ending a flow
+/// from the main thread; `uncertainty` says whether the slice carries its `uncertainty_ns` annotation.
+fn gpu_batch(uncertainty: bool) -> Batch {
+    let mut b = sample_batch(false);
+    b.new_tracks.push(TrackDescriptor {
+        id: TrackId(5),
+        parent: Some(TrackId(1)),
+        kind: TrackKind::Group {
+            name: "GPU: test device (simulated)".into(),
+        },
+    });
+    b.new_tracks.push(TrackDescriptor {
+        id: TrackId(6),
+        parent: Some(TrackId(5)),
+        kind: TrackKind::Group { name: "compute".into() },
+    });
+    b.new_names.push((NameId(11), "uncertainty_ns".into()));
+    b.new_names.push((NameId(12), "kernel".into()));
+    let mut instant = event(1_350, 2, EventKind::Instant, 12);
+    instant.flow_out = Some(9);
+    b.events.push(instant);
+    let mut kernel = event(1_600, 6, EventKind::SliceBegin, 12);
+    kernel.flow_in = Some(9);
+    if uncertainty {
+        b.fields.push(Field {
+            name: NameId(11),
+            value: FieldValue::U64(40),
+        });
+        kernel.fields = 5..6;
+    }
+    b.events.push(kernel);
+    b.events.push(event(1_700, 6, EventKind::SliceEnd, 12));
+    b
+}
+
+#[test]
+fn the_checker_accepts_gpu_tracks_and_rejects_a_gpu_slice_without_its_uncertainty() {
+    let Some(out) = run_checker(
+        &encode(&gpu_batch(true)),
+        "gpu",
+        &["--expect-gpu-devices", "1", "--expect-gpu-slices", "1"],
+    ) else {
+        return;
+    };
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let Some(out) = run_checker(&encode(&gpu_batch(false)), "gpu-bare", &[]) else {
+        return;
+    };
+    assert!(
+        !out.status.success(),
+        "the checker passed a GPU slice with no uncertainty"
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("uncertainty_ns"));
+}
+
+#[test]
+fn a_simulated_gpu_timeline_round_trips_through_the_checker() {
+    use std::time::Duration;
+    use tickline::gpu::sim::{SimCommands, SimGpu, SimGpuConfig};
+
+    let path = std::env::temp_dir().join(format!("tickline-perfetto-{}-gpu.pftrace", std::process::id()));
+    let timeline = tickline::Timeline::builder()
+        .exporter(PerfettoExporter::create(&path).unwrap())
+        .start()
+        .unwrap();
+    let gpu = timeline.gpu(SimGpu::new(SimGpuConfig::default()).unwrap()).unwrap();
+    let queue = gpu.queue("compute").unwrap();
+    for i in 0..10u32 {
+        let commands = SimCommands::new();
+        {
+            let _outer = tickline::gpu_scope!(queue, &commands, "dispatch", index = i);
+            let _inner = tickline::gpu_scope!(queue, &commands, "kernel");
+            commands.work(Duration::from_micros(50));
+        }
+        let _ = gpu.backend().submit(commands).wait();
+    }
+    let stats = timeline.shutdown().unwrap();
+    assert_eq!((stats.gpu_scopes, stats.gpu_lost_scopes), (20, 0));
+    let bytes = std::fs::read(&path).unwrap();
+    let _ = std::fs::remove_file(&path);
+    let Some(out) = run_checker(
+        &bytes,
+        "gpu-timeline",
+        &[
+            "--expect-slices",
+            "dispatch=10",
+            "--expect-slices",
+            "kernel=10",
+            "--expect-gpu-devices",
+            "1",
+            "--expect-gpu-slices",
+            "20",
+        ],
+    ) else {
+        return;
+    };
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
