@@ -70,6 +70,9 @@ pub(crate) struct GpuStats {
     pub(crate) failed_calibrations: u64,
 }
 
+/// Most pairs read back in one backend call.
+const MAX_READ_RUN: usize = 256;
+
 /// Every GPU device of one timeline.
 #[derive(Default)]
 pub(crate) struct GpuCollector {
@@ -240,17 +243,36 @@ impl GpuCollector {
                 }
             }
 
-            // Read finished timestamps.
-            for scope in d.in_flight.iter_mut().filter(|s| s.finished_ns.is_none()) {
+            // Read finished timestamps: runs of consecutive pairs in one call (pairs are handed out in order,
+            // so scopes in flight mostly sit side by side), one call per run instead of one per scope.
+            d.in_flight.sort_unstable_by_key(|s| s.pair);
+            let mut i = 0;
+            while i < d.in_flight.len() {
+                if d.in_flight[i].finished_ns.is_some() {
+                    i += 1;
+                    continue;
+                }
+                let first = d.in_flight[i].pair;
+                let mut run = 1;
+                while run < MAX_READ_RUN
+                    && i + run < d.in_flight.len()
+                    && d.in_flight[i + run].pair == first + run as u32
+                    && d.in_flight[i + run].finished_ns.is_none()
+                {
+                    run += 1;
+                }
                 self.reads.clear();
-                self.reads.resize(2, None);
-                if d.link.read_timestamps(2 * scope.pair, &mut self.reads).is_ok() {
-                    scope.begin = scope.begin.or(self.reads[0]);
-                    scope.end = scope.end.or(self.reads[1]);
-                    if scope.begin.is_some() && scope.end.is_some() {
-                        scope.finished_ns = Some(now_ns);
+                self.reads.resize(2 * run, None);
+                if d.link.read_timestamps(2 * first, &mut self.reads).is_ok() {
+                    for (scope, read) in d.in_flight[i..i + run].iter_mut().zip(self.reads.chunks_exact(2)) {
+                        scope.begin = scope.begin.or(read[0]);
+                        scope.end = scope.end.or(read[1]);
+                        if scope.begin.is_some() && scope.end.is_some() {
+                            scope.finished_ns = Some(now_ns);
+                        }
                     }
                 }
+                i += run;
             }
             while let Some(pair) = d.link.take_orphan() {
                 d.orphans.push((pair, now_ns));
@@ -289,7 +311,9 @@ impl GpuCollector {
                     i += 1;
                 }
             }
-            ready.sort_by_key(|s| s.begin.map_or(0, |t| d.info.clock.delta_ticks(0, t.0)));
+            // Wrap-aware order: ticks relative to one of them (all lie within half a wrap of each other).
+            let reference = ready.first().and_then(|s| s.begin).map_or(0, |t| t.0);
+            ready.sort_by_key(|s| s.begin.map_or(0, |t| d.info.clock.delta_ticks(reference, t.0)));
             for s in ready {
                 let (Some(begin), Some(end)) = (s.begin, s.end) else {
                     continue;
