@@ -310,3 +310,40 @@ fn simulated_gpu_clock_over_ten_minutes_places_slices_within_100_ns() {
     assert!(p(0.99) <= 100, "p99 error {} ns", p(0.99));
     assert!(coverage >= 0.95, "coverage {coverage}");
 }
+
+#[test]
+fn scopes_whose_begin_record_is_dropped_are_counted_and_their_timestamp_pairs_recycled() {
+    let memory = MemoryExporter::default();
+    // A 64-record ring that the collector drains only on flush: most begin records of a burst are dropped.
+    let timeline = Timeline::builder()
+        .exporter(memory.clone())
+        .ring_capacity(64)
+        .poll_interval(Duration::from_secs(3600))
+        .start()
+        .unwrap();
+    let config = SimGpuConfig {
+        timestamp_slots: 200,
+        ..Default::default()
+    };
+    let gpu = timeline.gpu(SimGpu::new(config).unwrap()).unwrap();
+    let queue = gpu.queue("compute").unwrap();
+    for round in 0..3 {
+        let commands = SimCommands::new();
+        for _ in 0..100 {
+            let _scope = tickline::gpu_scope!(queue, &commands, "dispatch");
+            commands.work(Duration::from_micros(1));
+        }
+        let _ = gpu.backend().submit(commands).wait();
+        timeline.flush().unwrap();
+        assert_eq!(
+            gpu.starved_scopes(),
+            0,
+            "round {round}: every pair came back, recorded or not"
+        );
+    }
+    let stats = timeline.shutdown().unwrap();
+    assert!(stats.dropped_records > 0, "{stats:?}");
+    // Each scope is a two-record group: recorded or dropped whole.
+    assert_eq!(stats.gpu_scopes * 2 + stats.dropped_records, 600, "{stats:?}");
+    assert_eq!(memory.snapshot().slice_count("dispatch") as u64, stats.gpu_scopes);
+}
