@@ -219,14 +219,21 @@ impl GpuCollector {
         let uncertainty_name = *self.uncertainty_name.get_or_insert_with(|| p.intern("uncertainty_ns"));
         let config = self.config;
         for d in self.devices.values_mut() {
-            // Calibration.
-            if force || d.tracker.burst_due(now_ns) {
+            // Calibration: on schedule; on a flush too, unless a burst was just taken.
+            let gap = config.min_burst_gap.as_nanos() as u64;
+            let recent = d
+                .tracker
+                .last_burst_ns()
+                .is_some_and(|t| now_ns.saturating_sub(t) < gap);
+            if d.tracker.burst_due(now_ns) || (force && !recent) {
                 self.samples.clear();
-                let result = d
+                let read = d
                     .link
                     .calibrate(config.burst_samples, config.burst_budget, &mut self.samples);
-                let taken_ns = crate::clock::monotonic_ns().0;
-                if result.is_err() || d.tracker.add_burst(taken_ns, &self.samples).is_err() {
+                // Added even when the read failed (with what it got, maybe nothing): the schedule moves on, so
+                // a failing device is retried next period, not on every pass.
+                let added = d.tracker.add_burst(crate::clock::monotonic_ns().0, &self.samples);
+                if read.is_err() || added.is_err() {
                     self.stats.failed_calibrations += 1;
                 }
             }

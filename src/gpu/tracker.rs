@@ -77,6 +77,11 @@ impl GpuClockTracker {
         &self.history
     }
 
+    /// When the last burst was taken (reference ns), if any.
+    pub fn last_burst_ns(&self) -> Option<u64> {
+        self.last_burst_ns
+    }
+
     /// Bursts the history rejected (no usable sample).
     pub fn failed_bursts(&self) -> u64 {
         self.failed_bursts

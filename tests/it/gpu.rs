@@ -347,3 +347,67 @@ fn scopes_whose_begin_record_is_dropped_are_counted_and_their_timestamp_pairs_re
     assert_eq!(stats.gpu_scopes * 2 + stats.dropped_records, 600, "{stats:?}");
     assert_eq!(memory.snapshot().slice_count("dispatch") as u64, stats.gpu_scopes);
 }
+
+/// A backend whose clock cannot be calibrated (a driver that fails every calibrated read).
+struct Uncalibratable(SimGpu);
+
+impl tickline::gpu::GpuBackend for Uncalibratable {
+    type Commands = SimCommands;
+    fn info(&self) -> tickline::gpu::GpuDeviceInfo {
+        self.0.info()
+    }
+    fn write_timestamp(&self, commands: &SimCommands, slot: u32) {
+        self.0.write_timestamp(commands, slot);
+    }
+    fn read_timestamps(
+        &self,
+        first: u32,
+        out: &mut [Option<tickline::gpu::GpuTicks>],
+    ) -> Result<(), tickline::gpu::GpuError> {
+        self.0.read_timestamps(first, out)
+    }
+    fn recycle(&self, first: u32, count: u32) -> Result<(), tickline::gpu::GpuError> {
+        self.0.recycle(first, count)
+    }
+    fn calibrate(
+        &self,
+        _: usize,
+        _: Duration,
+        _: &mut Vec<tickline::CalibrationSample>,
+    ) -> Result<(), tickline::gpu::GpuError> {
+        Err(tickline::gpu::GpuError::Api {
+            call: "vkGetCalibratedTimestampsKHR",
+            detail: "VK_ERROR_DEVICE_LOST".into(),
+        })
+    }
+}
+
+#[test]
+fn a_device_that_cannot_be_calibrated_loses_its_scopes_visibly_and_nothing_else() {
+    use tickline::gpu::GpuBackend as _;
+    let memory = MemoryExporter::default();
+    let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
+    let gpu = timeline
+        .gpu(Uncalibratable(SimGpu::new(SimGpuConfig::default()).unwrap()))
+        .unwrap();
+    let queue = gpu.queue("compute").unwrap();
+    let commands = SimCommands::new();
+    {
+        let _scope = tickline::gpu_scope!(queue, &commands, "unplaceable");
+        commands.work(Duration::from_micros(10));
+    }
+    let _ = gpu.backend().0.submit(commands).wait();
+    // (A tracing span, not `scope!`: native scopes go to the newest timeline, and other tests run at once.)
+    let subscriber = tracing_subscriber::registry().with(timeline.layer());
+    tracing::subscriber::with_default(subscriber, || tracing::info_span!("cpu work").in_scope(|| {}));
+    let stats = timeline.shutdown().unwrap();
+    assert!(stats.gpu_failed_calibrations > 0, "{stats:?}");
+    assert_eq!((stats.gpu_scopes, stats.gpu_lost_scopes), (1, 1), "{stats:?}");
+    let trace = memory.snapshot();
+    assert_eq!(
+        trace.slice_count("unplaceable"),
+        0,
+        "never placed without a calibration"
+    );
+    assert_eq!(trace.slice_count("cpu work"), 1, "the CPU timeline is intact");
+}
