@@ -384,7 +384,6 @@ impl tickline::gpu::GpuBackend for Uncalibratable {
 
 #[test]
 fn a_device_that_cannot_be_calibrated_loses_its_scopes_visibly_and_nothing_else() {
-    use tickline::gpu::GpuBackend as _;
     let memory = MemoryExporter::default();
     let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
     let gpu = timeline
