@@ -19,8 +19,11 @@ use tickline::gpu::vulkan::{
 use tickline::gpu::{GpuBackend, GpuDeviceInfo, GpuError, GpuTicks};
 use tickline::{monotonic_ns, CalibrationSample, EventKind, FieldValue, MemoryExporter, Timeline, TrackKind};
 
+/// Says why a test does not run, on the process's stderr: straight to the stream, not through `eprintln!`, which
+/// the test harness captures, so the line shows even when the test passes.
 fn skip(test: &str, reason: impl std::fmt::Display) {
-    eprintln!("SKIP: {test}: {reason}");
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "SKIP: {test}: {reason}");
 }
 
 /// An instance and a device with one queue, destroyed on drop.
