@@ -3,3 +3,5 @@
 mod cli;
 mod gpu;
 mod pipeline;
+#[cfg(feature = "vulkan")]
+mod vulkan;
