@@ -3,10 +3,17 @@
 //!
 //! The GPU is tickline's simulated GPU (a device clock 40 ms off the host's, 120 ppm fast and wandering,
 //! read with 1 µs jitter), so the trace shows GPU tracks on any machine; the GPU slices are placed on the CPU's
-//! time axis by the same live calibration a real device gets, each with its `uncertainty_ns`.
+//! time axis by the same live calibration a real device gets, each with its `uncertainty_ns`. Built with
+//! `--features vulkan`, it records real buffer fills and copies on the first Vulkan device with a compute
+//! queue that writes timestamps instead, when there is one. It prints which GPU it used.
 //!
 //! `cargo run --release --example quickstart [-- path/to/trace.pftrace]`
 
+#[cfg(feature = "vulkan")]
+#[path = "support/vulkan.rs"]
+mod vulkan_support;
+
+use std::error::Error;
 use std::time::{Duration, Instant};
 
 use tickline::gpu::sim::{SimCommands, SimGpu, SimGpuConfig};
@@ -50,9 +57,87 @@ fn worker(id: usize, jobs: usize) {
 /// Frames the render thread records.
 const FRAMES: u32 = 30;
 
+/// The Vulkan device the render thread uses, when built with the `vulkan` feature and one opens.
+#[cfg(feature = "vulkan")]
+type Vulkan = vulkan_support::Device;
+/// Without the `vulkan` feature there is never one.
+#[cfg(not(feature = "vulkan"))]
+enum Vulkan {}
+
+fn open_vulkan() -> Option<Vulkan> {
+    #[cfg(feature = "vulkan")]
+    match vulkan_support::Device::new() {
+        Ok(device) => return Some(device),
+        Err(e) => println!("no Vulkan device ({e}): the GPU is simulated"),
+    }
+    None
+}
+
+/// The render thread: GPU frames on Vulkan when a device is open, else on the simulated GPU.
+fn render(timeline: &Timeline, vulkan: Option<&Vulkan>) -> Result<(), Box<dyn Error>> {
+    match vulkan {
+        Some(device) => render_vulkan(timeline, device),
+        None => render_simulated(timeline),
+    }
+}
+
+#[cfg(not(feature = "vulkan"))]
+fn render_vulkan(_: &Timeline, device: &Vulkan) -> Result<(), Box<dyn Error>> {
+    match *device {}
+}
+
+/// Each frame: an upload, then a frame scope holding a fill ("shadow pass") and a copy ("lighting"), recorded
+/// into one command buffer, submitted and waited for.
+#[cfg(feature = "vulkan")]
+fn render_vulkan(timeline: &Timeline, d: &Vulkan) -> Result<(), Box<dyn Error>> {
+    use tickline::gpu::vulkan::VulkanGpu;
+    use vulkan_support::{Work, SIZE};
+
+    // SAFETY: the handles are related and outlive the backend: `main` keeps the device open until the timeline
+    // (whose collector holds the backend) has shut down. Every submission to the queue goes through
+    // `VulkanGpu::submit`; scopes are recorded outside render passes into a command buffer of `d.family`, each
+    // recording submitted once and waited for.
+    let backend = unsafe {
+        VulkanGpu::new(
+            &d.entry,
+            &d.instance,
+            d.physical,
+            &d.device,
+            d.family,
+            d.queue,
+            d.options.clone(),
+        )?
+    };
+    let gpu = timeline.gpu(backend)?;
+    println!("GPU: {} (Vulkan, queue family {})", d.name, d.family);
+    let queue = gpu.queue("compute queue")?;
+    let work = Work::new(d)?;
+    for frame in 0..FRAMES {
+        let _frame_span = info_span!("render frame", frame).entered();
+        work.begin()?;
+        {
+            let _upload = tickline::gpu_scope!(queue, &work.commands, "upload", bytes = SIZE);
+            work.copy(1);
+        }
+        {
+            let _frame = tickline::gpu_scope!(queue, &work.commands, "frame", index = frame);
+            {
+                let _shadows = tickline::gpu_scope!(queue, &work.commands, "shadow pass");
+                work.fill(frame);
+            }
+            let _lighting = tickline::gpu_scope!(queue, &work.commands, "lighting");
+            work.copy(0);
+        }
+        let _wait = info_span!("wait for GPU").entered();
+        work.submit_and_wait(gpu.backend())?;
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    Ok(())
+}
+
 /// Records each frame's GPU work under nested GPU scopes inside a `tracing` span, on a graphics queue and a
 /// transfer queue that run concurrently, and waits for the frame before the next.
-fn render(timeline: &Timeline) -> Result<(), tickline::TicklineError> {
+fn render_simulated(timeline: &Timeline) -> Result<(), Box<dyn Error>> {
     let config = SimGpuConfig {
         hardware_queues: 2,
         ..Default::default()
@@ -105,6 +190,9 @@ fn main() {
         }
     };
     tracing_subscriber::registry().with(timeline.layer()).init();
+    // Opened before the timeline's GPU device and closed at the end of `main`, after the timeline has shut down
+    // and released the backend.
+    let vulkan = open_vulkan();
 
     {
         let _app = info_span!("app", workers = 4).entered();
@@ -113,7 +201,7 @@ fn main() {
             std::thread::Builder::new()
                 .name("render".into())
                 .spawn_scoped(s, || {
-                    if let Err(e) = render(&timeline) {
+                    if let Err(e) = render(&timeline, vulkan.as_ref()) {
                         eprintln!("quickstart: no GPU timeline: {e}");
                     }
                 })
@@ -147,4 +235,5 @@ fn main() {
         stats.gpu_causality_violations
     );
     println!("open it at https://ui.perfetto.dev (\"Open trace file\")");
+    // `vulkan` closes here, after the timeline's shutdown above released the backend.
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::lanes::{LaneEvent, Lanes, Slice};
 use super::tracker::{GpuCalibrationConfig, GpuClockTracker};
-use super::{split_key, DeviceLink, GpuDeviceInfo, GpuTicks};
+use super::{split_key, DeviceLink, GpuCalibrationReport, GpuDeviceInfo, GpuTicks};
 use crate::calibration::CalibrationSample;
 use crate::collector::Processor;
 use crate::export::{EventKind, Field, FieldValue, NameId, TrackId, TrackKind};
@@ -247,6 +247,10 @@ impl GpuCollector {
                     let device_ns = fit.from_reference_ns(now_ns) as f64 * d.info.clock.nominal_ns_per_tick();
                     let offset = device_ns - now_ns as f64;
                     p.push_counter(d.offset_track, now_ns, value, offset);
+                    d.link.publish(GpuCalibrationReport {
+                        latest: *fit,
+                        stats: d.tracker.history().stats(),
+                    });
                 }
             }
 

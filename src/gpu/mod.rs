@@ -31,7 +31,7 @@ use std::time::Duration;
 
 use crossbeam_queue::ArrayQueue;
 
-use crate::calibration::{CalibrationSample, ClockDomain};
+use crate::calibration::{CalibrationSample, ClockCalibration, ClockDomain, HistoryStats};
 use crate::record::FieldEncoder;
 use crate::recorder::{record_gpu_begin, Control, Shared};
 use crate::scope::Callsite;
@@ -150,6 +150,17 @@ pub(crate) trait DeviceLink: Send + Sync {
     fn release_pair(&self, pair: u32) -> Result<(), GpuError>;
     /// Pairs whose begin record never reached the collector (a full ring dropped it).
     fn take_orphan(&self) -> Option<u32>;
+    /// The collector's newest calibration of the device clock, for [`GpuDevice::calibration`].
+    fn publish(&self, calibration: GpuCalibrationReport);
+}
+
+/// How well the collector knows a device's clock: its newest fit and the history's counters.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GpuCalibrationReport {
+    /// The newest fit (drift, offset, error bound, sample count, when).
+    pub latest: ClockCalibration,
+    /// Bursts, samples, rejections, and the figures of the newest fit.
+    pub stats: HistoryStats,
 }
 
 /// State shared by a device's handles and the collector.
@@ -164,6 +175,7 @@ struct DeviceShared<B: GpuBackend> {
     /// Scopes that found no free pair.
     starved: AtomicU64,
     queue_names: Mutex<Vec<String>>,
+    calibration: Mutex<Option<GpuCalibrationReport>>,
 }
 
 impl<B: GpuBackend> DeviceLink for DeviceShared<B> {
@@ -183,6 +195,9 @@ impl<B: GpuBackend> DeviceLink for DeviceShared<B> {
     }
     fn take_orphan(&self) -> Option<u32> {
         self.orphans.pop()
+    }
+    fn publish(&self, calibration: GpuCalibrationReport) {
+        *self.calibration.lock().unwrap_or_else(|e| e.into_inner()) = Some(calibration);
     }
 }
 
@@ -248,6 +263,7 @@ impl<B: GpuBackend> GpuDevice<B> {
             orphans: ArrayQueue::new(pairs as usize),
             starved: AtomicU64::new(0),
             queue_names: Mutex::new(Vec::new()),
+            calibration: Mutex::new(None),
         });
         let link: Arc<dyn DeviceLink> = shared.clone();
         timeline
@@ -302,6 +318,16 @@ impl<B: GpuBackend> GpuDevice<B> {
             shared: self.shared.clone(),
             queue,
         })
+    }
+
+    /// The collector's newest calibration of this device's clock (drift, error bound, max deviation of the
+    /// samples used...), or `None` before the first fit.
+    pub fn calibration(&self) -> Option<GpuCalibrationReport> {
+        self.shared
+            .calibration
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Scopes not recorded because every timestamp pair was in flight (also counted in the timeline's

@@ -91,6 +91,13 @@ fn simulated_gpu_slices_sit_in_their_submission_window_with_flows_and_uncertaint
     });
     let stats = timeline.shutdown().unwrap();
     assert_eq!(stats.gpu_scopes, 120);
+    // The collector's calibration of the simulated clock (120 ppm fast) is published on the device.
+    let report = gpu.calibration().expect("calibrated");
+    assert!((report.latest.drift_ppm() - 120.0).abs() < 10.0, "{report:?}");
+    assert!(
+        report.stats.bursts > 0 && report.stats.max_deviation_ns > 0,
+        "{report:?}"
+    );
     assert_eq!(stats.gpu_lost_scopes, 0);
     assert_eq!(stats.gpu_causality_violations, 0, "{stats:?}");
 
