@@ -268,7 +268,13 @@ impl CalibrationHistory {
         // the walk accumulates over the window (the coefficient was fitted on the simulated pair: it makes
         // ~95 % of true times fall inside the stated range at 0.05 ppm/√s over a 4 s window).
         let model_sigma = WINDOW_BOW * wander_sigma_ns(self.config.wander_ppm_per_sqrt_s, span_ns as f64 * 1e-9);
-        let sigma_ns = (line.intercept_sigma_ns.powi(2) + model_sigma.powi(2)).sqrt();
+        // Averaging shrinks the error of unbiased brackets; brackets lopsided the same way (a driver that makes a
+        // timestamp readable late, so every midpoint is late) do not average out. Whatever the fit says, never
+        // state less than the tightest sample's own deviation (the uncertainty is 2σ).
+        let tightest_ns = samples.iter().map(|s| s.max_deviation_ns).min().unwrap_or(0) as f64;
+        let sigma_ns = (line.intercept_sigma_ns.powi(2) + model_sigma.powi(2))
+            .sqrt()
+            .max(tightest_ns / 2.0);
         let knot = Knot {
             ticks: line.origin_ticks,
             ns: fitted.anchor_ns(),
