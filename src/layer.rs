@@ -8,7 +8,7 @@ use tracing::{Event, Metadata, Subscriber};
 use tracing_subscriber::layer::{Context, Layer};
 
 use crate::record::{FieldEncoder, Kind};
-use crate::recorder::{record_group, record_group_empty, record_now, record_untimed, Shared};
+use crate::recorder::{record_group, record_now, record_span_new_bare, record_untimed, Shared};
 
 /// Records span enter/exit (one slice per enter/exit, on the entering thread), span fields (at creation and
 /// on `record`) and events with their fields into a [`crate::Timeline`].
@@ -84,7 +84,7 @@ impl<S: Subscriber> Layer<S> for TicklineLayer {
     fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, _ctx: Context<'_, S>) {
         let meta = meta_addr(attrs.metadata());
         if attrs.values().is_empty() {
-            return record_group_empty(&self.shared, Kind::SpanNew, id.into_u64(), meta);
+            return record_span_new_bare(&self.shared, id.into_u64(), meta);
         }
         record_group(&self.shared, Kind::SpanNew, false, id.into_u64(), meta, |buf| {
             attrs.record(&mut Encode(&mut FieldEncoder { buf }));

@@ -251,13 +251,18 @@ pub(crate) fn record_group(
     });
 }
 
-/// Records a group with an empty payload (a span created without fields): no encoding, no scratch space.
+/// Announces span `id`, created without field values, with the metadata at address `meta`: one
+/// [`Kind::SpanNewBare`] record, or where the address does not fit one, a [`Kind::SpanNew`] group with an
+/// empty payload. No encoding, no scratch space.
 #[inline]
-pub(crate) fn record_group_empty(shared: &impl Target, kind: Kind, payload_word: u64, meta: u64) {
-    with_ring(shared, |ring| {
-        let group = [Record::new(kind, 0, payload_word), Record::new(Kind::Data, 0, meta)];
-        ring.push_group(&group);
-    });
+pub(crate) fn record_span_new_bare(shared: &impl Target, id: u64, meta: u64) {
+    match Record::span_new_bare(meta, id) {
+        Some(record) => with_ring(shared, |ring| ring.push(record)),
+        None => with_ring(shared, |ring| {
+            let group = [Record::new(Kind::SpanNew, 0, id), Record::new(Kind::Data, 0, meta)];
+            ring.push_group(&group);
+        }),
+    }
 }
 
 /// Records a counter value: the record and one data record with the value's bits.
