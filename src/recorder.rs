@@ -75,18 +75,37 @@ struct LocalRing {
 }
 
 impl LocalRing {
+    /// Pushes `record`; if the ring is full, waits (lossless) or counts it as dropped. The mode is looked at
+    /// only then, so the common case is the bare push.
     #[inline(always)]
     fn push(&mut self, record: Record) {
+        if let Err(record) = self.producer.try_push(record) {
+            self.push_full(record);
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn push_full(&mut self, record: Record) {
         if self.lossless {
             // Err only when the collector is gone: then there is nobody left to lose the record to.
             let _ = self.producer.push_waiting(record);
         } else {
-            self.producer.push_or_count_drop(record);
+            self.producer.count_drops(1);
         }
     }
 
+    /// Pushes all of `group` or none; if it does not fit, waits (lossless) or counts it as dropped.
     #[inline]
     fn push_group(&mut self, group: &[Record]) {
+        if !self.producer.try_push_all(group) {
+            self.push_group_full(group);
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn push_group_full(&mut self, group: &[Record]) {
         if self.lossless {
             while !self.producer.try_push_all(group) {
                 if !self.producer.is_consumer_alive() {
@@ -94,7 +113,7 @@ impl LocalRing {
                 }
                 std::thread::yield_now();
             }
-        } else if !self.producer.try_push_all(group) {
+        } else {
             self.producer.count_drops(group.len() as u64);
         }
     }
