@@ -6,10 +6,11 @@
 //! `'static` callsite (tracing's `Metadata` or a native [`scope!`](macro@crate::scope) callsite), so the hot path copies a
 //! word and never looks up or interns anything.
 //!
-//! Records that carry fields (span creation with field values, `record`, events) are followed in the same ring by a payload
-//! header `[len_bytes, metadata address]` and `ceil(len / 16)` data records holding the encoded fields. The
-//! producer pushes the whole group or nothing, so the ring itself is the per-thread side buffer and a group
-//! is never torn.
+//! Records that carry fields (span creation with field values, `record`, events) are followed in the same ring
+//! by a payload header `[len_bytes, metadata address]` and `ceil(len / 16)` data records holding the encoded
+//! fields. The producer pushes the whole group or nothing, so the ring itself is the per-thread side buffer
+//! and a group is never torn. A span created without field values is announced in one record
+//! ([`Kind::SpanNewBare`]): it needs no timestamp, so word 0 carries the metadata address instead.
 
 use std::fmt::{self, Write as _};
 

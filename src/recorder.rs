@@ -139,9 +139,9 @@ impl OwnedRing {
     fn is_consumer_alive(&self) -> bool {
         debug_assert_eq!(HOT_ID.get(), LOCKED);
         // SAFETY: `ring` came from `Box::leak` in `new` and is freed only by our `drop`, so it is live. The
-        // caller holds this thread's record lock (`HOT_ID == LOCKED`, asserted above; only
-        // `with_ring_slow` calls this), so no `&mut LocalRing` exists: every one is made under the lock,
-        // by the code that took it (`with_ring`, `with_ring_slow`), and that code is not running now.
+        // caller holds this thread's record lock (`HOT_ID == LOCKED`, asserted above; only `register`
+        // calls this, from `with_ring_slow`, which took the lock), so no `&mut LocalRing` exists: one is
+        // made only by `with_ring_locked` and `Release::drop`, under the lock, and dies before it is released.
         unsafe { self.ring.as_ref() }.producer.is_consumer_alive()
     }
 }
