@@ -405,8 +405,8 @@ fn report_memory(after: &str) {
     );
 }
 
-/// Records per iteration: span new (with its empty field header), enter, exit, close.
-const CREATE_CLOSE_RECORDS: u64 = 5;
+/// Records per iteration: span new (one record: no field values), enter, exit, close.
+const CREATE_CLOSE_RECORDS: u64 = 4;
 /// Records per iteration: enter and exit, or scope begin and end.
 const ENTER_EXIT_RECORDS: u64 = 2;
 

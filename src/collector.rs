@@ -413,7 +413,7 @@ struct Open {
     name: NameId,
 }
 
-/// A span announced by `SpanNew`: its name and fields.
+/// A span announced by `SpanNew` or `SpanNewBare`: its name and fields.
 struct SpanInfo {
     name: NameId,
     meta: u64,
@@ -719,6 +719,32 @@ impl Processor {
         }
     }
 
+    /// Learns span `id`'s name and fields from its announcement: metadata at address `meta`, field payload
+    /// `len` bytes in `data`.
+    fn announce_span(&mut self, id: u64, meta: u64, data: &[Record], len: usize) {
+        let name = self.metadata_info(meta).name;
+        let mut announced = Vec::new();
+        self.decode_fields(meta, data, len, &mut announced);
+        // Values recorded later (seen first because another thread was drained first) win.
+        let pending = self
+            .pending_span_records
+            .remove(&id)
+            .map(|(_, p)| p)
+            .unwrap_or_default();
+        for (data, len) in pending {
+            self.decode_fields(meta, &data, len, &mut announced);
+        }
+        self.spans.insert(
+            id,
+            SpanInfo {
+                name,
+                meta,
+                fields: announced,
+                closed_in: None,
+            },
+        );
+    }
+
     /// Phase 1: applies span announcements and field updates found in `ring.staging` past `announced_upto`.
     fn announce(&mut self, ring: &mut RingState) {
         let mut i = ring.announced_upto;
@@ -726,30 +752,9 @@ impl Processor {
         while i < staging.len() {
             let g = group_at(&staging, i);
             match (g.kind, g.header) {
-                (Some(Kind::SpanNew), Some((len, meta))) => {
-                    let id = g.head.word1;
-                    let name = self.metadata_info(meta).name;
-                    let mut announced = Vec::new();
-                    self.decode_fields(meta, g.data, len, &mut announced);
-                    // Values recorded later (seen first because another thread was drained first) win.
-                    let pending = self
-                        .pending_span_records
-                        .remove(&id)
-                        .map(|(_, p)| p)
-                        .unwrap_or_default();
-                    for (data, len) in pending {
-                        self.decode_fields(meta, &data, len, &mut announced);
-                    }
-                    self.spans.insert(
-                        id,
-                        SpanInfo {
-                            name,
-                            meta,
-                            fields: announced,
-                            closed_in: None,
-                        },
-                    );
-                }
+                (Some(Kind::SpanNew), Some((len, meta))) => self.announce_span(g.head.word1, meta, g.data, len),
+                // Untimed: the tick bits carry the metadata address.
+                (Some(Kind::SpanNewBare), _) => self.announce_span(g.head.word1, g.head.ticks_low(), &[], 0),
                 (Some(Kind::SpanRecord), Some((len, _))) => {
                     let id = g.head.word1;
                     let meta = self.spans.get(&id).map(|s| s.meta);
@@ -960,7 +965,7 @@ impl Processor {
                         self.push_counter(track, ts, name, value);
                     }
                 }
-                Some(Kind::SpanNew) | Some(Kind::SpanRecord) | Some(Kind::Data) | None => {}
+                Some(Kind::SpanNew | Kind::SpanNewBare | Kind::SpanRecord | Kind::Data) | None => {}
             }
             ring.waited_passes = 0;
             i += g.len;

@@ -1,5 +1,6 @@
 //! [`TicklineLayer`]: the `tracing_subscriber::Layer` that records spans and events into tickline.
 
+use std::num::NonZeroU64;
 use std::sync::Arc;
 
 use tracing::field::{Field, Visit};
@@ -8,7 +9,7 @@ use tracing::{Event, Metadata, Subscriber};
 use tracing_subscriber::layer::{Context, Layer};
 
 use crate::record::{FieldEncoder, Kind};
-use crate::recorder::{record_group, record_group_empty, record_now, record_untimed, Shared};
+use crate::recorder::{record_group, record_now, record_span_new_bare, record_untimed, Shared, Target};
 
 /// Records span enter/exit (one slice per enter/exit, on the entering thread), span fields (at creation and
 /// on `record`) and events with their fields into a [`crate::Timeline`].
@@ -30,19 +31,31 @@ use crate::recorder::{record_group, record_group_empty, record_now, record_untim
 #[derive(Clone)]
 pub struct TicklineLayer {
     shared: Arc<Shared>,
+    /// `shared.id`, kept here so a hook reads it without following the `Arc`; non-zero, so the recorder's
+    /// "no timeline" check folds away.
+    id: NonZeroU64,
 }
 
 impl TicklineLayer {
     pub(crate) fn new(shared: Arc<Shared>) -> Self {
-        TicklineLayer { shared }
+        let id = NonZeroU64::new(shared.id).expect("timeline ids count up from 1");
+        TicklineLayer { shared, id }
+    }
+}
+
+impl Target for TicklineLayer {
+    #[inline(always)]
+    fn id(&self) -> u64 {
+        self.id.get()
+    }
+    fn shared(&self) -> Option<Arc<Shared>> {
+        Some(self.shared.clone())
     }
 }
 
 impl std::fmt::Debug for TicklineLayer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TicklineLayer")
-            .field("timeline", &self.shared.id)
-            .finish()
+        f.debug_struct("TicklineLayer").field("timeline", &self.id).finish()
     }
 }
 
@@ -83,38 +96,39 @@ impl Visit for Encode<'_, '_> {
 impl<S: Subscriber> Layer<S> for TicklineLayer {
     fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, _ctx: Context<'_, S>) {
         let meta = meta_addr(attrs.metadata());
-        if attrs.values().is_empty() {
-            return record_group_empty(&self.shared, Kind::SpanNew, id.into_u64(), meta);
+        // The field set first: inlined, and empty for most spans, where it saves the call that checks values.
+        if attrs.fields().is_empty() || attrs.values().is_empty() {
+            return record_span_new_bare(self, id.into_u64(), meta);
         }
-        record_group(&self.shared, Kind::SpanNew, false, id.into_u64(), meta, |buf| {
+        record_group(self, Kind::SpanNew, false, id.into_u64(), meta, |buf| {
             attrs.record(&mut Encode(&mut FieldEncoder { buf }));
         });
     }
 
     fn on_record(&self, id: &Id, values: &SpanValues<'_>, _ctx: Context<'_, S>) {
-        record_group(&self.shared, Kind::SpanRecord, false, id.into_u64(), 0, |buf| {
+        record_group(self, Kind::SpanRecord, false, id.into_u64(), 0, |buf| {
             values.record(&mut Encode(&mut FieldEncoder { buf }));
         });
     }
 
     fn on_event(&self, event: &Event<'_>, _ctx: Context<'_, S>) {
         let meta = meta_addr(event.metadata());
-        record_group(&self.shared, Kind::Event, true, meta, meta, |buf| {
+        record_group(self, Kind::Event, true, meta, meta, |buf| {
             event.record(&mut Encode(&mut FieldEncoder { buf }));
         });
     }
 
     #[inline]
     fn on_enter(&self, id: &Id, _ctx: Context<'_, S>) {
-        record_now(&self.shared, Kind::SpanEnter, id.into_u64());
+        record_now(self, Kind::SpanEnter, id.into_u64());
     }
 
     #[inline]
     fn on_exit(&self, id: &Id, _ctx: Context<'_, S>) {
-        record_now(&self.shared, Kind::SpanExit, id.into_u64());
+        record_now(self, Kind::SpanExit, id.into_u64());
     }
 
     fn on_close(&self, id: Id, _ctx: Context<'_, S>) {
-        record_untimed(&self.shared, Kind::SpanClose, id.into_u64());
+        record_untimed(self, Kind::SpanClose, id.into_u64());
     }
 }

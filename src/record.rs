@@ -6,10 +6,11 @@
 //! `'static` callsite (tracing's `Metadata` or a native [`scope!`](macro@crate::scope) callsite), so the hot path copies a
 //! word and never looks up or interns anything.
 //!
-//! Records that carry fields (span creation, `record`, events) are followed in the same ring by a payload
-//! header `[len_bytes, metadata address]` and `ceil(len / 16)` data records holding the encoded fields. The
-//! producer pushes the whole group or nothing, so the ring itself is the per-thread side buffer and a group
-//! is never torn.
+//! Records that carry fields (span creation with field values, `record`, events) are followed in the same ring
+//! by a payload header `[len_bytes, metadata address]` and `ceil(len / 16)` data records holding the encoded
+//! fields. The producer pushes the whole group or nothing, so the ring itself is the per-thread side buffer
+//! and a group is never torn. A span created without field values is announced in one record
+//! ([`Kind::SpanNewBare`]): it needs no timestamp, so word 0 carries the metadata address instead.
 
 use std::fmt::{self, Write as _};
 
@@ -53,6 +54,9 @@ pub(crate) enum Kind {
     /// Word 1: native callsite address. A payload group follows: header `[len, scope key]` (device, queue,
     /// timestamp pair; see `gpu::scope_key`) and the encoded fields.
     GpuBegin = 11,
+    /// A span created without field values, announced in one record: untimed, so word 0's tick bits hold the
+    /// span's `'static` metadata address ([`Record::span_new_bare`]). Word 1: span id. No payload follows.
+    SpanNewBare = 12,
     /// A payload header or data record (never first in a group).
     Data = 15,
 }
@@ -71,6 +75,7 @@ impl Kind {
             9 => Kind::Instant,
             10 => Kind::Counter,
             11 => Kind::GpuBegin,
+            12 => Kind::SpanNewBare,
             15 => Kind::Data,
             _ => return None,
         })
@@ -89,6 +94,14 @@ impl Record {
     #[inline]
     pub(crate) fn kind(&self) -> Option<Kind> {
         Kind::from_bits((self.word0 >> TICK_BITS) as u8)
+    }
+
+    /// The one-record announcement of span `id`, created without field values, with the metadata at address
+    /// `meta`; `None` if the address does not fit the 60 tick bits (user-space addresses on x86_64 and
+    /// aarch64 Linux have at most 48 bits, 57 with 5-level paging), for which the caller sends the group.
+    #[inline(always)]
+    pub(crate) fn span_new_bare(meta: u64, id: u64) -> Option<Record> {
+        (meta <= TICK_MASK).then(|| Record::new(Kind::SpanNewBare, meta, id))
     }
 
     /// The low 60 bits of the tick.
@@ -273,6 +286,19 @@ mod tests {
         assert_eq!(r.ticks_low(), 0xABCD_0123_4567_89EF & TICK_MASK);
         assert_eq!(r.word1, 42);
         assert_eq!(Record::default().kind(), None);
+    }
+
+    #[test]
+    fn bare_span_announcement_carries_the_metadata_address() {
+        let meta = 0x7fff_1234_5670u64;
+        let r = Record::span_new_bare(meta, 7).expect("a 47-bit address fits");
+        assert_eq!(r.kind(), Some(Kind::SpanNewBare));
+        assert_eq!((r.ticks_low(), r.word1), (meta, 7));
+        assert_eq!(
+            Record::span_new_bare(TICK_MASK, 1).map(|r| r.ticks_low()),
+            Some(TICK_MASK)
+        );
+        assert_eq!(Record::span_new_bare(TICK_MASK + 1, 1), None);
     }
 
     #[test]

@@ -66,6 +66,7 @@ fn gpu_tracks(trace: &MemoryTrace) -> (TrackId, Vec<TrackId>) {
 
 #[test]
 fn simulated_gpu_slices_sit_in_their_submission_window_with_flows_and_uncertainty() {
+    let _one_at_a_time = crate::exclusive();
     let memory = MemoryExporter::default();
     let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
     let gpu = timeline.gpu(SimGpu::new(SimGpuConfig::default()).unwrap()).unwrap();
@@ -170,6 +171,7 @@ fn simulated_gpu_slices_sit_in_their_submission_window_with_flows_and_uncertaint
 
 #[test]
 fn overlapping_gpu_work_on_one_queue_goes_to_sibling_tracks() {
+    let _one_at_a_time = crate::exclusive();
     let memory = MemoryExporter::default();
     let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
     let config = SimGpuConfig {
@@ -221,6 +223,7 @@ fn overlapping_gpu_work_on_one_queue_goes_to_sibling_tracks() {
 
 #[test]
 fn a_scope_whose_commands_are_never_submitted_is_counted_lost() {
+    let _one_at_a_time = crate::exclusive();
     let memory = MemoryExporter::default();
     let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
     let gpu = timeline.gpu(SimGpu::new(SimGpuConfig::default()).unwrap()).unwrap();
@@ -240,6 +243,7 @@ fn a_scope_whose_commands_are_never_submitted_is_counted_lost() {
 /// the time.
 #[test]
 fn simulated_gpu_clock_over_ten_minutes_places_slices_within_100_ns() {
+    let _one_at_a_time = crate::exclusive();
     use tickline::calibration::sim::{SimClockConfig, SimClockPair};
     use tickline::gpu::{GpuCalibrationConfig, GpuClockTracker};
 
@@ -320,6 +324,7 @@ fn simulated_gpu_clock_over_ten_minutes_places_slices_within_100_ns() {
 
 #[test]
 fn scopes_whose_begin_record_is_dropped_are_counted_and_their_timestamp_pairs_recycled() {
+    let _one_at_a_time = crate::exclusive();
     let memory = MemoryExporter::default();
     // A 64-record ring that the collector drains only on flush: most begin records of a burst are dropped.
     let timeline = Timeline::builder()
@@ -391,6 +396,7 @@ impl tickline::gpu::GpuBackend for Uncalibratable {
 
 #[test]
 fn a_device_that_cannot_be_calibrated_loses_its_scopes_visibly_and_nothing_else() {
+    let _one_at_a_time = crate::exclusive();
     let memory = MemoryExporter::default();
     let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
     let gpu = timeline

@@ -5,3 +5,10 @@ mod gpu;
 mod pipeline;
 #[cfg(feature = "vulkan")]
 mod vulkan;
+
+/// Native macros record into the most recently started timeline, so every test that starts a timeline holds
+/// this lock: one at a time.
+pub(crate) fn exclusive() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}

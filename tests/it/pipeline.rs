@@ -1,18 +1,13 @@
 //! The CPU pipeline end to end: hot path -> ring -> collector -> exporter.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
+
+use crate::exclusive;
 
 use tickline::{Batch, EventKind, ExportError, Exporter, FieldValue, MemoryExporter, Timeline, TrackId, TrackKind};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::Layer as _;
-
-/// Native macros record into the most recently started timeline, so tests that start timelines run one at a
-/// time.
-fn exclusive() -> MutexGuard<'static, ()> {
-    static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// Counts slices per track and checks order without keeping the events (millions of them).
 #[derive(Clone, Default)]
@@ -123,8 +118,8 @@ fn drop_mode_accounts_for_every_record() {
         }
     });
     let stats = timeline.shutdown().unwrap();
-    // Produced: the span's announcement (2 records: head + empty payload header), 2 per enter/exit, 1 close.
-    let produced = 2 + 2 * ITERATIONS + 1;
+    // Produced: the span's announcement (1 record: a span without field values), 2 per enter/exit, 1 close.
+    let produced = 1 + 2 * ITERATIONS + 1;
     assert!(stats.dropped_records > 0, "the test must overflow the ring: {stats:?}");
     assert_eq!(stats.records + stats.dropped_records, produced, "{stats:?}");
     let s = counting.0.lock().unwrap();
@@ -447,4 +442,34 @@ fn flush_drains_full_rings_not_just_one_batch() {
     let s = counting.0.lock().unwrap();
     assert_eq!(s.begins.values().sum::<u64>(), SPANS);
     assert_eq!(s.ends.values().sum::<u64>(), SPANS);
+}
+
+#[test]
+fn spans_without_field_values_are_named_and_take_later_values() {
+    let _x = exclusive();
+    let memory = MemoryExporter::default();
+    let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
+    let subscriber = tracing_subscriber::registry().with(timeline.layer());
+    tracing::subscriber::with_default(subscriber, || {
+        // Announced in one record each: no field values at creation.
+        for _ in 0..100 {
+            drop(tracing::info_span!("bare").entered());
+        }
+        // A declared but empty field, recorded after the announcement.
+        let span = tracing::info_span!("later", answer = tracing::field::Empty);
+        span.record("answer", 42);
+        drop(span.enter());
+    });
+    let stats = timeline.shutdown().unwrap();
+    let trace = memory.snapshot();
+    assert_eq!(trace.slice_count("bare"), 100);
+    let later: Vec<_> = trace
+        .events
+        .iter()
+        .filter(|e| e.kind == EventKind::SliceBegin && e.name == "later")
+        .collect();
+    assert_eq!(later.len(), 1);
+    assert_eq!(later[0].fields, vec![("answer".into(), FieldValue::I64(42))]);
+    assert_eq!(stats.unknown_spans, 0, "{stats:?}");
+    assert_eq!(stats.dropped_records, 0, "{stats:?}");
 }

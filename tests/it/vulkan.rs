@@ -592,6 +592,7 @@ fn run_frames(test: &str, setup: Setup) {
 
 #[test]
 fn extension_calibration_with_host_reset_places_slices_within_a_microsecond() {
+    let _one_at_a_time = crate::exclusive();
     run_frames(
         "vulkan extension + host reset",
         Setup {
@@ -603,6 +604,7 @@ fn extension_calibration_with_host_reset_places_slices_within_a_microsecond() {
 
 #[test]
 fn extension_calibration_with_command_reset_places_slices_within_a_microsecond() {
+    let _one_at_a_time = crate::exclusive();
     run_frames(
         "vulkan extension + command reset",
         Setup {
@@ -614,6 +616,7 @@ fn extension_calibration_with_command_reset_places_slices_within_a_microsecond()
 
 #[test]
 fn submit_calibration_with_host_reset_places_slices_within_its_bracket() {
+    let _one_at_a_time = crate::exclusive();
     run_frames(
         "vulkan submit fallback + host reset",
         Setup {
@@ -625,6 +628,7 @@ fn submit_calibration_with_host_reset_places_slices_within_its_bracket() {
 
 #[test]
 fn submit_calibration_with_command_reset_places_slices_within_its_bracket() {
+    let _one_at_a_time = crate::exclusive();
     run_frames(
         "vulkan submit fallback + command reset",
         Setup {
@@ -662,6 +666,7 @@ fn round_trip(gpu: &VulkanGpu, work: &Work<'_>, slot: u32) -> (u64, u64) {
 
 #[test]
 fn slots_read_unwritten_until_the_gpu_writes_them_in_both_reset_modes() {
+    let _one_at_a_time = crate::exclusive();
     for host_query_reset in [true, false] {
         let test = format!("vulkan slot recycling (host reset {host_query_reset})");
         let Some(vulkan) = Vulkan::or_skip(
@@ -702,6 +707,7 @@ fn slots_read_unwritten_until_the_gpu_writes_them_in_both_reset_modes() {
 
 #[test]
 fn calibration_respects_its_budget_on_both_paths() {
+    let _one_at_a_time = crate::exclusive();
     for extension in [Some(CalibrationExtension::Ext), None] {
         let test = format!("vulkan calibration budget ({extension:?})");
         let Some(vulkan) = Vulkan::or_skip(
@@ -752,6 +758,7 @@ fn calibration_respects_its_budget_on_both_paths() {
 
 #[test]
 fn claims_the_device_does_not_back_are_rejected_before_any_call() {
+    let _one_at_a_time = crate::exclusive();
     let test = "vulkan rejected claims";
     // A device created without any calibrated-timestamps extension.
     let Some(vulkan) = Vulkan::or_skip(

@@ -307,8 +307,15 @@ fn an_unwritable_path_is_a_clear_error() {
     assert!(err.to_string().contains("/nonexistent-dir/trace.pftrace"), "{err}");
 }
 
+/// Native scopes record into the newest running timeline: tests that start timelines run one at a time.
+fn exclusive() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 #[test]
 fn a_whole_timeline_round_trips_through_the_checker() {
+    let _one_at_a_time = exclusive();
     let path = std::env::temp_dir().join(format!("tickline-perfetto-{}-timeline.pftrace", std::process::id()));
     let timeline = tickline::Timeline::builder()
         .lossless(true)
@@ -406,6 +413,7 @@ fn a_simulated_gpu_timeline_round_trips_through_the_checker() {
     use std::time::Duration;
     use tickline::gpu::sim::{SimCommands, SimGpu, SimGpuConfig};
 
+    let _one_at_a_time = exclusive();
     let path = std::env::temp_dir().join(format!("tickline-perfetto-{}-gpu.pftrace", std::process::id()));
     let timeline = tickline::Timeline::builder()
         .exporter(PerfettoExporter::create(&path).unwrap())
