@@ -2,4 +2,5 @@
 
 mod cli;
 mod gpu;
+mod live;
 mod pipeline;

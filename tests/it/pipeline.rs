@@ -9,7 +9,7 @@ use tracing_subscriber::Layer as _;
 
 /// Native macros record into the most recently started timeline, so tests that start timelines run one at a
 /// time.
-fn exclusive() -> MutexGuard<'static, ()> {
+pub(crate) fn exclusive() -> MutexGuard<'static, ()> {
     static LOCK: Mutex<()> = Mutex::new(());
     LOCK.lock().unwrap_or_else(|e| e.into_inner())
 }
