@@ -27,7 +27,17 @@ use crate::scope::Callsite;
 /// Data a sink keeps with a span from its creation to its close (its fields formatted, for example).
 pub type LiveSpanData = Box<dyn Any + Send + Sync>;
 
-/// Hooks called on the instrumented thread as tickline records. See the [module docs](self) for when.
+/// Hooks called on the instrumented thread as tickline records, for live viewers that must see an event on
+/// that thread while it happens (Tracy's API stamps "now" on the calling thread, so a CPU zone can only be
+/// emitted by the thread that runs it). Installed with
+/// [`TimelineBuilder::live_sink`](crate::TimelineBuilder::live_sink).
+///
+/// A sink is called right after tickline records a span enter, scope begin, event, instant or frame mark, and
+/// right before it records the matching exit or end. Without a sink the layer tests one field and a native
+/// scope loads one pointer; with one, the layer looks the span up in the registry once per enter (its
+/// metadata and what the sink kept at creation) and makes one virtual call. A sink lives as long as the
+/// process: starting a timeline leaks one reference to it, so a native scope that loaded it just before the
+/// timeline stopped can still call it.
 ///
 /// Every method is called on the hot path of the application: keep them short, never block, never panic.
 /// Enters and exits (begins and ends) come in pairs per thread and nest like a stack, except that `tracing`
