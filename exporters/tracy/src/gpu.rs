@@ -21,6 +21,8 @@ struct Subtree {
     items: Vec<Item>,
     /// Whether Tracy was capturing when the outermost slice began (on-demand mode drops it otherwise).
     capture: bool,
+    /// Slices begun in it.
+    zones: u64,
 }
 
 /// A GPU lane track (a queue's own track or one of its sibling lanes).
@@ -180,8 +182,10 @@ impl GpuZones {
         if lane.depth == 0 {
             lane.current.items.clear();
             lane.current.capture = capturing;
+            lane.current.zones = 0;
         }
         lane.depth += 1;
+        lane.current.zones += 1;
         if lane.current.capture {
             lane.current.items.push(Item::Begin { name, ns });
         }
@@ -205,7 +209,7 @@ impl GpuZones {
                 };
                 self.ready.push((first, track, std::mem::take(&mut lane.current.items)));
             } else {
-                stats.gpu_zones_not_captured += lane.current.items.len() as u64 / 2 + 1;
+                stats.gpu_zones_not_captured += lane.current.zones;
                 lane.current.items.clear();
             }
         }
@@ -286,5 +290,60 @@ impl GpuZones {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lanes() -> GpuZones {
+        let mut gpu = GpuZones::default();
+        gpu.add_lane(TrackId(1), Lane::new("gpu / graphics".into(), false));
+        gpu
+    }
+
+    #[test]
+    fn a_lane_hands_over_a_subtree_when_its_outermost_slice_ends() {
+        let mut gpu = lanes();
+        let mut stats = TracyStats::default();
+        gpu.begin(TrackId(1), NameId(1), 100, true);
+        gpu.begin(TrackId(1), NameId(2), 110, true);
+        gpu.end(TrackId(1), 120, &mut stats);
+        assert!(gpu.ready.is_empty(), "the outer slice is still open");
+        gpu.end(TrackId(1), 130, &mut stats);
+        assert_eq!(gpu.ready.len(), 1);
+        let (first, track, items) = &gpu.ready[0];
+        assert_eq!((*first, *track, items.len()), (100, TrackId(1), 4));
+        assert!(!gpu.is_lane(TrackId(2)));
+    }
+
+    #[test]
+    fn a_subtree_begun_while_not_capturing_is_dropped_whole_and_counted() {
+        let mut gpu = lanes();
+        let mut stats = TracyStats::default();
+        // The profiler connects between the outer begin and the inner one: the subtree stays uncaptured, so
+        // Tracy never sees an end without its begin.
+        gpu.begin(TrackId(1), NameId(1), 100, false);
+        gpu.begin(TrackId(1), NameId(2), 110, true);
+        gpu.end(TrackId(1), 120, &mut stats);
+        gpu.end(TrackId(1), 130, &mut stats);
+        assert!(gpu.ready.is_empty());
+        assert_eq!(stats.gpu_zones_not_captured, 2);
+        // The next subtree is captured.
+        gpu.begin(TrackId(1), NameId(1), 200, true);
+        gpu.end(TrackId(1), 210, &mut stats);
+        assert_eq!(gpu.ready.len(), 1);
+        gpu.drop_ready(&mut stats);
+        assert_eq!(stats.gpu_zones_not_captured, 3);
+    }
+
+    #[test]
+    fn an_end_without_an_open_slice_is_ignored() {
+        let mut gpu = lanes();
+        let mut stats = TracyStats::default();
+        gpu.end(TrackId(1), 10, &mut stats);
+        gpu.end(TrackId(9), 10, &mut stats);
+        assert!(gpu.ready.is_empty());
     }
 }
