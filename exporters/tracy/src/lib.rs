@@ -59,6 +59,25 @@
 //! [`TracyStats::anchor_latency_max_ns`]). A lane's slices are held until its outermost slice ends and then
 //! uploaded in increasing time order, subtrees of all lanes oldest first.
 //!
+//! # Measured
+//!
+//! On this project's 2-core test VM (`cargo bench --bench overhead`, one run, medians):
+//! - Hot path, Tracy in on-demand mode with no profiler (Tracy queues nothing, so the exporter's own cost
+//!   shows): a span created, entered, exited and closed costs 174 ns with tickline + this exporter against
+//!   231 ns with `tracing-tracy` (tickline alone 117 ns, an empty layer 88 ns); a precreated span's
+//!   enter + exit 58 ns against 58 ns (tickline alone 24 ns); a native `scope!` 20 ns (tickline alone 20 ns,
+//!   `tracy_client::span!` 5 ns).
+//! - Tracy's default mode with no profiler (every zone queued in memory, page faults included): 234 ns
+//!   against 303 ns per created span; precreated enter + exit 337 ns against 228 ns (both dominated by Tracy's
+//!   growing queue, several GB by the end of the run).
+//! - GPU zone placement over a 60 s live session (`TICKLINE_TRACY_SECONDS=60 cargo test --release -p
+//!   tickline-tracy --test live_server`), as a Tracy server places them, against tickline's own conversion:
+//!   40,464 zones, median 188 ns, p99 199 ns, max 210 ns (max 208 ns in the last 10 s). The steady ~190 ns is
+//!   the anchor-to-slice distance (about 0.4 s with a 500 ms GPU latency bound) times the difference between
+//!   tickline's TSC rate and the one Tracy measured at startup (about 0.5 ppm here); the anchoring calls
+//!   themselves took 58 ns on average, 241 ns at most. CPU zones lie a median 10 ns (p99 0.7 µs) from
+//!   tickline's own ticks.
+//!
 //! # On-demand mode and memory
 //!
 //! With the `ondemand` feature (Tracy's `TRACY_ON_DEMAND`), nothing is queued while no profiler is connected:
