@@ -14,6 +14,11 @@
 //! Subscribers: `registry()` plus an empty layer (the floor), plus `Timeline::layer()` (drop mode, the default
 //! 64 Ki-record rings, the collector polling every 1 ms), plus `tracing_tracy::TracyLayer::default()`, plus
 //! `tracing_chrome::ChromeLayer` writing to a byte-counting sink (no disk).
+//! `tickline_tracy` is `Timeline::layer()` of a second timeline with the Tracy exporter installed
+//! (`tickline_tracy::TracyExporter::install`): each enter/exit also emits a Tracy zone on the recording
+//! thread through the live sink, in the same Tracy mode as `tracing-tracy`. `native_scope_tracy` compares
+//! `tickline::scope!` with that exporter against `tracy_client::span!`. (The collector CPU figure is read
+//! from the first thread named `tickline-collector`, whichever timeline's it is.)
 //!
 //! tickline is timed in chunks of half a ring: between chunks the timer stops and the bench flushes until the
 //! collector has caught up. A loop that does nothing but open spans outruns the collector, and once the ring
@@ -42,6 +47,7 @@ use std::time::{Duration, Instant};
 use criterion::measurement::WallTime;
 use criterion::{criterion_group, criterion_main, BenchmarkGroup, BenchmarkId, Criterion};
 use tickline::Timeline;
+use tickline_tracy::TracyExporter;
 use tracing::{Dispatch, Subscriber};
 use tracing_subscriber::layer::{Layer, SubscriberExt};
 
@@ -411,18 +417,29 @@ const CREATE_CLOSE_RECORDS: u64 = 4;
 const ENTER_EXIT_RECORDS: u64 = 2;
 
 fn overhead(c: &mut Criterion) {
+    // tickline with the Tracy exporter installed (its live sink emits a Tracy zone per enter/exit on the
+    // recording thread). Started first, so that the plain timeline below is the one native macros record
+    // into.
+    let tracy_timeline = TracyExporter::new()
+        .install(Timeline::builder().ring_capacity(RING_CAPACITY))
+        .start()
+        .unwrap();
     // Drop mode, the default.
     let timeline = Timeline::builder().ring_capacity(RING_CAPACITY).start().unwrap();
     let make_floor: MakeDispatch = Arc::new(|| Dispatch::new(tracing_subscriber::registry().with(EmptyLayer)));
     let layer = timeline.layer();
     let make_tickline: MakeDispatch =
         Arc::new(move || Dispatch::new(tracing_subscriber::registry().with(layer.clone())));
+    let tracy_layer = tracy_timeline.layer();
+    let make_tickline_tracy: MakeDispatch =
+        Arc::new(move || Dispatch::new(tracing_subscriber::registry().with(tracy_layer.clone())));
     let make_tracy: MakeDispatch =
         Arc::new(|| Dispatch::new(tracing_subscriber::registry().with(tracing_tracy::TracyLayer::default())));
     let _tracy_client = tracy_client::Client::start();
     assert!(tracy_client::Client::is_running(), "Tracy is not running");
     let (floor, tickline, tracy) = (make_floor(), make_tickline(), make_tracy());
-    for dispatch in [&floor, &tickline, &tracy] {
+    let tickline_tracy = make_tickline_tracy();
+    for dispatch in [&floor, &tickline, &tracy, &tickline_tracy] {
         assert_span_enabled(dispatch);
     }
     assert_records(&timeline, CREATE_CLOSE_RECORDS + ENTER_EXIT_RECORDS, 0, || {
@@ -436,6 +453,12 @@ fn overhead(c: &mut Criterion) {
         ("empty_layer", &floor, &make_floor, None),
         ("tickline", &tickline, &make_tickline, Some(&timeline)),
         ("tracing_tracy", &tracy, &make_tracy, None),
+        (
+            "tickline_tracy",
+            &tickline_tracy,
+            &make_tickline_tracy,
+            Some(&tracy_timeline),
+        ),
     ];
 
     let mut group = Group::new(c, "span_create_enter_exit_close");
@@ -481,7 +504,8 @@ fn overhead(c: &mut Criterion) {
     group.finish();
 
     let mut group = Group::new(c, "span_create_enter_exit_close_threads");
-    for (id, _, make_dispatch, timeline) in subscribers {
+    for (id, _, make_dispatch, timeline) in &subscribers[..3] {
+        let (id, timeline) = (*id, *timeline);
         let pace = Pace::new(timeline, CREATE_CLOSE_RECORDS);
         group.bench_threads(id, make_dispatch, pace, false, || {
             assert!(
@@ -515,6 +539,29 @@ fn overhead(c: &mut Criterion) {
     group.finish();
 
     let stats = timeline.shutdown().unwrap();
+    tracy_timeline.shutdown().unwrap();
+
+    // Native scopes with the Tracy exporter: its timeline must be the current one.
+    let tracy_timeline = TracyExporter::new()
+        .install(Timeline::builder().ring_capacity(RING_CAPACITY))
+        .start()
+        .unwrap();
+    assert_records(&tracy_timeline, ENTER_EXIT_RECORDS, 0, || {
+        drop(tickline::scope!("check"))
+    });
+    let mut group = Group::new(c, "native_scope_tracy");
+    group.bench_here("tracy_client", Pace::Free, || {
+        let _span = tracy_client::span!("bench");
+    });
+    group.bench_here(
+        "tickline_tracy",
+        Pace::new(Some(&tracy_timeline), ENTER_EXIT_RECORDS),
+        || {
+            let _scope = tickline::scope!("bench");
+        },
+    );
+    group.finish();
+    tracy_timeline.shutdown().unwrap();
     println!(
         "tickline: {} records taken, {} dropped (ring full), {} thread rings",
         stats.records, stats.dropped_records, stats.threads

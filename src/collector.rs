@@ -17,10 +17,12 @@ use crate::clock::{check_tsc_reliability, monotonic_ns, FastConverter, Reliabili
 use crate::clock::{TscCalibratorConfig, TscDecision};
 use crate::error::TicklineError;
 use crate::export::{
-    Batch, Event, EventKind, ExportError, Exporter, Field, FieldValue, NameId, TrackDescriptor, TrackId, TrackKind,
+    Batch, CpuClock, Event, EventKind, ExportError, Exporter, Field, FieldValue, NameId, TrackDescriptor, TrackId,
+    TrackKind,
 };
 use crate::gpu::{GpuBackend, GpuCalibrationConfig, GpuCollector, GpuControl, GpuDevice};
 use crate::layer::TicklineLayer;
+use crate::live::{self, LiveSink};
 use crate::record::{collect_payload, decode_fields, restore_ticks, Kind, RawValue, Record};
 use crate::recorder::{self, Control, Shared};
 use crate::ring::Consumer;
@@ -46,6 +48,7 @@ pub struct TimelineBuilder {
     calibration: TscCalibratorConfig,
     gpu_calibration: GpuCalibrationConfig,
     max_records_per_pass: usize,
+    live: Option<Arc<dyn LiveSink>>,
 }
 
 impl std::fmt::Debug for TimelineBuilder {
@@ -56,6 +59,7 @@ impl std::fmt::Debug for TimelineBuilder {
             .field("ring_capacity", &self.ring_capacity)
             .field("poll_interval", &self.poll_interval)
             .field("tick_source", &self.tick_source)
+            .field("live_sink", &self.live.is_some())
             .finish()
     }
 }
@@ -72,6 +76,7 @@ impl Default for TimelineBuilder {
             calibration: TscCalibratorConfig::default(),
             gpu_calibration: GpuCalibrationConfig::default(),
             max_records_per_pass: 1 << 16,
+            live: None,
         }
     }
 }
@@ -129,6 +134,27 @@ impl TimelineBuilder {
         self
     }
 
+    /// Installs a [`LiveSink`]: hooks called on the instrumented thread as the layer and the native macros
+    /// record (for live viewers, such as the Tracy exporter, that must emit on the thread itself). The sink
+    /// is kept for the rest of the process (see [`LiveSink`]).
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # struct Nothing;
+    /// # impl tickline::LiveSink for Nothing {
+    /// #     fn span_enter(&self, _: &'static tracing::Metadata<'static>, _: Option<&tickline::LiveSpanData>) {}
+    /// #     fn span_exit(&self) {}
+    /// #     fn scope_begin(&self, _: &'static tickline::Callsite) {}
+    /// #     fn scope_end(&self, _: &'static tickline::Callsite) {}
+    /// # }
+    /// let timeline = tickline::Timeline::builder().live_sink(Arc::new(Nothing)).start().unwrap();
+    /// # drop(timeline);
+    /// ```
+    pub fn live_sink(mut self, sink: Arc<dyn LiveSink>) -> Self {
+        self.live = Some(sink);
+        self
+    }
+
     /// Checks the tick source, calibrates it, and starts the collector thread.
     pub fn start(self) -> Result<Timeline, TicklineError> {
         let (source, tsc_fallback_reason) = match self.tick_source {
@@ -179,13 +205,16 @@ impl TimelineBuilder {
             .name("tickline-collector".into())
             .spawn(move || collector.run())
             .map_err(TicklineError::CollectorSpawn)?;
+        let live = self.live.map(live::leak);
         recorder::set_current(&shared);
+        live::set_current(shared.id, live);
         Ok(Timeline {
             shared,
             thread: Some(thread),
             stats,
             source,
             tsc_fallback_reason,
+            live,
         })
     }
 }
@@ -257,6 +286,7 @@ pub struct Timeline {
     stats: Arc<SharedStats>,
     source: TickSource,
     tsc_fallback_reason: Option<String>,
+    live: Option<&'static dyn LiveSink>,
 }
 
 impl std::fmt::Debug for Timeline {
@@ -276,7 +306,7 @@ impl Timeline {
 
     /// The `tracing` layer that records into this timeline.
     pub fn layer(&self) -> TicklineLayer {
-        TicklineLayer::new(self.shared.clone())
+        TicklineLayer::new(self.shared.clone(), self.live)
     }
 
     /// The CPU tick source in use.
@@ -369,6 +399,7 @@ impl Timeline {
         };
         self.shared.running.store(false, Ordering::Release);
         recorder::clear_current(self.shared.id);
+        live::clear_current(self.shared.id);
         let result = self.request(Control::Shutdown);
         let joined = thread.join();
         match (result, joined) {
@@ -1258,6 +1289,10 @@ impl Collector {
         if p.batch.is_empty() {
             return;
         }
+        p.batch.cpu_clock = self.calibrator.history().latest().map(|&calibration| CpuClock {
+            source: self.calibrator.source(),
+            calibration,
+        });
         let s = &self.stats;
         s.events.fetch_add(p.batch.events.len() as u64, Ordering::Relaxed);
         s.unmatched_ends.store(p.stats.unmatched_ends, Ordering::Relaxed);

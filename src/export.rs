@@ -8,6 +8,9 @@
 use std::fmt;
 use std::ops::Range;
 
+use crate::calibration::ClockCalibration;
+use crate::clock::{RawTicks, TickSource};
+
 /// A track: a thread, the process, a counter, a GPU queue. Unique per timeline; never reused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct TrackId(pub u64);
@@ -117,6 +120,38 @@ pub struct Event {
     pub flow_in: Option<u64>,
 }
 
+/// The CPU clock a batch's timestamps were converted with: its tick source and the calibration (the
+/// collector's newest fit of the live CPU calibration). With it an exporter maps a reference-ns timestamp back
+/// to the raw counter, for viewers whose time axis is the raw counter (Tracy's is the TSC).
+///
+/// ```
+/// use tickline::{ClockCalibration, ClockDomain, CpuClock, RawTicks, TickSource};
+/// let domain = ClockDomain::new(64, 0.4).unwrap();
+/// let calibration = ClockCalibration::from_anchor(domain, 1_000_000, 5_000_000_000, 0.4).unwrap();
+/// let clock = CpuClock { source: TickSource::Tsc, calibration };
+/// assert_eq!(clock.to_ns(RawTicks(3_500_000)), 5_001_000_000);
+/// assert_eq!(clock.to_ticks(5_001_000_000), RawTicks(3_500_000));
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CpuClock {
+    /// The counter the threads' ticks were read from.
+    pub source: TickSource,
+    /// Raw ticks to reference (`CLOCK_MONOTONIC`) ns, as the batch's CPU events were converted.
+    pub calibration: ClockCalibration,
+}
+
+impl CpuClock {
+    /// Raw ticks of `source` at reference time `ns` (the inverse of [`to_ns`](Self::to_ns) to within a tick).
+    pub fn to_ticks(&self, ns: u64) -> RawTicks {
+        RawTicks(self.calibration.from_reference_ns(ns))
+    }
+
+    /// Reference ns of raw ticks, as the collector converts CPU ticks.
+    pub fn to_ns(&self, ticks: RawTicks) -> u64 {
+        self.calibration.to_reference_ns(ticks.0)
+    }
+}
+
 /// A batch handed to exporters: new tracks and names first, then events.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Batch {
@@ -128,6 +163,9 @@ pub struct Batch {
     pub events: Vec<Event>,
     /// The field arena the events' `fields` ranges point into.
     pub fields: Vec<Field>,
+    /// The CPU clock the events were converted with (set by the collector on every batch it exports; `None`
+    /// in batches made by hand).
+    pub cpu_clock: Option<CpuClock>,
 }
 
 impl Batch {

@@ -7,7 +7,9 @@ use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record as SpanValues};
 use tracing::{Event, Metadata, Subscriber};
 use tracing_subscriber::layer::{Context, Layer};
+use tracing_subscriber::registry::LookupSpan;
 
+use crate::live::{LiveSink, LiveSpanData};
 use crate::record::{FieldEncoder, Kind};
 use crate::recorder::{record_group, record_now, record_span_new_bare, record_untimed, Shared, Target};
 
@@ -16,7 +18,9 @@ use crate::recorder::{record_group, record_now, record_span_new_bare, record_unt
 ///
 /// It composes like any layer: it leaves `enabled()` alone (overriding it would filter for every layer), so
 /// narrow it with a per-layer filter, `.with_filter(..)`. Its hot path, `on_enter`/`on_exit`, writes one
-/// 16-byte record (span id + raw tick) and looks nothing up.
+/// 16-byte record (span id + raw tick) and looks nothing up; with a [`crate::LiveSink`] installed, an enter
+/// also looks the span up in the registry once (which is why the layer needs a [`LookupSpan`] subscriber,
+/// as every `tracing_subscriber::registry()` stack is).
 ///
 /// ```
 /// use tracing_subscriber::layer::SubscriberExt;
@@ -34,12 +38,13 @@ pub struct TicklineLayer {
     /// `shared.id`, kept here so a hook reads it without following the `Arc`; non-zero, so the recorder's
     /// "no timeline" check folds away.
     id: NonZeroU64,
+    live: Option<&'static dyn LiveSink>,
 }
 
 impl TicklineLayer {
-    pub(crate) fn new(shared: Arc<Shared>) -> Self {
+    pub(crate) fn new(shared: Arc<Shared>, live: Option<&'static dyn LiveSink>) -> Self {
         let id = NonZeroU64::new(shared.id).expect("timeline ids count up from 1");
-        TicklineLayer { shared, id }
+        TicklineLayer { shared, id, live }
     }
 }
 
@@ -53,9 +58,15 @@ impl Target for TicklineLayer {
     }
 }
 
+/// What a [`LiveSink`] keeps with a span, in the span's registry extensions.
+struct LiveData(Option<LiveSpanData>);
+
 impl std::fmt::Debug for TicklineLayer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TicklineLayer").field("timeline", &self.id).finish()
+        f.debug_struct("TicklineLayer")
+            .field("timeline", &self.id)
+            .field("live_sink", &self.live.is_some())
+            .finish()
     }
 }
 
@@ -93,8 +104,13 @@ impl Visit for Encode<'_, '_> {
     }
 }
 
-impl<S: Subscriber> Layer<S> for TicklineLayer {
-    fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, _ctx: Context<'_, S>) {
+impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for TicklineLayer {
+    fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, ctx: Context<'_, S>) {
+        if let Some(live) = self.live {
+            if let (Some(data), Some(span)) = (live.span_new(attrs), ctx.span(id)) {
+                span.extensions_mut().insert(LiveData(Some(data)));
+            }
+        }
         let meta = meta_addr(attrs.metadata());
         // The field set first: inlined, and empty for most spans, where it saves the call that checks values.
         if attrs.fields().is_empty() || attrs.values().is_empty() {
@@ -105,10 +121,21 @@ impl<S: Subscriber> Layer<S> for TicklineLayer {
         });
     }
 
-    fn on_record(&self, id: &Id, values: &SpanValues<'_>, _ctx: Context<'_, S>) {
+    fn on_record(&self, id: &Id, values: &SpanValues<'_>, ctx: Context<'_, S>) {
         record_group(self, Kind::SpanRecord, false, id.into_u64(), 0, |buf| {
             values.record(&mut Encode(&mut FieldEncoder { buf }));
         });
+        if let (Some(live), Some(span)) = (self.live, ctx.span(id)) {
+            let mut extensions = span.extensions_mut();
+            match extensions.get_mut::<LiveData>() {
+                Some(LiveData(data)) => live.span_record(span.metadata(), data, values),
+                None => {
+                    let mut data = None;
+                    live.span_record(span.metadata(), &mut data, values);
+                    extensions.insert(LiveData(data));
+                }
+            }
+        }
     }
 
     fn on_event(&self, event: &Event<'_>, _ctx: Context<'_, S>) {
@@ -116,19 +143,36 @@ impl<S: Subscriber> Layer<S> for TicklineLayer {
         record_group(self, Kind::Event, true, meta, meta, |buf| {
             event.record(&mut Encode(&mut FieldEncoder { buf }));
         });
+        if let Some(live) = self.live {
+            live.event(event);
+        }
     }
 
     #[inline]
-    fn on_enter(&self, id: &Id, _ctx: Context<'_, S>) {
+    fn on_enter(&self, id: &Id, ctx: Context<'_, S>) {
         record_now(self, Kind::SpanEnter, id.into_u64());
+        if let Some(live) = self.live {
+            live_enter(live, id, &ctx);
+        }
     }
 
     #[inline]
     fn on_exit(&self, id: &Id, _ctx: Context<'_, S>) {
+        if let Some(live) = self.live {
+            live.span_exit();
+        }
         record_now(self, Kind::SpanExit, id.into_u64());
     }
 
     fn on_close(&self, id: Id, _ctx: Context<'_, S>) {
         record_untimed(self, Kind::SpanClose, id.into_u64());
     }
+}
+
+/// Calls the sink for an enter: the span's metadata and what the sink kept with it.
+fn live_enter<S: Subscriber + for<'a> LookupSpan<'a>>(live: &dyn LiveSink, id: &Id, ctx: &Context<'_, S>) {
+    let Some(span) = ctx.span(id) else { return };
+    let extensions = span.extensions();
+    let data = extensions.get::<LiveData>().and_then(|d| d.0.as_ref());
+    live.span_enter(span.metadata(), data);
 }

@@ -65,7 +65,8 @@
 //! # Internals
 //!
 //! - `ring`: the SPSC ring (checked with loom and Miri); `record`: the 16-byte record and field payloads.
-//! - `recorder`: each thread's ring per timeline; `layer`, `scope`: what records.
+//! - `recorder`: each thread's ring per timeline; `layer`, `scope`: what records; `live`: the optional
+//!   [`LiveSink`] they call as they record, for live viewers that must emit on the thread itself (Tracy).
 //! - `collector`: drains every ring each `poll_interval`, resolves span names and fields, converts, keeps
 //!   per-track order, batches for the [`Exporter`]s.
 //! - [`gpu`]: the backend trait, the scope guard and handles; on the collector side, per device, the scopes in
@@ -105,6 +106,7 @@ mod error;
 mod export;
 pub mod gpu;
 mod layer;
+mod live;
 mod record;
 mod recorder;
 mod ring;
@@ -124,10 +126,14 @@ pub use collector::bench_support;
 pub use collector::{Timeline, TimelineBuilder, TimelineStats};
 pub use error::TicklineError;
 pub use export::{
-    Batch, Event, EventKind, ExportError, Exporter, Field, FieldValue, MemoryExporter, MemoryTrace, NameId,
+    Batch, CpuClock, Event, EventKind, ExportError, Exporter, Field, FieldValue, MemoryExporter, MemoryTrace, NameId,
     RecordedEvent, TrackDescriptor, TrackId, TrackKind,
 };
 pub use layer::TicklineLayer;
+pub use live::{LiveSink, LiveSpanData};
 #[doc(hidden)]
-pub use scope::{record_counter_value as __record_counter, record_instant as __record_instant};
+pub use scope::{
+    record_counter_value as __record_counter, record_frame_mark as __record_frame_mark,
+    record_instant as __record_instant,
+};
 pub use scope::{Callsite, ScopeGuard};

@@ -5,6 +5,7 @@
 //! thread's ring. They record into the most recently started [`crate::Timeline`] that is still running, and
 //! cost one atomic load when none is.
 
+use crate::live::{self, LiveSink};
 use crate::record::Kind;
 use crate::recorder::{record_counter, record_now, Current};
 
@@ -68,9 +69,19 @@ impl Callsite {
 
 /// An open native scope: the slice ends when this guard is dropped.
 #[must_use = "the scope ends when this guard is dropped"]
-#[derive(Debug)]
 pub struct ScopeGuard {
     callsite: &'static Callsite,
+    /// The live sink that saw the begin, so the end goes to the same one.
+    live: Option<&'static dyn LiveSink>,
+}
+
+impl std::fmt::Debug for ScopeGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ScopeGuard")
+            .field("callsite", &self.callsite)
+            .field("live_sink", &self.live.is_some())
+            .finish()
+    }
 }
 
 impl ScopeGuard {
@@ -79,13 +90,20 @@ impl ScopeGuard {
     #[inline(always)]
     pub fn enter(callsite: &'static Callsite) -> Self {
         record_now(&Current, Kind::ScopeBegin, callsite.addr());
-        ScopeGuard { callsite }
+        let live = live::current();
+        if let Some(sink) = live {
+            sink.scope_begin(callsite);
+        }
+        ScopeGuard { callsite, live }
     }
 }
 
 impl Drop for ScopeGuard {
     #[inline(always)]
     fn drop(&mut self) {
+        if let Some(sink) = self.live {
+            sink.scope_end(self.callsite);
+        }
         record_now(&Current, Kind::ScopeEnd, self.callsite.addr());
     }
 }
@@ -95,6 +113,20 @@ impl Drop for ScopeGuard {
 #[inline(always)]
 pub fn record_instant(callsite: &'static Callsite) {
     record_now(&Current, Kind::Instant, callsite.addr());
+    if let Some(sink) = live::current() {
+        sink.instant(callsite);
+    }
+}
+
+/// Records a frame mark at `callsite` (an instant, and the live sink's frame mark). Use
+/// [`frame_mark!`](macro@crate::frame_mark).
+#[doc(hidden)]
+#[inline]
+pub fn record_frame_mark(callsite: &'static Callsite, main: bool) {
+    record_now(&Current, Kind::Instant, callsite.addr());
+    if let Some(sink) = live::current() {
+        sink.frame_mark((!main).then(|| callsite.name()));
+    }
 }
 
 /// Records a counter value at `callsite`. Use [`counter!`](macro@crate::counter).
@@ -134,6 +166,32 @@ macro_rules! instant {
     ($name:expr) => {{
         static CALLSITE: $crate::Callsite = $crate::Callsite::new($name, file!(), line!());
         $crate::__record_instant(&CALLSITE)
+    }};
+}
+
+/// Marks the end of a frame: `frame_mark!()` for the main frame set, `frame_mark!("name")` for a named one.
+///
+/// Recorded as an instant named "frame" (or `name`) on this thread; a [`LiveSink`] such as the Tracy
+/// exporter's shows it as a frame boundary.
+///
+/// ```
+/// let timeline = tickline::Timeline::builder().start().unwrap();
+/// for _ in 0..3 {
+///     // ... render ...
+///     tickline::frame_mark!();
+/// }
+/// tickline::frame_mark!("physics tick");
+/// timeline.flush().unwrap();
+/// ```
+#[macro_export]
+macro_rules! frame_mark {
+    () => {{
+        static CALLSITE: $crate::Callsite = $crate::Callsite::new("frame", file!(), line!());
+        $crate::__record_frame_mark(&CALLSITE, true)
+    }};
+    ($name:expr) => {{
+        static CALLSITE: $crate::Callsite = $crate::Callsite::new($name, file!(), line!());
+        $crate::__record_frame_mark(&CALLSITE, false)
     }};
 }
 

@@ -2,6 +2,7 @@
 
 mod cli;
 mod gpu;
+mod live;
 mod pipeline;
 #[cfg(feature = "vulkan")]
 mod vulkan;

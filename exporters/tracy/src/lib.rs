@@ -1,0 +1,298 @@
+//! tickline-tracy: a tickline timeline, live in the [Tracy profiler](https://github.com/wolfpld/tracy)
+//! (0.14.x, protocol 82: the client that `tracy-client` 0.19 bundles).
+//!
+//! tickline's CPU spans and native scopes appear as Tracy zones on their own threads (span fields as zone
+//! text, the name and source location from the call site), `tracing` events and `instant!`s as Tracy
+//! messages, `frame_mark!`s as frame marks, its GPU scopes as GPU zones in one Tracy GPU context per GPU
+//! queue lane, and every counter track (tickline's calibration health: TSC drift and error bound, dropped
+//! records; the GPU clocks' drift, error bound and offset; the app's `counter!`s) as a Tracy plot.
+//!
+//! ```
+//! use tracing_subscriber::layer::SubscriberExt;
+//!
+//! let tracy = tickline_tracy::TracyExporter::new();
+//! let timeline = tracy.install(tickline::Timeline::builder()).start().unwrap();
+//! let subscriber = tracing_subscriber::registry().with(timeline.layer());
+//! tracing::subscriber::with_default(subscriber, || {
+//!     let _frame = tracing::info_span!("frame", n = 1).entered();
+//!     let _physics = tickline::scope!("physics");
+//!     tracing::info!(bodies = 12, "stepped");
+//! });
+//! tickline::frame_mark!();
+//! timeline.shutdown().unwrap();
+//! ```
+//!
+//! # Design
+//!
+//! **CPU zones are emitted on the thread itself, at the moment tickline records** (through
+//! [`tickline::LiveSink`]), with one leaked, static Tracy source location per call site (`tracing` metadata or
+//! native callsite), found again with two atomic loads and no lock or allocation. Tracy's public API offers no
+//! other way: its zone calls stamp "now" on the calling thread (tracy#1154, #1440 ask for more). Tracy and
+//! tickline both read the TSC, a few nanoseconds apart, so a Tracy zone and tickline's slice of the same
+//! span agree to within the cost of the calls between the two reads.
+//!
+//! The alternative was to let tickline's collector be the only Tracy emitter, replaying each thread's zones
+//! with their recorded ticks through a small C++ shim over the bundled client's serial queue (the queue
+//! Tracy's `fibers` build routes every zone through). It was assessed from the client's sources and not
+//! built:
+//! - it needs `TRACY_FIBERS`, which moves *all* Tracy instrumentation in the process (the app's own
+//!   `tracy_client::span!`s too) from per-thread lock-free queues onto one spin-locked serial queue, a cost and
+//!   a contention point for every thread;
+//! - the shim writes Tracy's private `QueueItem` layouts, so it must be compiled with exactly
+//!   `tracy-client-sys`'s defines and pinned to its exact version, and breaks silently on any protocol bump;
+//! - its only gain is a cheaper hot path (tickline's record alone); the zones would still reach Tracy no
+//!   sooner, and alignment is already at the TSC-read level.
+//!
+//! What the hot path costs with this exporter on, against `tracing-tracy` (which allocates a source
+//! location on every enter), is measured by `benches/overhead.rs` (`*/tickline_tracy`).
+//!
+//! **GPU zones are uploaded by the collector** ([`Exporter::export`]), once tickline has converted them:
+//! one Tracy GPU context per GPU lane track (a queue's track, or a sibling lane tickline opened for
+//! partially overlapping slices: slices within one lane nest strictly, as a Tracy context requires), created
+//! with period 1.0 and fed with timestamps already on Tracy's CPU axis. Tracy's CPU time is the raw TSC: each
+//! slice's reference-ns time goes back to the TSC through the batch's [`tickline::CpuClock`] (the collector's
+//! calibration), then to ns with a rate frozen when the exporter first sees a clock. Tracy converts its own
+//! TSC readings with a rate it measured once at startup, which no API exposes; so before each upload the
+//! context is re-anchored (`sync_gpu_time`) to the TSC read just before the call, and the only error left is
+//! the distance from that anchor to the slice (a few hundred ms: tickline's GPU latency) times the difference
+//! between the two rates (well under a ppm), plus the latency of the anchor call (measured:
+//! [`TracyStats::anchor_latency_max_ns`]). A lane's slices are held until its outermost slice ends and then
+//! uploaded in increasing time order, subtrees of all lanes oldest first.
+//!
+//! # Measured
+//!
+//! On this project's 2-core test VM (`cargo bench --bench overhead`, one run, medians):
+//! - Hot path, Tracy in on-demand mode with no profiler (Tracy queues nothing, so the exporter's own cost
+//!   shows): a span created, entered, exited and closed costs 174 ns with tickline + this exporter against
+//!   231 ns with `tracing-tracy` (tickline alone 117 ns, an empty layer 88 ns); a precreated span's
+//!   enter + exit 58 ns against 58 ns (tickline alone 24 ns); a native `scope!` 20 ns (tickline alone 20 ns,
+//!   `tracy_client::span!` 5 ns).
+//! - Tracy's default mode with no profiler (every zone queued in memory, page faults included): 234 ns
+//!   against 303 ns per created span; precreated enter + exit 337 ns against 228 ns (both dominated by Tracy's
+//!   growing queue, several GB by the end of the run).
+//! - GPU zone placement over a 60 s live session (`TICKLINE_TRACY_SECONDS=60 cargo test --release -p
+//!   tickline-tracy --test live_server`), as a Tracy server places them, against tickline's own conversion:
+//!   40,464 zones, median 188 ns, p99 199 ns, max 210 ns (max 208 ns in the last 10 s). The steady ~190 ns is
+//!   the anchor-to-slice distance (about 0.4 s with a 500 ms GPU latency bound) times the difference between
+//!   tickline's TSC rate and the one Tracy measured at startup (about 0.5 ppm here); the anchoring calls
+//!   themselves took 58 ns on average, 241 ns at most. CPU zones lie a median 10 ns (p99 0.7 µs) from
+//!   tickline's own ticks.
+//!
+//! # On-demand mode and memory
+//!
+//! With the `ondemand` feature (Tracy's `TRACY_ON_DEMAND`), nothing is queued while no profiler is connected:
+//! a zone costs Tracy one flag test, span fields are not formatted, events are not formatted, and GPU slices
+//! are dropped as they close (counted in [`TracyStats::gpu_zones_not_captured`]). Without it Tracy keeps every
+//! zone in memory from the start of the process until a profiler connects (Tracy's default, unbounded). The
+//! exporter's own memory is bounded either way: per call site a source location, per GPU lane a context and
+//! the open slices of its current outermost slice, per counter track a plot name.
+//!
+//! # Caveats
+//!
+//! - The layer needs a `LookupSpan` subscriber (any `tracing_subscriber::registry()` stack) to find a span's
+//!   call site at enter.
+//! - `tracing` allows exiting spans out of order; Tracy zones nest strictly, so such an exit closes the
+//!   innermost zone (tickline's own timeline closes and reopens instead).
+//! - Plots are stamped by Tracy when the collector exports them (a millisecond or two after the value was
+//!   recorded): Tracy's C API has no plot call with a timestamp.
+//! - GPU zones show the collector thread's upload time as their CPU-side time, and carry no fields (Tracy has
+//!   no GPU zone text). tickline's flows from the CPU submit to the GPU slice are not shown.
+//! - A GPU slice uploaded more than 1.5 s after it ended is not shown (Tracy would read it as a counter
+//!   wrap): keep [`tickline::TimelineBuilder::gpu_latency_bound`] under a second for live sessions.
+//! - Tracy holds at most 255 GPU contexts per process (shared with any `tracy_client::GpuContext` the app
+//!   makes).
+//! - Events are Tracy messages; instants are literal messages (their name).
+
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
+#![doc(test(attr(deny(warnings))))]
+
+mod gpu;
+mod live;
+mod srcloc;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use tickline::{Batch, EventKind, ExportError, Exporter, LiveSink, NameId, TimelineBuilder, TrackId, TrackKind};
+use tracy_client::{Client, PlotName};
+
+use gpu::{GpuZones, Lane};
+use live::TracyLive;
+
+/// What the exporter did so far. Read with [`TracyExporter::stats`].
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct TracyStats {
+    /// GPU zones uploaded.
+    pub gpu_zones: u64,
+    /// Tracy GPU contexts created (one per GPU lane that had a zone).
+    pub gpu_contexts: u64,
+    /// GPU zones dropped because no profiler was connected when their outermost slice began (on-demand mode).
+    pub gpu_zones_not_captured: u64,
+    /// GPU zones not uploaded because they were older than the re-anchoring allows (see the crate caveats).
+    pub stale_gpu_zones: u64,
+    /// GPU zones not uploaded because Tracy had no GPU context left (255 per process).
+    pub gpu_zones_without_context: u64,
+    /// Re-anchorings of GPU contexts (one per context per export that uploads to it).
+    pub anchors: u64,
+    /// Anchoring calls repeated because they took longer than 250 ns (a preemption, a wait for Tracy's lock).
+    pub anchor_retries: u64,
+    /// Longest time an accepted anchoring call took (an upper bound on the offset it can introduce), in ns.
+    pub anchor_latency_max_ns: f64,
+    /// Sum of the anchoring calls' times, in ns (divide by `anchors` for the mean).
+    pub anchor_latency_sum_ns: f64,
+    /// Plot points sent.
+    pub plot_points: u64,
+}
+
+/// Streams a tickline timeline to Tracy. Make one, [`install`](Self::install) it on a
+/// [`TimelineBuilder`] (it is both the timeline's [`LiveSink`] and one of its exporters), start the timeline,
+/// and point the Tracy profiler at the process.
+///
+/// ```
+/// let tracy = tickline_tracy::TracyExporter::new();
+/// let stats = tracy.stats();
+/// let timeline = tracy.install(tickline::Timeline::builder()).start().unwrap();
+/// drop(tickline::scope!("load"));
+/// timeline.shutdown().unwrap();
+/// assert_eq!(stats.get().gpu_zones, 0);
+/// ```
+pub struct TracyExporter {
+    client: Client,
+    live: Arc<TracyLive>,
+    names: HashMap<NameId, String>,
+    /// GPU device tracks: name, whether the API is Vulkan.
+    devices: HashMap<TrackId, (String, bool)>,
+    plots: HashMap<TrackId, PlotName>,
+    gpu: GpuZones,
+    stats: TracyStats,
+    shared_stats: StatsHandle,
+}
+
+impl std::fmt::Debug for TracyExporter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TracyExporter").field("stats", &self.stats).finish()
+    }
+}
+
+impl Default for TracyExporter {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// A handle on a [`TracyExporter`]'s statistics, readable while the timeline runs (the exporter itself
+/// belongs to the collector thread).
+#[derive(Clone, Debug, Default)]
+pub struct StatsHandle(Arc<Mutex<TracyStats>>);
+
+impl StatsHandle {
+    /// The statistics as of the last batch exported.
+    pub fn get(&self) -> TracyStats {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl TracyExporter {
+    /// An exporter on this process's Tracy client (started if it is not running yet).
+    pub fn new() -> Self {
+        TracyExporter {
+            client: Client::start(),
+            live: Arc::new(TracyLive::new()),
+            names: HashMap::new(),
+            devices: HashMap::new(),
+            plots: HashMap::new(),
+            gpu: GpuZones::default(),
+            stats: TracyStats::default(),
+            shared_stats: StatsHandle::default(),
+        }
+    }
+
+    /// The hot-path half, to give to [`TimelineBuilder::live_sink`]. [`install`](Self::install) does it.
+    pub fn live_sink(&self) -> Arc<dyn LiveSink> {
+        self.live.clone()
+    }
+
+    /// Installs the exporter on `builder`: as its live sink (CPU zones, messages, frame marks) and as an
+    /// exporter (GPU zones, plots).
+    pub fn install(self, builder: TimelineBuilder) -> TimelineBuilder {
+        builder.live_sink(self.live_sink()).exporter(self)
+    }
+
+    /// A handle on the exporter's statistics.
+    pub fn stats(&self) -> StatsHandle {
+        self.shared_stats.clone()
+    }
+
+    /// Whether a Tracy profiler is connected to this process now.
+    pub fn is_connected() -> bool {
+        Client::is_connected()
+    }
+
+    fn add_track(&mut self, track: &tickline::TrackDescriptor) {
+        match &track.kind {
+            TrackKind::Group { name } => {
+                if let Some(device) = name.strip_prefix("GPU: ") {
+                    let vulkan = device.ends_with("(Vulkan)");
+                    self.devices.insert(track.id, (device.to_owned(), vulkan));
+                } else if let Some((device, vulkan)) = track.parent.and_then(|p| self.devices.get(&p)) {
+                    let lane = Lane::new(format!("{device} / {name}"), *vulkan);
+                    self.gpu.add_lane(track.id, lane);
+                }
+            }
+            TrackKind::Counter { name, unit } => {
+                let label = if unit.is_empty() {
+                    name.clone()
+                } else {
+                    format!("{name} ({unit})")
+                };
+                self.plots.insert(track.id, PlotName::new_leak(label));
+            }
+            _ => {}
+        }
+    }
+}
+
+impl Exporter for TracyExporter {
+    fn export(&mut self, batch: &Batch) -> Result<(), ExportError> {
+        for track in &batch.new_tracks {
+            self.add_track(track);
+        }
+        for (id, name) in &batch.new_names {
+            self.names.insert(*id, name.clone());
+        }
+        let capturing = live::capturing();
+        for event in &batch.events {
+            match event.kind {
+                EventKind::SliceBegin if self.gpu.is_lane(event.track) => {
+                    self.gpu.begin(event.track, event.name, event.ts_ns, capturing);
+                }
+                EventKind::SliceEnd if self.gpu.is_lane(event.track) => {
+                    self.gpu.end(event.track, event.ts_ns, &mut self.stats);
+                }
+                EventKind::Counter(value) => {
+                    if let Some(plot) = self.plots.get(&event.track) {
+                        if capturing {
+                            self.client.plot(*plot, value);
+                            self.stats.plot_points += 1;
+                        }
+                    }
+                }
+                // CPU slices, events and instants reached Tracy on their own threads (the live sink).
+                _ => {}
+            }
+        }
+        if capturing {
+            self.gpu
+                .upload(&self.client, batch.cpu_clock, &self.names, &mut self.stats);
+        } else {
+            self.gpu.drop_ready(&mut self.stats);
+        }
+        *self.shared_stats.0.lock().unwrap_or_else(|e| e.into_inner()) = self.stats;
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<(), ExportError> {
+        Ok(())
+    }
+}
