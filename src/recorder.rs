@@ -399,7 +399,8 @@ pub(crate) fn record_group(
     payload_word: u64,
     meta: u64,
     encode: impl FnOnce(&mut Vec<u8>),
-) {
+) -> bool {
+    let mut pushed = false;
     let _ = SCRATCH.try_with(|scratch| {
         let Ok(mut scratch) = scratch.try_borrow_mut() else {
             // Re-entered: a field's `Debug` impl recorded while this thread was encoding. Count the inner
@@ -421,9 +422,10 @@ pub(crate) fn record_group(
             group.push(Record::new(kind, ticks, payload_word));
             group.push(Record::new(Kind::Data, bytes.len() as u64, meta));
             group.extend(payload_records(bytes));
-            ring.push_group(group);
+            pushed = ring.push_group(group);
         });
     });
+    pushed
 }
 
 /// Announces span `id`, created without field values, with the metadata at address `meta`: one
@@ -469,39 +471,22 @@ pub(crate) fn record_gpu_begin(
     key: u64,
     encode: Option<impl FnOnce(&mut Vec<u8>)>,
 ) -> bool {
-    let mut pushed = false;
     match encode {
-        None => with_ring(shared, |ring| {
-            let ticks = ring.source.read().0;
-            let group = [
-                Record::new(Kind::GpuBegin, ticks, callsite),
-                Record::new(Kind::Data, 0, key),
-            ];
-            pushed = ring.push_group(&group);
-        }),
-        Some(encode) => {
-            let _ = SCRATCH.try_with(|scratch| {
-                let Ok(mut scratch) = scratch.try_borrow_mut() else {
-                    with_ring(shared, |ring| ring.producer.count_drops(1));
-                    return;
-                };
-                let (bytes, group) = &mut *scratch;
-                bytes.clear();
-                encode(bytes);
-                bytes.truncate(MAX_PAYLOAD_BYTES);
-                with_ring(shared, |ring| {
-                    let max_data_records = (ring.producer.capacity() / 2).saturating_sub(2);
-                    bytes.truncate(max_data_records * 16);
-                    group.clear();
-                    group.push(Record::new(Kind::GpuBegin, ring.source.read().0, callsite));
-                    group.push(Record::new(Kind::Data, bytes.len() as u64, key));
-                    group.extend(payload_records(bytes));
-                    pushed = ring.push_group(group);
-                });
+        // The same group as any field payload: header `[len, key]`, then the encoded fields.
+        Some(encode) => record_group(shared, Kind::GpuBegin, true, callsite, key, encode),
+        None => {
+            let mut pushed = false;
+            with_ring(shared, |ring| {
+                let ticks = ring.source.read().0;
+                let group = [
+                    Record::new(Kind::GpuBegin, ticks, callsite),
+                    Record::new(Kind::Data, 0, key),
+                ];
+                pushed = ring.push_group(&group);
             });
+            pushed
         }
     }
-    pushed
 }
 
 #[cfg(all(test, not(loom)))]

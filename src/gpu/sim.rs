@@ -304,6 +304,19 @@ fn busy(duration: Duration) {
     }
 }
 
+impl SimGpu {
+    /// Slots `first..first + count`, or an error naming the range.
+    fn slots(&self, first: u32, count: usize) -> Result<&[AtomicU64], GpuError> {
+        let end = first as usize + count;
+        self.device
+            .slots
+            .get(first as usize..end)
+            .ok_or_else(|| GpuError::Invalid {
+                detail: format!("slots {first}..{end} past {}", self.device.slots.len()),
+            })
+    }
+}
+
 impl GpuBackend for SimGpu {
     type Commands = SimCommands;
 
@@ -323,14 +336,7 @@ impl GpuBackend for SimGpu {
     }
 
     fn read_timestamps(&self, first: u32, out: &mut [Option<GpuTicks>]) -> Result<(), GpuError> {
-        let end = first as usize + out.len();
-        let slots = self
-            .device
-            .slots
-            .get(first as usize..end)
-            .ok_or_else(|| GpuError::Invalid {
-                detail: format!("slots {first}..{end} past {}", self.device.slots.len()),
-            })?;
+        let slots = self.slots(first, out.len())?;
         for (value, slot) in out.iter_mut().zip(slots) {
             let ticks = slot.load(Ordering::Acquire);
             *value = (ticks != EMPTY).then_some(GpuTicks(ticks));
@@ -339,15 +345,7 @@ impl GpuBackend for SimGpu {
     }
 
     fn recycle(&self, first: u32, count: u32) -> Result<(), GpuError> {
-        let end = first as usize + count as usize;
-        let slots = self
-            .device
-            .slots
-            .get(first as usize..end)
-            .ok_or_else(|| GpuError::Invalid {
-                detail: format!("slots {first}..{end} past {}", self.device.slots.len()),
-            })?;
-        for slot in slots {
+        for slot in self.slots(first, count as usize)? {
             slot.store(EMPTY, Ordering::Release);
         }
         Ok(())
