@@ -7,14 +7,17 @@
 //! Tracy profiler (0.14.x) to this machine. Build with `--features tickline-tracy/ondemand` for Tracy's
 //! on-demand mode (nothing is kept until a profiler connects).
 
+#[path = "support/workload.rs"]
+mod workload;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use tickline::gpu::sim::{SimCommands, SimGpu, SimGpuConfig};
+use tickline::gpu::sim::{SimGpu, SimGpuConfig};
 use tickline::Timeline;
 use tickline_perfetto::PerfettoExporter;
 use tickline_tracy::TracyExporter;
-use tracing::{debug, info, info_span};
+use tracing::{info, info_span};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 
@@ -28,36 +31,10 @@ fn running(end: Option<Instant>) -> bool {
     !STOP.load(Ordering::Relaxed) && end.is_none_or(|end| Instant::now() < end)
 }
 
-/// A stand-in for real work: spin for about `micros` µs so the zones have visible widths.
-fn busy(micros: u64) -> u64 {
-    let end = Instant::now() + Duration::from_micros(micros);
-    let mut x = 0u64;
-    while Instant::now() < end {
-        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    }
-    x
-}
-
 fn worker(id: usize, end: Option<Instant>) {
     let mut job = 0usize;
     while running(end) {
-        let span = info_span!("job", worker = id, job, kind = tracing::field::Empty);
-        let _job = span.enter();
-        span.record("kind", if job % 3 == 0 { "heavy" } else { "light" });
-        {
-            let _load = info_span!("load", bytes = 4096 * (job % 64 + 1)).entered();
-            busy(40);
-        }
-        {
-            let _compute = info_span!("compute").entered();
-            for step in 0..3 {
-                let _s = tickline::scope!("kernel step");
-                busy(if job % 3 == 0 { 60 } else { 20 });
-                tickline::counter!("worker steps", (job * 3 + step) as f64);
-            }
-        }
-        debug!(worker = id, job, "job finished");
-        drop(_job);
+        workload::job(id, job);
         job += 1;
         std::thread::sleep(Duration::from_millis(1));
     }
@@ -76,28 +53,7 @@ fn render(timeline: &Timeline, end: Option<Instant>) -> Result<(), tickline::Tic
     let transfer = gpu.queue("transfer")?;
     let mut frame = 0u32;
     while running(end) {
-        let _frame_span = info_span!("render frame", frame).entered();
-        let (draw, upload) = (SimCommands::new(), SimCommands::new());
-        {
-            let _upload = tickline::gpu_scope!(transfer, &upload, "upload", bytes = 1u64 << 20);
-            upload.work(Duration::from_micros(250));
-        }
-        {
-            let _frame = tickline::gpu_scope!(graphics, &draw, "frame", index = frame);
-            {
-                let _shadows = tickline::gpu_scope!(graphics, &draw, "shadow pass");
-                draw.work(Duration::from_micros(300));
-            }
-            let _lighting = tickline::gpu_scope!(graphics, &draw, "lighting");
-            draw.work(Duration::from_micros(500));
-        }
-        let uploaded = gpu.backend().submit_to(1, upload);
-        let drawn = gpu.backend().submit_to(0, draw);
-        {
-            let _wait = info_span!("wait for GPU").entered();
-            let _ = (uploaded.wait(), drawn.wait());
-        }
-        drop(_frame_span);
+        workload::simulated_frame(gpu.backend(), &graphics, &transfer, frame);
         tickline::frame_mark!();
         frame += 1;
         std::thread::sleep(Duration::from_millis(10));
