@@ -131,6 +131,23 @@ pub struct CalibrationHistory {
     stats: HistoryStats,
 }
 
+/// How far the truth at `knot_ticks` can lie from `knot_ns` if every sample's bracket holds it: each bracket
+/// `reference ± deviation`, carried to `knot_ticks` along `ns_per_tick`, is intersected; the result is the
+/// distance from `knot_ns` to the intersection's far edge, or 0 when the brackets do not all overlap.
+fn bracket_agreement_ns(samples: &[CalibrationSample], knot_ticks: u64, ns_per_tick: f64, knot_ns: u64) -> f64 {
+    let (mut lo, mut hi) = (f64::NEG_INFINITY, f64::INFINITY);
+    for s in samples {
+        let carried = (knot_ticks as i128 - s.source_ticks as i128) as f64 * ns_per_tick;
+        let at_knot = (s.reference_ns as i128 - knot_ns as i128) as f64 + carried;
+        lo = lo.max(at_knot - s.max_deviation_ns as f64);
+        hi = hi.min(at_knot + s.max_deviation_ns as f64);
+    }
+    if lo > hi || !lo.is_finite() || !hi.is_finite() {
+        return 0.0;
+    }
+    lo.abs().max(hi.abs())
+}
+
 impl CalibrationHistory {
     /// An empty history for `domain`.
     pub fn new(domain: ClockDomain, config: HistoryConfig) -> Self {
@@ -269,12 +286,16 @@ impl CalibrationHistory {
         // ~95 % of true times fall inside the stated range at 0.05 ppm/√s over a 4 s window).
         let model_sigma = WINDOW_BOW * wander_sigma_ns(self.config.wander_ppm_per_sqrt_s, span_ns as f64 * 1e-9);
         // Averaging shrinks the error of unbiased brackets; brackets lopsided the same way (a driver that makes a
-        // timestamp readable late, so every midpoint is late) do not average out. Whatever the fit says, never
-        // state less than the tightest sample's own deviation (the uncertainty is 2σ).
-        let tightest_ns = samples.iter().map(|s| s.max_deviation_ns).min().unwrap_or(0) as f64;
+        // timestamp readable late, so every midpoint is late: lavapipe's submit probe, ~14 µs) do not average
+        // out. Each bracket still holds its truth, so the truth at the knot lies where all the window's
+        // brackets, carried along the fitted line, agree: never state less than the distance from the knot to
+        // the far edge of that agreement. Unbiased brackets agree on a narrow interval around the fit, so this
+        // costs them nothing; when they do not agree at all (outliers, wander) there is no such bound.
+        let agreement_ns = bracket_agreement_ns(&samples, line.origin_ticks, fitted.ns_per_tick(), fitted.anchor_ns());
+        let fitted = fitted.with_min_intercept_sigma(agreement_ns / 2.0);
         let sigma_ns = (line.intercept_sigma_ns.powi(2) + model_sigma.powi(2))
             .sqrt()
-            .max(tightest_ns / 2.0);
+            .max(agreement_ns / 2.0);
         let knot = Knot {
             ticks: line.origin_ticks,
             ns: fitted.anchor_ns(),
@@ -536,6 +557,43 @@ mod tests {
             inside * 100 >= total * 95,
             "{inside}/{total} inside the stated uncertainty"
         );
+    }
+
+    #[test]
+    fn brackets_that_all_lean_one_way_widen_the_stated_uncertainty() {
+        // Like lavapipe's submit probe: each read happens 1-4 µs into a 25-35 µs bracket, so every midpoint is
+        // ~12 µs late. The fit cannot see it; the brackets' agreement can.
+        let mut pair = pair(SimClockConfig::default());
+        let mut history = CalibrationHistory::new(pair.domain(), HistoryConfig::default());
+        let mut rng = crate::calibration::SplitMix64(3);
+        for _ in 0..24 {
+            let burst: Vec<CalibrationSample> = (0..16)
+                .map(|_| {
+                    let t = pair.now_ns();
+                    let before = t - 1_000 - rng.next_u64() % 3_000;
+                    let after = t + 24_000 + rng.next_u64() % 10_000;
+                    pair.advance_by(40_000);
+                    CalibrationSample {
+                        source_ticks: pair.true_ticks_at(t),
+                        reference_ns: (before + after) / 2,
+                        max_deviation_ns: (after - before).div_ceil(2),
+                    }
+                })
+                .collect();
+            history.add_burst(&burst).unwrap();
+            pair.advance_by(250_000_000);
+        }
+        for back_ms in [3_000u64, 1_000, 0] {
+            let t = pair.now_ns() - back_ms * 1_000_000;
+            let c = history.convert(pair.true_ticks_at(t)).unwrap();
+            let error = c.ns.abs_diff(t);
+            assert!(error > 5_000, "the bias is real: {error} ns");
+            assert!(
+                error <= c.uncertainty_ns,
+                "{error} ns off, {} ns stated",
+                c.uncertainty_ns
+            );
+        }
     }
 
     #[test]

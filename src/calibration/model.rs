@@ -342,6 +342,15 @@ impl ClockCalibration {
         (self.anchor_ticks as i128 + delta_ticks) as u64 & self.domain.mask()
     }
 
+    /// Raises the standard error at the anchor to at least `sigma_ns` (a bound the fit's statistics cannot see,
+    /// such as brackets that all lean the same way).
+    pub(crate) fn with_min_intercept_sigma(mut self, sigma_ns: f64) -> Self {
+        if sigma_ns.is_finite() {
+            self.intercept_sigma_ns = self.intercept_sigma_ns.max(sigma_ns);
+        }
+        self
+    }
+
     /// The uncertainty (about 95 %) of converting `ticks`: two standard errors of the fitted line at that
     /// point (growing with the distance from the anchor through the rate's error) and, outside the sampled
     /// window, two standard deviations of the wander (see [`with_wander`](Self::with_wander)).
