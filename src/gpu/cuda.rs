@@ -1,0 +1,766 @@
+//! The CUDA backend (feature `cuda`): [`CudaGpu`] puts scopes recorded on `cudarc` streams on the timeline.
+//!
+//! The driver library (`libcuda.so`) is opened at run time (cudarc's `fallback-dynamic-loading` with a fixed
+//! CUDA version), so building needs no CUDA toolkit and a machine without a driver gets a [`GpuError`], never a
+//! crash: [`open`] checks that the library is there before cudarc would panic on it, and every call into the
+//! driver during setup runs under `catch_unwind`, so a driver that lacks a symbol cudarc expects is a
+//! [`GpuError::Api`] too.
+//!
+//! ```no_run
+//! use tickline::cuda::{open, CudaGpu, CudaOptions};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let ctx = open(0)?; // GpuError::NoLoader without libcuda.so, NoDevice without a GPU
+//! let backend = CudaGpu::new(&ctx, CudaOptions::default())?;
+//! println!("%globaltimer updates every {} ns", backend.clock().resolution_ns);
+//!
+//! let timeline = tickline::Timeline::builder().start()?;
+//! let gpu = timeline.gpu(backend)?;
+//! let stream = ctx.new_stream()?;
+//! let lane = gpu.queue("stream 0")?;
+//! {
+//!     let _scope = tickline::gpu_scope!(lane, &*stream, "upload");
+//!     // ... copies and kernel launches on `stream` ...
+//! }
+//! stream.synchronize()?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Design
+//!
+//! - **Timestamps: a one-thread kernel.** A scope's begin and end each launch `tickline_stamp`, a one-thread
+//!   PTX kernel that reads `%globaltimer` (nanoseconds, 64 bits) and stores it into the scope's slot. Launches
+//!   on one stream run in order, so the begin is read once the work launched before the scope has finished and
+//!   the end once the scope's own work has. The PTX text is loaded by the driver (`cuModuleLoadData`): no NVRTC
+//!   at run time. The alternative, CUDA events anchored to a calibrated reference, gives relative times in f32
+//!   milliseconds (about 0.5 µs) and needs an anchor per stream; which of the two places slices better is to be
+//!   measured on a GPU (see the crate's issue 6). The kernel is the one implemented here.
+//! - **Slots in mapped pinned host memory.** The slots are `cuMemHostAlloc(DEVICEMAP)` memory that the kernel
+//!   writes through its device alias, so reading finished timestamps is a volatile load on the host: no copy, no
+//!   stream, no synchronisation with the application's streams. A slot holding 0 is unwritten (`%globaltimer`
+//!   counts ns since an epoch long past: it is never 0 when read); [`GpuBackend::recycle`] stores 0 again.
+//! - **Calibration.** Each sample zeroes a private word, reads `CLOCK_MONOTONIC`, launches `tickline_stamp` on
+//!   a private non-blocking stream, spins until the word turns non-zero and reads `CLOCK_MONOTONIC` again. The
+//!   timer was read inside that bracket; the sample's deviation is half of it, launch and PCIe latency
+//!   included. A burst stops at its budget; a probe still in flight then (the GPU is full) is waited for by
+//!   the next burst, which returns no sample until the private stream is idle.
+//! - **Batched reads.** [`CudaGpu::read_clock_batch`] takes N consecutive `%globaltimer` reads from one launch
+//!   (one thread, one store per read). Calibration does *not* use it: every sample needs a bracket of its own,
+//!   and N reads from one launch share one bracket.
+//! - **Resolution, measured.** [`CudaGpu::new`] launches `tickline_steps`, which spins on `%globaltimer` and
+//!   records the first values it sees change; the smallest step is the timer's update granularity
+//!   ([`CudaClock::resolution_ns`]): 32 ns on Hopper, 1 µs before it (32 ns while NVIDIA's tools run). A
+//!   timer that does not advance at all is refused with [`GpuError::NoTimestamps`].
+//! - **Clock frequency.** `%globaltimer` is nominally 1 GHz (1 ns per tick; [`GpuDeviceInfo::clock`]); the SM
+//!   clock the driver reports (`CU_DEVICE_ATTRIBUTE_CLOCK_RATE`) is [`CudaClock::sm_clock_khz`], for reference.
+//!
+//! # Limits
+//!
+//! - The event-based fallback (for a device whose `%globaltimer` is unusable) is **not implemented**: such a
+//!   device gets [`GpuError::NoTimestamps`]. Devices below compute capability 5.0 (the PTX target) are refused
+//!   the same way.
+//! - The PTX is `.version 7.0`, `.target sm_50`: a CUDA 11.0 or newer driver.
+//! - `write_timestamp` costs one `cuLaunchKernel` (a few µs of CPU, measured on a GPU machine only) and one
+//!   kernel slot on the stream.
+//! - A launch that fails on the hot path is counted ([`CudaGpu::failed_writes`]); its slot is never written,
+//!   and the collector treats the scope as it treats any timestamp that never arrives.
+//! - Streams given to scopes must belong to the context the backend was made with.
+//! - Dropping the backend synchronises the whole context (`cuCtxSynchronize`): a timestamp kernel still queued on
+//!   an application stream must not write into freed memory. Drop it after the timeline is shut down.
+
+use std::any::Any;
+use std::ffi::{c_void, CStr};
+use std::fmt;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+pub use cudarc;
+use cudarc::driver::{result, sys, CudaContext, CudaStream, DriverError};
+
+use crate::calibration::{CalibrationSample, ClockDomain};
+use crate::clock::monotonic_ns;
+use crate::gpu::{GpuBackend, GpuDeviceInfo, GpuError, GpuTicks};
+
+/// The backend's kernels. `tickline_stamp(dst)`: one `%globaltimer` read stored to `dst`.
+/// `tickline_stamps(dst, n)`: `n` consecutive reads stored to `dst[0..n]`. `tickline_steps(dst, n, max_spins)`:
+/// spins on `%globaltimer` (at most `max_spins` reads) and stores each of the first `n` values that differ from
+/// the previous read. Stores are `volatile` so each one reaches memory (the host polls it).
+/// `.version 7.0` is CUDA 11.0's PTX ISA; `%globaltimer` needs sm_30 and ISA 3.1 (PTX ISA manual, "Special
+/// Registers"); sm_50 is the oldest target CUDA 12 still compiles.
+pub(crate) const PTX: &str = r#"
+.version 7.0
+.target sm_50
+.address_size 64
+
+.visible .entry tickline_stamp(.param .u64 dst)
+{
+    .reg .b64 %rd<3>;
+    ld.param.u64 %rd1, [dst];
+    cvta.to.global.u64 %rd1, %rd1;
+    mov.u64 %rd2, %globaltimer;
+    st.volatile.global.u64 [%rd1], %rd2;
+    ret;
+}
+
+.visible .entry tickline_stamps(.param .u64 dst, .param .u32 n)
+{
+    .reg .pred %p<2>;
+    .reg .b32 %r<3>;
+    .reg .b64 %rd<5>;
+    ld.param.u64 %rd1, [dst];
+    cvta.to.global.u64 %rd1, %rd1;
+    ld.param.u32 %r1, [n];
+    mov.u32 %r2, 0;
+STAMPS_LOOP:
+    setp.ge.u32 %p1, %r2, %r1;
+    @%p1 bra STAMPS_DONE;
+    mov.u64 %rd2, %globaltimer;
+    mul.wide.u32 %rd3, %r2, 8;
+    add.s64 %rd4, %rd1, %rd3;
+    st.volatile.global.u64 [%rd4], %rd2;
+    add.u32 %r2, %r2, 1;
+    bra STAMPS_LOOP;
+STAMPS_DONE:
+    ret;
+}
+
+.visible .entry tickline_steps(.param .u64 dst, .param .u32 n, .param .u32 max_spins)
+{
+    .reg .pred %p<3>;
+    .reg .b32 %r<5>;
+    .reg .b64 %rd<6>;
+    ld.param.u64 %rd1, [dst];
+    cvta.to.global.u64 %rd1, %rd1;
+    ld.param.u32 %r1, [n];
+    ld.param.u32 %r2, [max_spins];
+    mov.u32 %r3, 0;
+    mov.u32 %r4, 0;
+    mov.u64 %rd2, %globaltimer;
+STEPS_LOOP:
+    setp.ge.u32 %p1, %r3, %r1;
+    @%p1 bra STEPS_DONE;
+    setp.ge.u32 %p2, %r4, %r2;
+    @%p2 bra STEPS_DONE;
+    add.u32 %r4, %r4, 1;
+    mov.u64 %rd3, %globaltimer;
+    setp.eq.u64 %p1, %rd3, %rd2;
+    @%p1 bra STEPS_LOOP;
+    mov.u64 %rd2, %rd3;
+    mul.wide.u32 %rd4, %r3, 8;
+    add.s64 %rd5, %rd1, %rd4;
+    st.volatile.global.u64 [%rd5], %rd3;
+    add.u32 %r3, %r3, 1;
+    bra STEPS_LOOP;
+STEPS_DONE:
+    ret;
+}
+"#;
+
+/// Most timestamp slots one backend takes (8 MiB of pinned host memory).
+const MAX_SLOTS: u32 = 1 << 20;
+/// Words after the slots for calibration, batched reads and the resolution probe.
+const BATCH_WORDS: u32 = 4096;
+/// Timer steps the resolution probe records.
+const RESOLUTION_STEPS: u32 = 64;
+/// Reads the resolution probe spins at most: 1 µs steps over 64 steps is 64 µs, far below 2^24 reads of a few
+/// ns each (about 0.1 s at most on any GPU).
+const RESOLUTION_SPINS: u32 = 1 << 24;
+/// How long past its budget a calibration burst spins for a probe it launched.
+const PROBE_GRACE: Duration = Duration::from_micros(500);
+
+/// What the application asks of [`CudaGpu::new`].
+///
+/// ```
+/// let options = tickline::cuda::CudaOptions::default();
+/// assert_eq!(options.timestamp_slots, 4096);
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CudaOptions {
+    /// Timestamp slots (even, 2..=1 Mi): each scope in flight holds two. 8 bytes of pinned host memory each.
+    pub timestamp_slots: u32,
+}
+
+impl Default for CudaOptions {
+    /// 4096 slots (2048 scopes in flight, 32 KiB).
+    fn default() -> Self {
+        CudaOptions { timestamp_slots: 4096 }
+    }
+}
+
+/// The device clock as [`CudaGpu::new`] found it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CudaClock {
+    /// The update granularity of `%globaltimer`, measured on the device: the smallest step seen between two
+    /// differing reads (an upper bound if the probe kernel's loop is slower than the timer).
+    pub resolution_ns: u64,
+    /// The SM clock the driver reports (`CU_DEVICE_ATTRIBUTE_CLOCK_RATE`), in kHz. `%globaltimer` does not run
+    /// on it: its nominal rate is 1 GHz (1 ns per tick).
+    pub sm_clock_khz: u32,
+    /// `%globaltimer`'s nominal frequency: 1 GHz.
+    pub timer_hz: u64,
+    /// Compute capability `(major, minor)`.
+    pub compute_capability: (i32, i32),
+}
+
+fn api(call: &'static str) -> impl Fn(DriverError) -> GpuError {
+    move |e| GpuError::Api {
+        call,
+        detail: describe(&e),
+    }
+}
+
+fn describe(e: &DriverError) -> String {
+    // `error_string` calls into the driver library, which cudarc panics on when it is missing (a test builds
+    // errors without one).
+    match catch_unwind(|| e.error_string().map(|s| s.to_string_lossy().into_owned())) {
+        Ok(Ok(s)) => format!("{:?}: {s}", e.0),
+        _ => format!("{:?}", e.0),
+    }
+}
+
+fn invalid(detail: String) -> GpuError {
+    GpuError::Invalid { detail }
+}
+
+/// The message of a caught panic.
+fn panic_text(payload: &(dyn Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a non-string panic".to_owned()
+    }
+}
+
+/// Runs `f`, turning a panic inside cudarc (a driver symbol it cannot resolve) into a [`GpuError::Api`].
+fn contain<T>(what: &'static str, f: impl FnOnce() -> Result<T, GpuError>) -> Result<T, GpuError> {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|payload| {
+        Err(GpuError::Api {
+            call: what,
+            detail: format!(
+                "cudarc panicked (the driver lacks an entry point it expects?): {}",
+                panic_text(&*payload)
+            ),
+        })
+    })
+}
+
+/// Whether the CUDA driver library (`libcuda.so`, `nvcuda.dll`) can be opened: [`GpuError::NoLoader`] if not.
+/// Call it before anything in `cudarc::driver`, which panics without the library.
+///
+/// ```
+/// match tickline::cuda::driver_library() {
+///     Ok(()) => println!("a CUDA driver is installed"),
+///     Err(e) => println!("{e}"), // GpuError::NoLoader
+/// }
+/// ```
+pub fn driver_library() -> Result<(), GpuError> {
+    // SAFETY: `is_culib_present` opens the system's CUDA driver library by its standard names and closes it,
+    // running its initialisers, which is how the driver is meant to be loaded; no invariant of ours is involved.
+    let present = contain("dlopen(libcuda)", || Ok(unsafe { sys::is_culib_present() }))?;
+    if present {
+        Ok(())
+    } else {
+        Err(GpuError::NoLoader {
+            detail: "the CUDA driver library (libcuda.so) could not be opened: no NVIDIA driver installed".into(),
+        })
+    }
+}
+
+/// Maps a driver error from device lookup to [`GpuError::NoDevice`] where it means "no such device".
+fn device_error(call: &'static str, ordinal: usize, e: DriverError) -> GpuError {
+    use sys::cudaError_enum as E;
+    match e.0 {
+        E::CUDA_ERROR_NO_DEVICE | E::CUDA_ERROR_INVALID_DEVICE => GpuError::NoDevice {
+            detail: format!("CUDA device {ordinal}: {}", describe(&e)),
+        },
+        _ => api(call)(e),
+    }
+}
+
+/// The primary context of CUDA device `ordinal`, or a typed error: [`GpuError::NoLoader`] without a driver
+/// library, [`GpuError::NoDevice`] without such a device, never a panic.
+///
+/// ```
+/// match tickline::cuda::open(0) {
+///     Ok(ctx) => println!("CUDA device 0: {:?}", ctx.name()),
+///     Err(e) => println!("{e}"),
+/// }
+/// ```
+pub fn open(ordinal: usize) -> Result<Arc<CudaContext>, GpuError> {
+    driver_library()?;
+    contain("cuInit/cuDeviceGetCount", || {
+        result::init().map_err(|e| device_error("cuInit", ordinal, e))?;
+        let count = result::device::get_count().map_err(|e| device_error("cuDeviceGetCount", ordinal, e))?;
+        if ordinal >= count.max(0) as usize {
+            return Err(GpuError::NoDevice {
+                detail: format!("CUDA device {ordinal} asked for, the driver sees {count}"),
+            });
+        }
+        CudaContext::new(ordinal).map_err(|e| device_error("cuDevicePrimaryCtxRetain", ordinal, e))
+    })
+}
+
+fn check_options(options: &CudaOptions) -> Result<(), GpuError> {
+    let slots = options.timestamp_slots;
+    if slots < 2 || slots % 2 != 0 || slots > MAX_SLOTS {
+        return Err(invalid(format!(
+            "timestamp_slots must be even and in 2..={MAX_SLOTS}, not {slots}"
+        )));
+    }
+    Ok(())
+}
+
+/// The smallest step between consecutive non-zero values, or `None` with fewer than two (the timer did not move).
+fn min_step(values: &[u64]) -> Option<u64> {
+    let seen: Vec<u64> = values.iter().copied().take_while(|&v| v != 0).collect();
+    seen.windows(2)
+        .filter_map(|w| w[1].checked_sub(w[0]))
+        .filter(|&d| d > 0)
+        .min()
+}
+
+/// A sample whose device read happened in `[before_ns, after_ns]`: the midpoint, half the width (at least 1).
+fn bracket(ticks: u64, before_ns: u64, after_ns: u64) -> CalibrationSample {
+    let half = after_ns.saturating_sub(before_ns).div_ceil(2);
+    CalibrationSample {
+        source_ticks: ticks,
+        reference_ns: before_ns + half,
+        max_deviation_ns: half.max(1),
+    }
+}
+
+/// Driver objects the backend created; released on drop (also when `new` fails half-way).
+struct Owned {
+    ctx: Arc<CudaContext>,
+    module: sys::CUmodule,
+    /// Our non-blocking stream for calibration, batched reads and the resolution probe.
+    private: sys::CUstream,
+    /// Pinned, mapped host memory: `slots` timestamp slots, then `BATCH_WORDS` words.
+    host: *mut u64,
+    /// The device alias of `host`.
+    device: sys::CUdeviceptr,
+}
+
+impl Drop for Owned {
+    fn drop(&mut self) {
+        let _ = contain("cleanup", || {
+            let _ = self.ctx.bind_to_thread();
+            // Kernels of ours may still be queued on application streams and write into `host`: wait for every
+            // stream of the context before freeing it.
+            let _ = self.ctx.synchronize();
+            // SAFETY: each handle was created by `CudaGpu::new` in `self.ctx`, which is alive (we hold an Arc)
+            // and bound; nothing of ours is pending after the synchronisation above. Null handles are skipped.
+            unsafe {
+                if !self.private.is_null() {
+                    let _ = result::stream::destroy(self.private);
+                }
+                if !self.host.is_null() {
+                    let _ = result::free_host(self.host.cast());
+                }
+                if !self.module.is_null() {
+                    let _ = result::module::unload(self.module);
+                }
+            }
+            Ok(())
+        });
+    }
+}
+
+/// The CUDA [`GpuBackend`]: `%globaltimer` written by a one-thread kernel on the application's streams, read
+/// back from mapped host memory without blocking, the device clock calibrated against `CLOCK_MONOTONIC`. See
+/// the [module docs](self).
+pub struct CudaGpu {
+    owned: Owned,
+    stamp: sys::CUfunction,
+    stamps: sys::CUfunction,
+    slots: u32,
+    info: GpuDeviceInfo,
+    clock: CudaClock,
+    failed_writes: AtomicU64,
+    /// Serialises use of the private stream and the words after the slots.
+    private_lock: Mutex<()>,
+}
+
+// SAFETY: the raw handles (module, functions, stream) are driver objects usable from any thread once their
+// context is bound, which every method does first; the host memory behind `owned.host` is only accessed with
+// volatile loads and stores of whole aligned u64 words (slots: one writer at a time, handed out by the
+// timeline's pair queue; the words after them: under `private_lock`).
+unsafe impl Send for CudaGpu {}
+// SAFETY: as for `Send`: no method hands out references into the host memory, and the private stream and its
+// words are used under `private_lock`.
+unsafe impl Sync for CudaGpu {}
+
+impl fmt::Debug for CudaGpu {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaGpu")
+            .field("name", &self.info.name)
+            .field("slots", &self.slots)
+            .field("clock", &self.clock)
+            .finish()
+    }
+}
+
+impl CudaGpu {
+    /// Sets the backend up in `ctx` (the context the application's streams belong to): loads the PTX kernels,
+    /// maps the timestamp slots, creates a private stream and measures the timer's resolution (a blocking
+    /// launch of well under a second).
+    ///
+    /// Errors: [`GpuError::Invalid`] for bad options, [`GpuError::NoTimestamps`] for a device below compute
+    /// capability 5.0, one that cannot map host memory or whose `%globaltimer` does not advance,
+    /// [`GpuError::Api`] for a failing call or a driver entry point cudarc cannot find.
+    pub fn new(ctx: &Arc<CudaContext>, options: CudaOptions) -> Result<CudaGpu, GpuError> {
+        check_options(&options)?;
+        contain("CudaGpu::new", || Self::setup(ctx, &options))
+    }
+
+    fn setup(ctx: &Arc<CudaContext>, options: &CudaOptions) -> Result<CudaGpu, GpuError> {
+        ctx.bind_to_thread().map_err(api("cuCtxSetCurrent"))?;
+        let name = ctx.name().map_err(api("cuDeviceGetName"))?;
+        let compute_capability = ctx.compute_capability().map_err(api("cuDeviceGetAttribute"))?;
+        if compute_capability.0 < 5 {
+            return Err(GpuError::NoTimestamps {
+                detail: format!(
+                    "{name} has compute capability {}.{}; the %globaltimer kernels target sm_50 and the event \
+                     fallback is not implemented",
+                    compute_capability.0, compute_capability.1
+                ),
+            });
+        }
+        use sys::CUdevice_attribute as A;
+        let can_map = ctx
+            .attribute(A::CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY)
+            .map_err(api("cuDeviceGetAttribute"))?;
+        if can_map == 0 {
+            return Err(GpuError::NoTimestamps {
+                detail: format!("{name} cannot map host memory (CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY is 0)"),
+            });
+        }
+        let sm_clock_khz = ctx
+            .attribute(A::CU_DEVICE_ATTRIBUTE_CLOCK_RATE)
+            .map_err(api("cuDeviceGetAttribute"))?
+            .max(0) as u32;
+
+        let mut owned = Owned {
+            ctx: ctx.clone(),
+            module: std::ptr::null_mut(),
+            private: std::ptr::null_mut(),
+            host: std::ptr::null_mut(),
+            device: 0,
+        };
+        let ptx = std::ffi::CString::new(PTX).map_err(|_| invalid("PTX text holds a NUL".into()))?;
+        // SAFETY: `ptx` is a NUL-terminated PTX text that outlives the call; the context is bound (above).
+        owned.module = unsafe { result::module::load_data(ptx.as_ptr().cast()) }.map_err(api("cuModuleLoadData"))?;
+        let function = |name: &CStr| {
+            // SAFETY: the module was just loaded in the bound context and is unloaded only when `owned` drops,
+            // after every use of its functions.
+            unsafe { result::module::get_function(owned.module, name.to_owned()) }.map_err(api("cuModuleGetFunction"))
+        };
+        let stamp = function(c"tickline_stamp")?;
+        let stamps = function(c"tickline_stamps")?;
+        let steps = function(c"tickline_steps")?;
+
+        let words = (options.timestamp_slots + BATCH_WORDS) as usize;
+        let bytes = words * std::mem::size_of::<u64>();
+        // SAFETY: the context is bound; the memory is zeroed below before any read.
+        let host =
+            unsafe { result::malloc_host(bytes, sys::CU_MEMHOSTALLOC_DEVICEMAP) }.map_err(api("cuMemHostAlloc"))?;
+        owned.host = host.cast();
+        debug_assert!(owned.host.is_aligned());
+        // SAFETY: `host` points to `bytes` bytes just allocated, page-aligned.
+        unsafe { std::ptr::write_bytes(owned.host, 0, words) };
+        let mut device: sys::CUdeviceptr = 0;
+        // SAFETY: `host` was allocated with DEVICEMAP in the bound context; `device` is a valid out pointer.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, host, 0) }
+            .result()
+            .map_err(api("cuMemHostGetDevicePointer"))?;
+        owned.device = device;
+        owned.private =
+            result::stream::create(result::stream::StreamKind::NonBlocking).map_err(api("cuStreamCreate"))?;
+
+        let mut gpu = CudaGpu {
+            owned,
+            stamp,
+            stamps,
+            slots: options.timestamp_slots,
+            info: GpuDeviceInfo {
+                name: name.clone(),
+                api: "CUDA",
+                // %globaltimer: 64 valid bits, 1 ns per tick (PTX ISA manual, "Special Registers").
+                clock: ClockDomain::new(64, 1.0).expect("64 bits and 1 ns are a valid domain"),
+                timestamp_slots: options.timestamp_slots,
+            },
+            clock: CudaClock {
+                resolution_ns: 0,
+                sm_clock_khz,
+                timer_hz: 1_000_000_000,
+                compute_capability,
+            },
+            failed_writes: AtomicU64::new(0),
+            private_lock: Mutex::new(()),
+        };
+
+        // The resolution probe: the first RESOLUTION_STEPS changes of the timer, into the batch words.
+        let base = gpu.batch_base();
+        let mut dst = base;
+        let mut n = RESOLUTION_STEPS;
+        let mut spins = RESOLUTION_SPINS;
+        let mut params = [
+            (&mut dst as *mut sys::CUdeviceptr).cast::<c_void>(),
+            (&mut n as *mut u32).cast::<c_void>(),
+            (&mut spins as *mut u32).cast::<c_void>(),
+        ];
+        // SAFETY: `steps` takes (u64 pointer, u32, u32), as `params` holds; `dst` points to BATCH_WORDS mapped
+        // words, at least RESOLUTION_STEPS; the private stream belongs to the bound context; `params` outlives
+        // the call (the driver copies the arguments at launch).
+        unsafe { result::launch_kernel(steps, (1, 1, 1), (1, 1, 1), 0, gpu.owned.private, &mut params) }
+            .map_err(api("cuLaunchKernel"))?;
+        // SAFETY: our stream, alive until `owned` drops.
+        unsafe { result::stream::synchronize(gpu.owned.private) }.map_err(api("cuStreamSynchronize"))?;
+        let values: Vec<u64> = (0..RESOLUTION_STEPS).map(|i| gpu.load_word(gpu.slots + i)).collect();
+        let Some(resolution_ns) = min_step(&values) else {
+            return Err(GpuError::NoTimestamps {
+                detail: format!(
+                    "%globaltimer on {name} did not advance over {RESOLUTION_SPINS} reads; the event fallback is \
+                     not implemented"
+                ),
+            });
+        };
+        gpu.clock.resolution_ns = resolution_ns;
+        for i in 0..RESOLUTION_STEPS {
+            gpu.store_word(gpu.slots + i, 0);
+        }
+        Ok(gpu)
+    }
+
+    /// The device clock: measured `%globaltimer` resolution, SM clock, compute capability.
+    pub fn clock(&self) -> CudaClock {
+        self.clock
+    }
+
+    /// The context the backend lives in (scopes' streams must belong to it).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.owned.ctx
+    }
+
+    /// Timestamp launches that failed on the hot path (their scopes never complete).
+    pub fn failed_writes(&self) -> u64 {
+        self.failed_writes.load(Ordering::Relaxed)
+    }
+
+    /// `count` (1..=4096) consecutive `%globaltimer` reads from one launch on the backend's private stream,
+    /// in ns. Blocks until the kernel has run. All reads lie within a few µs of each other.
+    pub fn read_clock_batch(&self, count: usize) -> Result<Vec<GpuTicks>, GpuError> {
+        if count == 0 || count > BATCH_WORDS as usize {
+            return Err(invalid(format!("a batch holds 1..={BATCH_WORDS} reads, not {count}")));
+        }
+        let _guard = self.private_lock.lock().unwrap_or_else(|e| e.into_inner());
+        self.owned.ctx.bind_to_thread().map_err(api("cuCtxSetCurrent"))?;
+        // SAFETY: our stream, alive until `owned` drops; waiting makes any earlier probe of ours finish before
+        // the words are reused.
+        unsafe { result::stream::synchronize(self.owned.private) }.map_err(api("cuStreamSynchronize"))?;
+        let mut dst = self.batch_base();
+        let mut n = count as u32;
+        let mut params = [
+            (&mut dst as *mut sys::CUdeviceptr).cast::<c_void>(),
+            (&mut n as *mut u32).cast::<c_void>(),
+        ];
+        // SAFETY: `stamps` takes (u64 pointer, u32); `dst` points to BATCH_WORDS mapped words, `n` of them
+        // written; our stream is in the bound context; `params` outlives the call.
+        unsafe { result::launch_kernel(self.stamps, (1, 1, 1), (1, 1, 1), 0, self.owned.private, &mut params) }
+            .map_err(api("cuLaunchKernel"))?;
+        // SAFETY: as above.
+        unsafe { result::stream::synchronize(self.owned.private) }.map_err(api("cuStreamSynchronize"))?;
+        Ok((0..n).map(|i| GpuTicks(self.load_word(self.slots + i))).collect())
+    }
+
+    /// The device address of the first word after the slots.
+    fn batch_base(&self) -> sys::CUdeviceptr {
+        self.owned.device + u64::from(self.slots) * 8
+    }
+
+    /// Word `index` of the mapped memory (a slot, or a word after them).
+    fn load_word(&self, index: u32) -> u64 {
+        assert!(index < self.slots + BATCH_WORDS);
+        // SAFETY: `host` holds `slots + BATCH_WORDS` aligned u64s (allocated in `setup`, freed only when `owned`
+        // drops); the device writes whole aligned words, so a volatile load sees the old or the new value.
+        unsafe { self.owned.host.add(index as usize).read_volatile() }
+    }
+
+    fn store_word(&self, index: u32, value: u64) {
+        assert!(index < self.slots + BATCH_WORDS);
+        // SAFETY: as in `load_word`; no kernel of ours writes this word now (a slot is recycled only once read,
+        // and the words after the slots are stored to only while the private stream is idle).
+        unsafe { self.owned.host.add(index as usize).write_volatile(value) }
+    }
+
+    /// Launches `tickline_stamp` into word `index` on `stream`.
+    fn launch_stamp(&self, stream: sys::CUstream, index: u32) -> Result<(), DriverError> {
+        debug_assert!(index < self.slots + BATCH_WORDS);
+        let mut dst = self.owned.device + u64::from(index) * 8;
+        let mut params = [(&mut dst as *mut sys::CUdeviceptr).cast::<c_void>()];
+        // SAFETY: `stamp` takes one u64 pointer, as `params` holds; `dst` is word `index` of our mapped memory
+        // (asserted above), which stays allocated until every stream of the context is synchronised in
+        // `Owned::drop`; `params` outlives the call (the driver copies the arguments at launch).
+        unsafe { result::launch_kernel(self.stamp, (1, 1, 1), (1, 1, 1), 0, stream, &mut params) }
+    }
+}
+
+impl GpuBackend for CudaGpu {
+    type Commands = CudaStream;
+
+    fn info(&self) -> GpuDeviceInfo {
+        self.info.clone()
+    }
+
+    #[inline]
+    fn write_timestamp(&self, stream: &CudaStream, slot: u32) {
+        debug_assert!(slot < self.slots, "slot {slot} of {}", self.slots);
+        debug_assert!(**stream.context() == *self.owned.ctx, "a stream of another context");
+        // Every entry point used here was resolved in `new` (it launched a kernel, bound the context), so
+        // nothing below can panic.
+        let result = self
+            .owned
+            .ctx
+            .bind_to_thread()
+            .and_then(|()| self.launch_stamp(stream.cu_stream(), slot));
+        if result.is_err() {
+            self.failed_writes.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn read_timestamps(&self, first: u32, out: &mut [Option<GpuTicks>]) -> Result<(), GpuError> {
+        let end = u64::from(first) + out.len() as u64;
+        if end > u64::from(self.slots) {
+            return Err(invalid(format!("slots {first}..{end} past {}", self.slots)));
+        }
+        for (i, value) in out.iter_mut().enumerate() {
+            let ticks = self.load_word(first + i as u32);
+            *value = (ticks != 0).then_some(GpuTicks(ticks));
+        }
+        Ok(())
+    }
+
+    fn recycle(&self, first: u32, count: u32) -> Result<(), GpuError> {
+        let end = u64::from(first) + u64::from(count);
+        if end > u64::from(self.slots) {
+            return Err(invalid(format!("slots {first}..{end} past {}", self.slots)));
+        }
+        for slot in first..first + count {
+            self.store_word(slot, 0);
+        }
+        Ok(())
+    }
+
+    fn calibrate(&self, samples: usize, budget: Duration, out: &mut Vec<CalibrationSample>) -> Result<(), GpuError> {
+        let started = Instant::now();
+        let _guard = self.private_lock.lock().unwrap_or_else(|e| e.into_inner());
+        self.owned.ctx.bind_to_thread().map_err(api("cuCtxSetCurrent"))?;
+        let word = self.slots;
+        for _ in 0..samples {
+            if started.elapsed() >= budget {
+                break;
+            }
+            // SAFETY: our stream, alive until `owned` drops.
+            match unsafe { sys::cuStreamQuery(self.owned.private) } {
+                sys::cudaError_enum::CUDA_SUCCESS => {}
+                // A probe of an earlier burst is still queued behind the GPU's work: no sample this time.
+                sys::cudaError_enum::CUDA_ERROR_NOT_READY => return Ok(()),
+                e => return Err(api("cuStreamQuery")(DriverError(e))),
+            }
+            self.store_word(word, 0);
+            let before_ns = monotonic_ns().0;
+            self.launch_stamp(self.owned.private, word)
+                .map_err(api("cuLaunchKernel"))?;
+            let deadline = budget + PROBE_GRACE;
+            let ticks = loop {
+                let ticks = self.load_word(word);
+                if ticks != 0 || started.elapsed() >= deadline {
+                    break ticks;
+                }
+                std::hint::spin_loop();
+            };
+            let after_ns = monotonic_ns().0;
+            if ticks == 0 {
+                break; // the probe stays pending; the next burst checks the stream first
+            }
+            out.push(bracket(ticks, before_ns, after_ns));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ptx_is_loadable_text() {
+        assert!(std::ffi::CString::new(PTX).is_ok(), "no interior NUL");
+        for entry in ["tickline_stamp(", "tickline_stamps(", "tickline_steps("] {
+            assert!(PTX.contains(&format!(".visible .entry {entry}")), "{entry}");
+        }
+        assert!(PTX.contains("%globaltimer"));
+        assert!(PTX.contains(".address_size 64"));
+        // Every label branched to is defined once.
+        for label in ["STAMPS_LOOP", "STAMPS_DONE", "STEPS_LOOP", "STEPS_DONE"] {
+            assert_eq!(PTX.matches(&format!("{label}:")).count(), 1, "{label}");
+        }
+    }
+
+    #[test]
+    fn options_are_checked() {
+        assert!(check_options(&CudaOptions::default()).is_ok());
+        for slots in [0, 1, 3, MAX_SLOTS + 2] {
+            let e = check_options(&CudaOptions { timestamp_slots: slots }).unwrap_err();
+            assert!(matches!(e, GpuError::Invalid { .. }), "{slots}: {e}");
+        }
+    }
+
+    #[test]
+    fn resolution_is_the_smallest_step() {
+        assert_eq!(min_step(&[1000, 1032, 1096, 1128, 0, 0]), Some(32));
+        assert_eq!(min_step(&[5_000, 6_000, 8_000]), Some(1000));
+        // Zeroes end the recorded values (the probe stopped spinning).
+        assert_eq!(min_step(&[5_000, 0, 5_001]), None);
+        assert_eq!(min_step(&[7, 7, 7]), None);
+        assert_eq!(min_step(&[]), None);
+    }
+
+    #[test]
+    fn brackets_are_half_their_width() {
+        let s = bracket(42, 1_000, 1_010);
+        assert_eq!((s.source_ticks, s.reference_ns, s.max_deviation_ns), (42, 1_005, 5));
+        assert_eq!(bracket(1, 7, 7).max_deviation_ns, 1);
+        assert_eq!(bracket(1, 10, 3).reference_ns, 10);
+    }
+
+    #[test]
+    fn panics_in_cudarc_become_errors() {
+        let e = contain::<()>("cuSomething", || panic!("Expected symbol in library: DlSym")).unwrap_err();
+        assert!(matches!(e, GpuError::Api { call: "cuSomething", ref detail } if detail.contains("DlSym")));
+        assert_eq!(contain("x", || Ok(3)).unwrap(), 3);
+    }
+
+    #[test]
+    fn no_such_device_is_typed() {
+        let e = device_error(
+            "cuDeviceGet",
+            3,
+            DriverError(sys::cudaError_enum::CUDA_ERROR_INVALID_DEVICE),
+        );
+        assert!(matches!(e, GpuError::NoDevice { .. }), "{e}");
+        let e = device_error("cuInit", 0, DriverError(sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY));
+        assert!(matches!(e, GpuError::Api { call: "cuInit", .. }), "{e}");
+    }
+
+    #[test]
+    fn backend_is_send_and_sync() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<CudaGpu>();
+    }
+}
