@@ -150,21 +150,21 @@ fn run(ctx: Arc<CudaContext>, path: &str) -> Result<(), Box<dyn Error>> {
         {
             let _record = info_span!("launch").entered();
             for (index, (stream, lane)) in streams.iter().zip(&lanes).enumerate() {
-                let _work = tickline::gpu_scope!(lane, &**stream, "gpu work", frame = frame, stream = index);
+                let _work = tickline::gpu_scope!(lane, stream, "gpu work", frame = frame, stream = index);
                 let buffer = {
-                    let _upload = tickline::gpu_scope!(lane, &**stream, "upload", bytes = 4 * LEN);
+                    let _upload = tickline::gpu_scope!(lane, stream, "upload", bytes = 4 * LEN);
                     stream.clone_htod(&host)?
                 };
                 {
-                    let _scale = tickline::gpu_scope!(lane, &**stream, "scale");
+                    let _scale = tickline::gpu_scope!(lane, stream, "scale");
                     let (x, _sync) = buffer.device_ptr(stream);
                     kernels.scale(stream, x, LEN, 0.5)?;
                 }
                 {
-                    let _spin = tickline::gpu_scope!(lane, &**stream, "spin");
+                    let _spin = tickline::gpu_scope!(lane, stream, "spin");
                     kernels.spin(stream, 200_000 * (index as u64 + 1))?;
                 }
-                let _download = tickline::gpu_scope!(lane, &**stream, "download");
+                let _download = tickline::gpu_scope!(lane, stream, "download");
                 let mut back = vec![0f32; 16];
                 stream.memcpy_dtoh(&buffer.slice(0..16), &mut back)?;
                 buffers.push(buffer);

@@ -19,7 +19,7 @@
 //! let stream = ctx.new_stream()?;
 //! let lane = gpu.queue("stream 0")?;
 //! {
-//!     let _scope = tickline::gpu_scope!(lane, &*stream, "upload");
+//!     let _scope = tickline::gpu_scope!(lane, &stream, "upload"); // &Arc<CudaStream> derefs to &CudaStream
 //!     // ... copies and kernel launches on `stream` ...
 //! }
 //! stream.synchronize()?;
@@ -65,7 +65,12 @@
 //!   kernel slot on the stream.
 //! - A launch that fails on the hot path is counted ([`CudaGpu::failed_writes`]); its slot is never written,
 //!   and the collector treats the scope as it treats any timestamp that never arrives.
-//! - Streams given to scopes must belong to the context the backend was made with.
+//! - Streams given to scopes must belong to the context the backend was made with. `type Commands` is
+//!   [`CudaStream`]; an `&Arc<CudaStream>` (what cudarc hands out) derefs to it in [`gpu_scope!`](crate::gpu_scope).
+//! - A scope recorded while its stream is being captured into a CUDA graph puts its timestamp kernels into the
+//!   graph: they write the same pair at every replay. Record scopes outside stream capture.
+//! - The backend never calls cudarc's `bind_to_thread`, `attribute` or `name`: those take and clear the error
+//!   cudarc stores for the application (`check_err`); the backend uses the raw driver calls instead.
 //! - Dropping the backend synchronises the whole context (`cuCtxSynchronize`): a timestamp kernel still queued on
 //!   an application stream must not write into freed memory. Drop it after the timeline is shut down.
 
@@ -305,6 +310,23 @@ pub fn open(ordinal: usize) -> Result<Arc<CudaContext>, GpuError> {
     })
 }
 
+/// Makes `ctx` current on this thread. Unlike `CudaContext::bind_to_thread` it leaves the error cudarc stores
+/// for the application alone (`check_err` there takes and clears it, so the application would never see it).
+fn bind(ctx: &CudaContext) -> Result<(), DriverError> {
+    let want = ctx.cu_ctx();
+    if result::ctx::get_current()? != Some(want) {
+        // SAFETY: `want` is the live context `ctx` holds (retained until the last Arc of it drops).
+        unsafe { result::ctx::set_current(want) }?;
+    }
+    Ok(())
+}
+
+/// A device attribute, read without touching cudarc's stored error (see [`bind`]).
+fn attribute(ctx: &CudaContext, attribute: sys::CUdevice_attribute) -> Result<i32, GpuError> {
+    // SAFETY: `cu_device` is the device `ctx` was made on; the call only reads an attribute.
+    unsafe { result::device::get_attribute(ctx.cu_device(), attribute) }.map_err(api("cuDeviceGetAttribute"))
+}
+
 fn check_options(options: &CudaOptions) -> Result<(), GpuError> {
     let slots = options.timestamp_slots;
     if slots < 2 || slots % 2 != 0 || slots > MAX_SLOTS {
@@ -349,10 +371,10 @@ struct Owned {
 impl Drop for Owned {
     fn drop(&mut self) {
         let _ = contain("cleanup", || {
-            let _ = self.ctx.bind_to_thread();
+            let _ = bind(&self.ctx);
             // Kernels of ours may still be queued on application streams and write into `host`: wait for every
             // stream of the context before freeing it.
-            let _ = self.ctx.synchronize();
+            let _ = result::ctx::synchronize();
             // SAFETY: each handle was created by `CudaGpu::new` in `self.ctx`, which is alive (we hold an Arc)
             // and bound; nothing of ours is pending after the synchronisation above. Null handles are skipped.
             unsafe {
@@ -419,9 +441,13 @@ impl CudaGpu {
     }
 
     fn setup(ctx: &Arc<CudaContext>, options: &CudaOptions) -> Result<CudaGpu, GpuError> {
-        ctx.bind_to_thread().map_err(api("cuCtxSetCurrent"))?;
-        let name = ctx.name().map_err(api("cuDeviceGetName"))?;
-        let compute_capability = ctx.compute_capability().map_err(api("cuDeviceGetAttribute"))?;
+        bind(ctx).map_err(api("cuCtxSetCurrent"))?;
+        use sys::CUdevice_attribute as A;
+        let name = result::device::get_name(ctx.cu_device()).map_err(api("cuDeviceGetName"))?;
+        let compute_capability = (
+            attribute(ctx, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+            attribute(ctx, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+        );
         if compute_capability.0 < 5 {
             return Err(GpuError::NoTimestamps {
                 detail: format!(
@@ -431,19 +457,13 @@ impl CudaGpu {
                 ),
             });
         }
-        use sys::CUdevice_attribute as A;
-        let can_map = ctx
-            .attribute(A::CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY)
-            .map_err(api("cuDeviceGetAttribute"))?;
+        let can_map = attribute(ctx, A::CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY)?;
         if can_map == 0 {
             return Err(GpuError::NoTimestamps {
                 detail: format!("{name} cannot map host memory (CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY is 0)"),
             });
         }
-        let sm_clock_khz = ctx
-            .attribute(A::CU_DEVICE_ATTRIBUTE_CLOCK_RATE)
-            .map_err(api("cuDeviceGetAttribute"))?
-            .max(0) as u32;
+        let sm_clock_khz = attribute(ctx, A::CU_DEVICE_ATTRIBUTE_CLOCK_RATE)?.max(0) as u32;
 
         let mut owned = Owned {
             ctx: ctx.clone(),
@@ -559,7 +579,7 @@ impl CudaGpu {
             return Err(invalid(format!("a batch holds 1..={BATCH_WORDS} reads, not {count}")));
         }
         let _guard = self.private_lock.lock().unwrap_or_else(|e| e.into_inner());
-        self.owned.ctx.bind_to_thread().map_err(api("cuCtxSetCurrent"))?;
+        bind(&self.owned.ctx).map_err(api("cuCtxSetCurrent"))?;
         // SAFETY: our stream, alive until `owned` drops; waiting makes any earlier probe of ours finish before
         // the words are reused.
         unsafe { result::stream::synchronize(self.owned.private) }.map_err(api("cuStreamSynchronize"))?;
@@ -623,11 +643,7 @@ impl GpuBackend for CudaGpu {
         debug_assert!(**stream.context() == *self.owned.ctx, "a stream of another context");
         // Every entry point used here was resolved in `new` (it launched a kernel, bound the context), so
         // nothing below can panic.
-        let result = self
-            .owned
-            .ctx
-            .bind_to_thread()
-            .and_then(|()| self.launch_stamp(stream.cu_stream(), slot));
+        let result = bind(&self.owned.ctx).and_then(|()| self.launch_stamp(stream.cu_stream(), slot));
         if result.is_err() {
             self.failed_writes.fetch_add(1, Ordering::Relaxed);
         }
@@ -659,7 +675,7 @@ impl GpuBackend for CudaGpu {
     fn calibrate(&self, samples: usize, budget: Duration, out: &mut Vec<CalibrationSample>) -> Result<(), GpuError> {
         let started = Instant::now();
         let _guard = self.private_lock.lock().unwrap_or_else(|e| e.into_inner());
-        self.owned.ctx.bind_to_thread().map_err(api("cuCtxSetCurrent"))?;
+        bind(&self.owned.ctx).map_err(api("cuCtxSetCurrent"))?;
         let word = self.slots;
         for _ in 0..samples {
             if started.elapsed() >= budget {

@@ -114,12 +114,12 @@ fn scopes_on_two_streams_land_on_their_tracks() {
     let host = vec![1u8; 1 << 20];
     for _ in 0..20 {
         for (stream, lane) in streams.iter().zip(&lanes) {
-            let _outer = tickline::gpu_scope!(lane, &**stream, "outer");
+            let _outer = tickline::gpu_scope!(lane, stream, "outer");
             let device = {
-                let _upload = tickline::gpu_scope!(lane, &**stream, "upload");
+                let _upload = tickline::gpu_scope!(lane, stream, "upload");
                 stream.clone_htod(&host).unwrap()
             };
-            let _back = tickline::gpu_scope!(lane, &**stream, "download");
+            let _back = tickline::gpu_scope!(lane, stream, "download");
             let _ = stream.clone_dtoh(&device).unwrap();
         }
     }
