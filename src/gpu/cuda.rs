@@ -42,8 +42,9 @@
 //!   counts ns since an epoch long past: it is never 0 when read); [`GpuBackend::recycle`] stores 0 again.
 //! - **Calibration.** Each sample zeroes a private word, reads `CLOCK_MONOTONIC`, launches `tickline_stamp` on
 //!   a private non-blocking stream, spins until the word turns non-zero and reads `CLOCK_MONOTONIC` again. The
-//!   timer was read inside that bracket; the sample's deviation is half of it, launch and PCIe latency
-//!   included. A burst stops at its budget; a probe still in flight then (the GPU is full) is waited for by
+//!   timer was read inside that bracket, and it shows a value for up to its resolution after reaching it, so
+//!   the bracket is widened by the measured resolution at its start; the sample's deviation is half of it,
+//!   launch and PCIe latency included. A burst stops at its budget; a probe still in flight then (the GPU is full) is waited for by
 //!   the next burst, which returns no sample until the private stream is idle.
 //! - **Batched reads.** [`CudaGpu::read_clock_batch`] takes N consecutive `%globaltimer` reads from one launch
 //!   (one thread, one store per read). Calibration does *not* use it: every sample needs a bracket of its own,
@@ -344,6 +345,29 @@ fn min_step(values: &[u64]) -> Option<u64> {
         .filter_map(|w| w[1].checked_sub(w[0]))
         .filter(|&d| d > 0)
         .min()
+}
+
+/// Reads slots `first..first + out.len()` of `slots` through `load`: 0 is unwritten.
+fn read_slots(slots: u32, first: u32, out: &mut [Option<GpuTicks>], load: impl Fn(u32) -> u64) -> Result<(), GpuError> {
+    let end = u64::from(first) + out.len() as u64;
+    if end > u64::from(slots) {
+        return Err(invalid(format!("slots {first}..{end} past {slots}")));
+    }
+    for (i, value) in out.iter_mut().enumerate() {
+        let ticks = load(first + i as u32);
+        *value = (ticks != 0).then_some(GpuTicks(ticks));
+    }
+    Ok(())
+}
+
+/// Marks slots `first..first + count` of `slots` unwritten through `clear`.
+fn clear_slots(slots: u32, first: u32, count: u32, clear: impl Fn(u32)) -> Result<(), GpuError> {
+    let end = u64::from(first) + u64::from(count);
+    if end > u64::from(slots) {
+        return Err(invalid(format!("slots {first}..{end} past {slots}")));
+    }
+    (first..first + count).for_each(clear);
+    Ok(())
 }
 
 /// A sample whose device read happened in `[before_ns, after_ns]`: the midpoint, half the width (at least 1).
@@ -650,26 +674,11 @@ impl GpuBackend for CudaGpu {
     }
 
     fn read_timestamps(&self, first: u32, out: &mut [Option<GpuTicks>]) -> Result<(), GpuError> {
-        let end = u64::from(first) + out.len() as u64;
-        if end > u64::from(self.slots) {
-            return Err(invalid(format!("slots {first}..{end} past {}", self.slots)));
-        }
-        for (i, value) in out.iter_mut().enumerate() {
-            let ticks = self.load_word(first + i as u32);
-            *value = (ticks != 0).then_some(GpuTicks(ticks));
-        }
-        Ok(())
+        read_slots(self.slots, first, out, |index| self.load_word(index))
     }
 
     fn recycle(&self, first: u32, count: u32) -> Result<(), GpuError> {
-        let end = u64::from(first) + u64::from(count);
-        if end > u64::from(self.slots) {
-            return Err(invalid(format!("slots {first}..{end} past {}", self.slots)));
-        }
-        for slot in first..first + count {
-            self.store_word(slot, 0);
-        }
-        Ok(())
+        clear_slots(self.slots, first, count, |index| self.store_word(index, 0))
     }
 
     fn calibrate(&self, samples: usize, budget: Duration, out: &mut Vec<CalibrationSample>) -> Result<(), GpuError> {
@@ -704,7 +713,13 @@ impl GpuBackend for CudaGpu {
             if ticks == 0 {
                 break; // the probe stays pending; the next burst checks the stream first
             }
-            out.push(bracket(ticks, before_ns, after_ns));
+            // The timer shows `ticks` from the moment it reaches them until its next update, up to
+            // `resolution_ns` later: the counter equalled `ticks` in [before - resolution, after].
+            out.push(bracket(
+                ticks,
+                before_ns.saturating_sub(self.clock.resolution_ns),
+                after_ns,
+            ));
         }
         Ok(())
     }
@@ -745,6 +760,33 @@ mod tests {
         assert_eq!(min_step(&[5_000, 0, 5_001]), None);
         assert_eq!(min_step(&[7, 7, 7]), None);
         assert_eq!(min_step(&[]), None);
+    }
+
+    #[test]
+    fn slots_read_zero_as_unwritten_and_recycle_to_zero() {
+        use std::cell::Cell;
+        let words: Vec<Cell<u64>> = (0..8).map(|_| Cell::new(0)).collect();
+        words[2].set(1_700_000_000_000_000_000);
+        words[3].set(1_700_000_000_000_000_500);
+        let mut out = [Some(GpuTicks(9)); 4];
+        read_slots(8, 1, &mut out, |i| words[i as usize].get()).unwrap();
+        assert_eq!(
+            out,
+            [
+                None,
+                Some(GpuTicks(1_700_000_000_000_000_000)),
+                Some(GpuTicks(1_700_000_000_000_000_500)),
+                None
+            ]
+        );
+        // Past the slots: refused, nothing read.
+        let e = read_slots(8, 6, &mut out, |_| unreachable!()).unwrap_err();
+        assert!(matches!(e, GpuError::Invalid { .. }), "{e}");
+        assert!(read_slots(8, u32::MAX, &mut out, |_| unreachable!()).is_err());
+        clear_slots(8, 2, 2, |i| words[i as usize].set(0)).unwrap();
+        assert!(words.iter().all(|w| w.get() == 0));
+        assert!(clear_slots(8, 7, 2, |_| unreachable!()).is_err());
+        assert!(clear_slots(8, u32::MAX, u32::MAX, |_| unreachable!()).is_err());
     }
 
     #[test]
