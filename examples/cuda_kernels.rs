@@ -167,13 +167,19 @@ fn run(ctx: Arc<CudaContext>, path: &str) -> Result<(), Box<dyn Error>> {
                 let _download = tickline::gpu_scope!(lane, stream, "download");
                 let mut back = vec![0f32; 16];
                 stream.memcpy_dtoh(&buffer.slice(0..16), &mut back)?;
-                buffers.push(buffer);
+                buffers.push((buffer, back));
             }
         }
         {
             let _wait = info_span!("synchronize").entered();
             for stream in &streams {
                 stream.synchronize()?;
+            }
+        }
+        // The kernels ran: x[i] = i * 0.5.
+        for (_, back) in &buffers {
+            if back.iter().enumerate().any(|(i, &v)| v != i as f32 * 0.5) {
+                return Err(format!("frame {frame}: scale kernel gave {back:?}").into());
             }
         }
         drop(buffers);

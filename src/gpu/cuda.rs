@@ -622,6 +622,12 @@ impl CudaGpu {
         Ok((0..n).map(|i| GpuTicks(self.load_word(self.slots + i))).collect())
     }
 
+    /// One `%globaltimer` read, in ns ([`read_clock_batch`](Self::read_clock_batch) of 1). Blocks until the
+    /// kernel has run.
+    pub fn read_clock(&self) -> Result<GpuTicks, GpuError> {
+        Ok(self.read_clock_batch(1)?[0])
+    }
+
     /// The device address of the first word after the slots.
     fn batch_base(&self) -> sys::CUdeviceptr {
         self.owned.device + u64::from(self.slots) * 8

@@ -67,7 +67,9 @@ fn resolution_batch_reads_and_calibration_on_the_device() {
     assert!((1..=2_000).contains(&clock.resolution_ns), "{clock:?}");
     assert_eq!(gpu.info().clock.valid_bits(), 64);
 
+    let one = gpu.read_clock().unwrap();
     let batch = gpu.read_clock_batch(1000).unwrap();
+    assert!(batch[0] >= one);
     assert_eq!(batch.len(), 1000);
     assert!(batch.windows(2).all(|w| w[0] <= w[1]), "monotonic");
     let span = batch[999].0 - batch[0].0;
