@@ -34,6 +34,7 @@ fn main() {
     };
     let options = CudaOptions {
         timestamp_slots: 2 * CHUNK as u32,
+        ..CudaOptions::default()
     };
     let stream = ctx.new_stream().expect("a stream");
     let mut c = Criterion::default()

@@ -128,11 +128,12 @@ fn run(ctx: Arc<CudaContext>, path: &str) -> Result<(), Box<dyn Error>> {
     let backend = CudaGpu::new(&ctx, CudaOptions::default())?;
     let clock = backend.clock();
     println!(
-        "device: {} (compute capability {}.{}, SM clock {} MHz); %globaltimer resolution measured: {} ns",
+        "device: {} (compute capability {}.{}, SM clock {} MHz); timing {:?}, resolution {} ns",
         ctx.name()?,
         clock.compute_capability.0,
         clock.compute_capability.1,
         clock.sm_clock_khz / 1000,
+        backend.timing(),
         clock.resolution_ns
     );
     let exporter = PerfettoExporter::create(path)?;

@@ -34,8 +34,9 @@
 //!   on one stream run in order, so the begin is read once the work launched before the scope has finished and
 //!   the end once the scope's own work has. The PTX text is loaded by the driver (`cuModuleLoadData`): no NVRTC
 //!   at run time. The alternative, CUDA events anchored to a calibrated reference, gives relative times in f32
-//!   milliseconds (about 0.5 µs) and needs an anchor per stream; which of the two places slices better is to be
-//!   measured on a GPU (see the crate's issue 6). The kernel is the one implemented here.
+//!   milliseconds (about 0.5 µs); it is implemented too ([`CudaTiming::Events`], below) so the two can be
+//!   compared on a GPU (the crate's issue 6). [`CudaTiming::Auto`] (the default) takes the kernel and falls back
+//!   to events only where the kernel cannot be used.
 //! - **Slots in mapped pinned host memory.** The slots are `cuMemHostAlloc(DEVICEMAP)` memory that the kernel
 //!   writes through its device alias, so reading finished timestamps is a volatile load on the host: no copy, no
 //!   stream, no synchronisation with the application's streams. A slot holding 0 is unwritten (`%globaltimer`
@@ -56,11 +57,18 @@
 //! - **Clock frequency.** `%globaltimer` is nominally 1 GHz (1 ns per tick; [`GpuDeviceInfo::clock`]); the SM
 //!   clock the driver reports (`CU_DEVICE_ATTRIBUTE_CLOCK_RATE`) is [`CudaClock::sm_clock_khz`], for reference.
 //!
+//! - **Event fallback.** Where the kernel cannot be used (compute capability below 5.0, the PTX target; the
+//!   module does not load; `%globaltimer` does not advance), [`CudaTiming::Auto`] records a CUDA event per
+//!   timestamp instead ([`CudaGpu::timing`] says which and why). Events are relative: each slot reads as the
+//!   `cuEventElapsedTime` since an anchor event of known tick value, and every calibration sample (an event on
+//!   the private stream, bracketed like the kernel's) becomes the next anchor, so the f32 milliseconds span at
+//!   most a burst period. Their resolution is the documented 0.5 µs ([`CudaClock::resolution_ns`]); batched
+//!   reads need the kernel.
+//!
 //! # Limits
 //!
-//! - The event-based fallback (for a device whose `%globaltimer` is unusable) is **not implemented**: such a
-//!   device gets [`GpuError::NoTimestamps`]. Devices below compute capability 5.0 (the PTX target) are refused
-//!   the same way.
+//! - Nothing here has run on a GPU yet: the PTX, the mapped-memory reads and both timings are checked only by
+//!   the GPU tests (which skip without a device) and the `cuda_kernels` example.
 //! - The PTX is `.version 7.0`, `.target sm_50`: a CUDA 11.0 or newer driver.
 //! - `write_timestamp` costs one `cuLaunchKernel` (a few µs of CPU, measured on a GPU machine only) and one
 //!   kernel slot on the stream.
@@ -79,7 +87,7 @@ use std::any::Any;
 use std::ffi::{c_void, CStr};
 use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -177,30 +185,70 @@ const RESOLUTION_SPINS: u32 = 1 << 24;
 /// How long past its budget a calibration burst spins for a probe it launched.
 const PROBE_GRACE: Duration = Duration::from_micros(500);
 
+/// Event timing's resolution: "around 0.5 microseconds" (CUDA Driver API, `cuEventElapsedTime`). Documented,
+/// not measured.
+const EVENT_RESOLUTION_NS: u64 = 500;
+/// The event clock's tick value at the first anchor (ticks are ns after it, offset so they are never 0 and an
+/// event recorded just before a later anchor still maps above 0).
+const EVENT_ORIGIN: u64 = 1 << 40;
+
+/// How [`CudaGpu`] timestamps scopes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum CudaTiming {
+    /// `%globaltimer` when it works on the device, else CUDA events ([`CudaGpu::timing`] says which, and why).
+    #[default]
+    Auto,
+    /// The one-thread `%globaltimer` kernel, or an error.
+    GlobalTimer,
+    /// CUDA events: `cuEventRecord` per timestamp, read back as `cuEventElapsedTime` from an anchor event that
+    /// each calibration sample moves forward. About 0.5 µs resolution; no kernel, no PTX.
+    Events,
+}
+
 /// What the application asks of [`CudaGpu::new`].
 ///
 /// ```
-/// let options = tickline::cuda::CudaOptions::default();
-/// assert_eq!(options.timestamp_slots, 4096);
+/// use tickline::cuda::{CudaOptions, CudaTiming};
+/// let options = CudaOptions::default();
+/// assert_eq!((options.timestamp_slots, options.timing), (4096, CudaTiming::Auto));
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CudaOptions {
-    /// Timestamp slots (even, 2..=1 Mi): each scope in flight holds two. 8 bytes of pinned host memory each.
+    /// Timestamp slots (even, 2..=1 Mi): each scope in flight holds two. 8 bytes of pinned host memory each
+    /// (and one CUDA event each with [`CudaTiming::Events`]).
     pub timestamp_slots: u32,
+    /// `%globaltimer` kernel or CUDA events.
+    pub timing: CudaTiming,
 }
 
 impl Default for CudaOptions {
-    /// 4096 slots (2048 scopes in flight, 32 KiB).
+    /// 4096 slots (2048 scopes in flight, 32 KiB), [`CudaTiming::Auto`].
     fn default() -> Self {
-        CudaOptions { timestamp_slots: 4096 }
+        CudaOptions {
+            timestamp_slots: 4096,
+            timing: CudaTiming::Auto,
+        }
     }
+}
+
+/// Which timing a [`CudaGpu`] uses.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CudaTimingInUse {
+    /// The `%globaltimer` kernel.
+    GlobalTimer,
+    /// CUDA events.
+    Events {
+        /// Why not `%globaltimer`: asked for, or what went wrong with it under [`CudaTiming::Auto`].
+        reason: String,
+    },
 }
 
 /// The device clock as [`CudaGpu::new`] found it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CudaClock {
     /// The update granularity of `%globaltimer`, measured on the device: the smallest step seen between two
-    /// differing reads (an upper bound if the probe kernel's loop is slower than the timer).
+    /// differing reads (an upper bound if the probe kernel's loop is slower than the timer). With CUDA events:
+    /// their documented 500 ns.
     pub resolution_ns: u64,
     /// The SM clock the driver reports (`CU_DEVICE_ATTRIBUTE_CLOCK_RATE`), in kHz. `%globaltimer` does not run
     /// on it: its nominal rate is 1 GHz (1 ns per tick).
@@ -380,6 +428,234 @@ fn bracket(ticks: u64, before_ns: u64, after_ns: u64) -> CalibrationSample {
     }
 }
 
+/// Loads the `%globaltimer` kernels into `owned.module` and measures the timer's resolution.
+fn load_timer(owned: &mut Owned, slots: u32, name: &str) -> Result<(Stamps, u64), GpuError> {
+    let ptx = std::ffi::CString::new(PTX).map_err(|_| invalid("PTX text holds a NUL".into()))?;
+    // SAFETY: `ptx` is a NUL-terminated PTX text that outlives the call; the caller bound the context.
+    owned.module = unsafe { result::module::load_data(ptx.as_ptr().cast()) }.map_err(api("cuModuleLoadData"))?;
+    let module = owned.module;
+    let function = |name: &CStr| {
+        // SAFETY: the module was just loaded in the bound context and is unloaded only when `owned` drops,
+        // after every use of its functions.
+        unsafe { result::module::get_function(module, name.to_owned()) }.map_err(api("cuModuleGetFunction"))
+    };
+    let stamp = function(c"tickline_stamp")?;
+    let stamps = function(c"tickline_stamps")?;
+    let steps = function(c"tickline_steps")?;
+
+    // The resolution probe: the first RESOLUTION_STEPS changes of the timer, into the batch words.
+    let base = owned.device + u64::from(slots) * 8;
+    let mut dst = base;
+    let mut n = RESOLUTION_STEPS;
+    let mut spins = RESOLUTION_SPINS;
+    let mut params = [
+        (&mut dst as *mut sys::CUdeviceptr).cast::<c_void>(),
+        (&mut n as *mut u32).cast::<c_void>(),
+        (&mut spins as *mut u32).cast::<c_void>(),
+    ];
+    // SAFETY: `steps` takes (u64 pointer, u32, u32), as `params` holds; `dst` points to BATCH_WORDS mapped
+    // words, at least RESOLUTION_STEPS; the private stream belongs to the bound context; `params` outlives
+    // the call (the driver copies the arguments at launch).
+    unsafe { result::launch_kernel(steps, (1, 1, 1), (1, 1, 1), 0, owned.private, &mut params) }
+        .map_err(api("cuLaunchKernel"))?;
+    // SAFETY: our stream, alive until `owned` drops.
+    unsafe { result::stream::synchronize(owned.private) }.map_err(api("cuStreamSynchronize"))?;
+    let values: Vec<u64> = (0..RESOLUTION_STEPS).map(|i| owned.load(slots + i)).collect();
+    let Some(resolution_ns) = min_step(&values) else {
+        return Err(GpuError::NoTimestamps {
+            detail: format!("%globaltimer on {name} did not advance over {RESOLUTION_SPINS} reads"),
+        });
+    };
+    for i in 0..RESOLUTION_STEPS {
+        owned.store(slots + i, 0);
+    }
+    Ok((Stamps::Timer { stamp, stamps }, resolution_ns))
+}
+
+/// How scopes' timestamps are taken.
+enum Stamps {
+    /// The `%globaltimer` kernels of our module.
+    Timer {
+        stamp: sys::CUfunction,
+        stamps: sys::CUfunction,
+    },
+    Events(EventStamps),
+}
+
+/// CUDA-event timestamps: one event per slot, read as the time elapsed since an anchor event whose tick value
+/// is known. Each calibration sample records a probe event on the private stream, and once the probe has
+/// completed it becomes the new anchor (its ticks: the old anchor's plus the elapsed time), so the f32
+/// milliseconds `cuEventElapsedTime` returns span at most a burst period (f32 has a 24-bit mantissa: 100 ms is
+/// resolved to about 6 ns, 100 s would be to 6 µs).
+struct EventStamps {
+    ctx: Arc<CudaContext>,
+    events: Vec<sys::CUevent>,
+    /// Whether slot `i`'s event was recorded since its last recycle (`cuEventQuery` of an event never recorded
+    /// says complete).
+    recorded: Vec<AtomicBool>,
+    clock: Mutex<EventClock>,
+}
+
+struct EventClock {
+    anchor: sys::CUevent,
+    anchor_ticks: u64,
+    probe: sys::CUevent,
+    /// The probe was recorded and not seen complete (a burst ran out of budget).
+    probe_pending: bool,
+}
+
+/// `anchor_ticks` plus `elapsed_ms` in ns, rounded; never 0. `cuEventElapsedTime` is negative for an event
+/// that completed before the anchor.
+fn event_ticks(anchor_ticks: u64, elapsed_ms: f32) -> u64 {
+    let ns = anchor_ticks as f64 + f64::from(elapsed_ms) * 1e6;
+    ns.round().max(1.0) as u64
+}
+
+impl EventStamps {
+    fn new(ctx: &Arc<CudaContext>, slots: u32, private: sys::CUstream) -> Result<EventStamps, GpuError> {
+        let mut stamps = EventStamps {
+            ctx: ctx.clone(),
+            events: Vec::with_capacity(slots as usize),
+            recorded: (0..slots).map(|_| AtomicBool::new(false)).collect(),
+            clock: Mutex::new(EventClock {
+                anchor: std::ptr::null_mut(),
+                anchor_ticks: EVENT_ORIGIN,
+                probe: std::ptr::null_mut(),
+                probe_pending: false,
+            }),
+        };
+        let create = || result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(api("cuEventCreate"));
+        for _ in 0..slots {
+            stamps.events.push(create()?);
+        }
+        let clock = stamps.clock.get_mut().unwrap_or_else(|e| e.into_inner());
+        clock.anchor = create()?;
+        clock.probe = create()?;
+        // SAFETY: the anchor event and the private stream were created in the bound context and are alive.
+        unsafe { result::event::record(clock.anchor, private) }.map_err(api("cuEventRecord"))?;
+        // SAFETY: as above.
+        unsafe { result::event::synchronize(clock.anchor) }.map_err(api("cuEventSynchronize"))?;
+        Ok(stamps)
+    }
+
+    /// Records slot `slot`'s event on `stream` (the hot path).
+    fn record(&self, slot: u32, stream: sys::CUstream) -> Result<(), DriverError> {
+        // SAFETY: the event is ours (alive until `self` drops), created in the context the caller bound; the
+        // stream is the application's, of the same context (the backend's contract).
+        unsafe { result::event::record(self.events[slot as usize], stream) }?;
+        // Release: the record above happens before the collector's query; pairs with Acquire in `read`.
+        self.recorded[slot as usize].store(true, Ordering::Release);
+        Ok(())
+    }
+
+    fn clear(&self, slot: u32) {
+        // Relaxed: the pair goes back to the scopes through the timeline's free-pair queue, which orders this
+        // store before the next `record` of the slot.
+        self.recorded[slot as usize].store(false, Ordering::Relaxed);
+    }
+
+    /// Slots `first..first + out.len()` (range checked by the caller), the context bound.
+    fn read(&self, first: u32, out: &mut [Option<GpuTicks>]) -> Result<(), GpuError> {
+        let clock = self.clock.lock().unwrap_or_else(|e| e.into_inner());
+        for (i, value) in out.iter_mut().enumerate() {
+            let slot = first as usize + i;
+            *value = None;
+            // Acquire: pairs with the Release in `record`.
+            if !self.recorded[slot].load(Ordering::Acquire) {
+                continue;
+            }
+            let event = self.events[slot];
+            // SAFETY: our event, alive until `self` drops.
+            match unsafe { sys::cuEventQuery(event) } {
+                sys::cudaError_enum::CUDA_SUCCESS => {}
+                sys::cudaError_enum::CUDA_ERROR_NOT_READY => continue,
+                e => return Err(api("cuEventQuery")(DriverError(e))),
+            }
+            // SAFETY: both events are ours, alive, recorded and complete (the anchor since `new` or the burst
+            // that made it the anchor; the slot's just queried).
+            let ms = unsafe { result::event::elapsed(clock.anchor, event) }.map_err(api("cuEventElapsedTime"))?;
+            *value = Some(GpuTicks(event_ticks(clock.anchor_ticks, ms)));
+        }
+        Ok(())
+    }
+
+    /// A burst of event samples on the private stream, the context bound.
+    fn calibrate(
+        &self,
+        private: sys::CUstream,
+        samples: usize,
+        budget: Duration,
+        out: &mut Vec<CalibrationSample>,
+    ) -> Result<(), GpuError> {
+        let started = Instant::now();
+        let mut clock = self.clock.lock().unwrap_or_else(|e| e.into_inner());
+        let query = |event| {
+            // SAFETY: our event, alive until `self` drops.
+            match unsafe { sys::cuEventQuery(event) } {
+                sys::cudaError_enum::CUDA_SUCCESS => Ok(true),
+                sys::cudaError_enum::CUDA_ERROR_NOT_READY => Ok(false),
+                e => Err(api("cuEventQuery")(DriverError(e))),
+            }
+        };
+        if clock.probe_pending {
+            if !query(clock.probe)? {
+                return Ok(()); // still queued behind the GPU's work: no sample this time
+            }
+            clock.probe_pending = false;
+        }
+        for _ in 0..samples {
+            if started.elapsed() >= budget {
+                break;
+            }
+            let before_ns = monotonic_ns().0;
+            // SAFETY: our probe event (not pending: checked above or completed below) and our private stream.
+            unsafe { result::event::record(clock.probe, private) }.map_err(api("cuEventRecord"))?;
+            let done = loop {
+                if query(clock.probe)? {
+                    break true;
+                }
+                if started.elapsed() >= budget + PROBE_GRACE {
+                    break false;
+                }
+                std::hint::spin_loop();
+            };
+            let after_ns = monotonic_ns().0;
+            if !done {
+                clock.probe_pending = true;
+                break;
+            }
+            // SAFETY: both events are ours, alive, recorded and complete.
+            let ms = unsafe { result::event::elapsed(clock.anchor, clock.probe) }.map_err(api("cuEventElapsedTime"))?;
+            let ticks = event_ticks(clock.anchor_ticks, ms);
+            out.push(bracket(ticks, before_ns.saturating_sub(EVENT_RESOLUTION_NS), after_ns));
+            // The probe becomes the anchor; the old anchor is the next probe.
+            let EventClock { anchor, probe, .. } = &mut *clock;
+            std::mem::swap(anchor, probe);
+            clock.anchor_ticks = ticks;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for EventStamps {
+    fn drop(&mut self) {
+        let _ = contain("cleanup", || {
+            let _ = bind(&self.ctx);
+            // An event still pending on an application stream must not be destroyed under it.
+            let _ = result::ctx::synchronize();
+            let clock = self.clock.get_mut().unwrap_or_else(|e| e.into_inner());
+            for event in self.events.iter().copied().chain([clock.anchor, clock.probe]) {
+                if !event.is_null() {
+                    // SAFETY: our event, created in `self.ctx` (alive: we hold an Arc), complete after the
+                    // synchronisation above, destroyed once.
+                    let _ = unsafe { result::event::destroy(event) };
+                }
+            }
+            Ok(())
+        });
+    }
+}
+
 /// Driver objects the backend created; released on drop (also when `new` fails half-way).
 struct Owned {
     ctx: Arc<CudaContext>,
@@ -390,6 +666,25 @@ struct Owned {
     host: *mut u64,
     /// The device alias of `host`.
     device: sys::CUdeviceptr,
+    /// Words at `host`: the slots, then `BATCH_WORDS`; 0 until allocated.
+    words: u32,
+}
+
+impl Owned {
+    /// Word `index` of the mapped memory (a slot, or a word after them).
+    fn load(&self, index: u32) -> u64 {
+        assert!(index < self.words);
+        // SAFETY: `host` holds `words` aligned u64s (allocated in `setup` before `words` is set, freed only when
+        // `self` drops); the device writes whole aligned words, so a volatile load sees the old or the new value.
+        unsafe { self.host.add(index as usize).read_volatile() }
+    }
+
+    fn store(&self, index: u32, value: u64) {
+        assert!(index < self.words);
+        // SAFETY: as in `load`; no kernel of ours writes this word now (a slot is recycled only once read, and
+        // the words after the slots are stored to only while the private stream is idle).
+        unsafe { self.host.add(index as usize).write_volatile(value) }
+    }
 }
 
 impl Drop for Owned {
@@ -421,9 +716,10 @@ impl Drop for Owned {
 /// back from mapped host memory without blocking, the device clock calibrated against `CLOCK_MONOTONIC`. See
 /// the [module docs](self).
 pub struct CudaGpu {
+    /// Declared before `owned`: dropped first, while the context is surely alive.
+    stamps: Stamps,
     owned: Owned,
-    stamp: sys::CUfunction,
-    stamps: sys::CUfunction,
+    timing: CudaTimingInUse,
     slots: u32,
     info: GpuDeviceInfo,
     clock: CudaClock,
@@ -432,8 +728,9 @@ pub struct CudaGpu {
     private_lock: Mutex<()>,
 }
 
-// SAFETY: the raw handles (module, functions, stream) are driver objects usable from any thread once their
-// context is bound, which every method does first; the host memory behind `owned.host` is only accessed with
+// SAFETY: the raw handles (module, functions, stream, events) are driver objects usable from any thread once
+// their context is bound, which every method does first (events are recorded by one scope at a time per slot,
+// handed out by the timeline's pair queue; the anchor and probe are used under `EventStamps::clock`); the host memory behind `owned.host` is only accessed with
 // volatile loads and stores of whole aligned u64 words (slots: one writer at a time, handed out by the
 // timeline's pair queue; the words after them: under `private_lock`).
 unsafe impl Send for CudaGpu {}
@@ -452,13 +749,15 @@ impl fmt::Debug for CudaGpu {
 }
 
 impl CudaGpu {
-    /// Sets the backend up in `ctx` (the context the application's streams belong to): loads the PTX kernels,
-    /// maps the timestamp slots, creates a private stream and measures the timer's resolution (a blocking
-    /// launch of well under a second).
+    /// Sets the backend up in `ctx` (the context the application's streams belong to): maps the timestamp slots,
+    /// creates a private stream, loads the PTX kernels and measures the timer's resolution (a blocking launch of
+    /// well under a second), or, with [`CudaTiming::Events`] or where the kernels cannot be used under
+    /// [`CudaTiming::Auto`], creates one CUDA event per slot and an anchor.
     ///
-    /// Errors: [`GpuError::Invalid`] for bad options, [`GpuError::NoTimestamps`] for a device below compute
-    /// capability 5.0, one that cannot map host memory or whose `%globaltimer` does not advance,
-    /// [`GpuError::Api`] for a failing call or a driver entry point cudarc cannot find.
+    /// Errors: [`GpuError::Invalid`] for bad options; [`GpuError::NoTimestamps`] for a device that cannot map
+    /// host memory, and with [`CudaTiming::GlobalTimer`] for one below compute capability 5.0 or whose
+    /// `%globaltimer` does not advance; [`GpuError::Api`] for a failing call or a driver entry point cudarc
+    /// cannot find.
     pub fn new(ctx: &Arc<CudaContext>, options: CudaOptions) -> Result<CudaGpu, GpuError> {
         check_options(&options)?;
         contain("CudaGpu::new", || Self::setup(ctx, &options))
@@ -472,15 +771,6 @@ impl CudaGpu {
             attribute(ctx, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
             attribute(ctx, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
         );
-        if compute_capability.0 < 5 {
-            return Err(GpuError::NoTimestamps {
-                detail: format!(
-                    "{name} has compute capability {}.{}; the %globaltimer kernels target sm_50 and the event \
-                     fallback is not implemented",
-                    compute_capability.0, compute_capability.1
-                ),
-            });
-        }
         let can_map = attribute(ctx, A::CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY)?;
         if can_map == 0 {
             return Err(GpuError::NoTimestamps {
@@ -495,19 +785,8 @@ impl CudaGpu {
             private: std::ptr::null_mut(),
             host: std::ptr::null_mut(),
             device: 0,
+            words: 0,
         };
-        let ptx = std::ffi::CString::new(PTX).map_err(|_| invalid("PTX text holds a NUL".into()))?;
-        // SAFETY: `ptx` is a NUL-terminated PTX text that outlives the call; the context is bound (above).
-        owned.module = unsafe { result::module::load_data(ptx.as_ptr().cast()) }.map_err(api("cuModuleLoadData"))?;
-        let function = |name: &CStr| {
-            // SAFETY: the module was just loaded in the bound context and is unloaded only when `owned` drops,
-            // after every use of its functions.
-            unsafe { result::module::get_function(owned.module, name.to_owned()) }.map_err(api("cuModuleGetFunction"))
-        };
-        let stamp = function(c"tickline_stamp")?;
-        let stamps = function(c"tickline_stamps")?;
-        let steps = function(c"tickline_steps")?;
-
         let words = (options.timestamp_slots + BATCH_WORDS) as usize;
         let bytes = words * std::mem::size_of::<u64>();
         // SAFETY: the context is bound; the memory is zeroed below before any read.
@@ -523,62 +802,59 @@ impl CudaGpu {
             .result()
             .map_err(api("cuMemHostGetDevicePointer"))?;
         owned.device = device;
+        owned.words = words as u32;
         owned.private =
             result::stream::create(result::stream::StreamKind::NonBlocking).map_err(api("cuStreamCreate"))?;
 
-        let mut gpu = CudaGpu {
-            owned,
-            stamp,
+        let timer = match options.timing {
+            CudaTiming::Events => Err(GpuError::Invalid {
+                detail: "CudaTiming::Events asked for".into(),
+            }),
+            _ if compute_capability.0 < 5 => Err(GpuError::NoTimestamps {
+                detail: format!(
+                    "{name} has compute capability {}.{}; the %globaltimer kernels target sm_50",
+                    compute_capability.0, compute_capability.1
+                ),
+            }),
+            _ => load_timer(&mut owned, options.timestamp_slots, &name),
+        };
+        let (stamps, timing, resolution_ns) = match (timer, options.timing) {
+            (Ok((stamps, resolution_ns)), _) => (stamps, CudaTimingInUse::GlobalTimer, resolution_ns),
+            (Err(e), CudaTiming::GlobalTimer) => return Err(e),
+            (Err(e), _) => (
+                Stamps::Events(EventStamps::new(ctx, options.timestamp_slots, owned.private)?),
+                CudaTimingInUse::Events {
+                    reason: match e {
+                        GpuError::Invalid { detail } => detail,
+                        e => e.to_string(),
+                    },
+                },
+                EVENT_RESOLUTION_NS,
+            ),
+        };
+
+        Ok(CudaGpu {
             stamps,
+            owned,
+            timing,
             slots: options.timestamp_slots,
             info: GpuDeviceInfo {
                 name: name.clone(),
                 api: "CUDA",
-                // %globaltimer: 64 valid bits, 1 ns per tick (PTX ISA manual, "Special Registers").
+                // %globaltimer: 64 valid bits, 1 ns per tick (PTX ISA manual, "Special Registers"); event ticks
+                // are ns after the first anchor, plus EVENT_ORIGIN.
                 clock: ClockDomain::new(64, 1.0).expect("64 bits and 1 ns are a valid domain"),
                 timestamp_slots: options.timestamp_slots,
             },
             clock: CudaClock {
-                resolution_ns: 0,
+                resolution_ns,
                 sm_clock_khz,
                 timer_hz: 1_000_000_000,
                 compute_capability,
             },
             failed_writes: AtomicU64::new(0),
             private_lock: Mutex::new(()),
-        };
-
-        // The resolution probe: the first RESOLUTION_STEPS changes of the timer, into the batch words.
-        let base = gpu.batch_base();
-        let mut dst = base;
-        let mut n = RESOLUTION_STEPS;
-        let mut spins = RESOLUTION_SPINS;
-        let mut params = [
-            (&mut dst as *mut sys::CUdeviceptr).cast::<c_void>(),
-            (&mut n as *mut u32).cast::<c_void>(),
-            (&mut spins as *mut u32).cast::<c_void>(),
-        ];
-        // SAFETY: `steps` takes (u64 pointer, u32, u32), as `params` holds; `dst` points to BATCH_WORDS mapped
-        // words, at least RESOLUTION_STEPS; the private stream belongs to the bound context; `params` outlives
-        // the call (the driver copies the arguments at launch).
-        unsafe { result::launch_kernel(steps, (1, 1, 1), (1, 1, 1), 0, gpu.owned.private, &mut params) }
-            .map_err(api("cuLaunchKernel"))?;
-        // SAFETY: our stream, alive until `owned` drops.
-        unsafe { result::stream::synchronize(gpu.owned.private) }.map_err(api("cuStreamSynchronize"))?;
-        let values: Vec<u64> = (0..RESOLUTION_STEPS).map(|i| gpu.load_word(gpu.slots + i)).collect();
-        let Some(resolution_ns) = min_step(&values) else {
-            return Err(GpuError::NoTimestamps {
-                detail: format!(
-                    "%globaltimer on {name} did not advance over {RESOLUTION_SPINS} reads; the event fallback is \
-                     not implemented"
-                ),
-            });
-        };
-        gpu.clock.resolution_ns = resolution_ns;
-        for i in 0..RESOLUTION_STEPS {
-            gpu.store_word(gpu.slots + i, 0);
-        }
-        Ok(gpu)
+        })
     }
 
     /// The device clock: measured `%globaltimer` resolution, SM clock, compute capability.
@@ -589,6 +865,11 @@ impl CudaGpu {
     /// The context the backend lives in (scopes' streams must belong to it).
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.owned.ctx
+    }
+
+    /// Which timing the backend uses (`%globaltimer` or CUDA events, and why).
+    pub fn timing(&self) -> &CudaTimingInUse {
+        &self.timing
     }
 
     /// Timestamp launches that failed on the hot path (their scopes never complete).
@@ -602,6 +883,11 @@ impl CudaGpu {
         if count == 0 || count > BATCH_WORDS as usize {
             return Err(invalid(format!("a batch holds 1..={BATCH_WORDS} reads, not {count}")));
         }
+        let Stamps::Timer { stamps, .. } = self.stamps else {
+            return Err(GpuError::NoTimestamps {
+                detail: "batched reads need the %globaltimer kernel; this backend uses CUDA events".into(),
+            });
+        };
         let _guard = self.private_lock.lock().unwrap_or_else(|e| e.into_inner());
         bind(&self.owned.ctx).map_err(api("cuCtxSetCurrent"))?;
         // SAFETY: our stream, alive until `owned` drops; waiting makes any earlier probe of ours finish before
@@ -615,7 +901,7 @@ impl CudaGpu {
         ];
         // SAFETY: `stamps` takes (u64 pointer, u32); `dst` points to BATCH_WORDS mapped words, `n` of them
         // written; our stream is in the bound context; `params` outlives the call.
-        unsafe { result::launch_kernel(self.stamps, (1, 1, 1), (1, 1, 1), 0, self.owned.private, &mut params) }
+        unsafe { result::launch_kernel(stamps, (1, 1, 1), (1, 1, 1), 0, self.owned.private, &mut params) }
             .map_err(api("cuLaunchKernel"))?;
         // SAFETY: as above.
         unsafe { result::stream::synchronize(self.owned.private) }.map_err(api("cuStreamSynchronize"))?;
@@ -633,30 +919,23 @@ impl CudaGpu {
         self.owned.device + u64::from(self.slots) * 8
     }
 
-    /// Word `index` of the mapped memory (a slot, or a word after them).
     fn load_word(&self, index: u32) -> u64 {
-        assert!(index < self.slots + BATCH_WORDS);
-        // SAFETY: `host` holds `slots + BATCH_WORDS` aligned u64s (allocated in `setup`, freed only when `owned`
-        // drops); the device writes whole aligned words, so a volatile load sees the old or the new value.
-        unsafe { self.owned.host.add(index as usize).read_volatile() }
+        self.owned.load(index)
     }
 
     fn store_word(&self, index: u32, value: u64) {
-        assert!(index < self.slots + BATCH_WORDS);
-        // SAFETY: as in `load_word`; no kernel of ours writes this word now (a slot is recycled only once read,
-        // and the words after the slots are stored to only while the private stream is idle).
-        unsafe { self.owned.host.add(index as usize).write_volatile(value) }
+        self.owned.store(index, value)
     }
 
     /// Launches `tickline_stamp` into word `index` on `stream`.
-    fn launch_stamp(&self, stream: sys::CUstream, index: u32) -> Result<(), DriverError> {
+    fn launch_stamp(&self, stamp: sys::CUfunction, stream: sys::CUstream, index: u32) -> Result<(), DriverError> {
         debug_assert!(index < self.slots + BATCH_WORDS);
         let mut dst = self.owned.device + u64::from(index) * 8;
         let mut params = [(&mut dst as *mut sys::CUdeviceptr).cast::<c_void>()];
         // SAFETY: `stamp` takes one u64 pointer, as `params` holds; `dst` is word `index` of our mapped memory
         // (asserted above), which stays allocated until every stream of the context is synchronised in
         // `Owned::drop`; `params` outlives the call (the driver copies the arguments at launch).
-        unsafe { result::launch_kernel(self.stamp, (1, 1, 1), (1, 1, 1), 0, stream, &mut params) }
+        unsafe { result::launch_kernel(stamp, (1, 1, 1), (1, 1, 1), 0, stream, &mut params) }
     }
 }
 
@@ -671,26 +950,43 @@ impl GpuBackend for CudaGpu {
     fn write_timestamp(&self, stream: &CudaStream, slot: u32) {
         debug_assert!(slot < self.slots, "slot {slot} of {}", self.slots);
         debug_assert!(**stream.context() == *self.owned.ctx, "a stream of another context");
-        // Every entry point used here was resolved in `new` (it launched a kernel, bound the context), so
-        // nothing below can panic.
-        let result = bind(&self.owned.ctx).and_then(|()| self.launch_stamp(stream.cu_stream(), slot));
+        // Every entry point used here was resolved in `new` (it launched a kernel or recorded an event, bound
+        // the context), so nothing below can panic.
+        let result = bind(&self.owned.ctx).and_then(|()| match &self.stamps {
+            Stamps::Timer { stamp, .. } => self.launch_stamp(*stamp, stream.cu_stream(), slot),
+            Stamps::Events(events) => events.record(slot, stream.cu_stream()),
+        });
         if result.is_err() {
             self.failed_writes.fetch_add(1, Ordering::Relaxed);
         }
     }
 
     fn read_timestamps(&self, first: u32, out: &mut [Option<GpuTicks>]) -> Result<(), GpuError> {
-        read_slots(self.slots, first, out, |index| self.load_word(index))
+        match &self.stamps {
+            Stamps::Timer { .. } => read_slots(self.slots, first, out, |index| self.load_word(index)),
+            Stamps::Events(events) => {
+                read_slots(self.slots, first, out, |_| 0)?; // the range check
+                bind(&self.owned.ctx).map_err(api("cuCtxSetCurrent"))?;
+                events.read(first, out)
+            }
+        }
     }
 
     fn recycle(&self, first: u32, count: u32) -> Result<(), GpuError> {
-        clear_slots(self.slots, first, count, |index| self.store_word(index, 0))
+        match &self.stamps {
+            Stamps::Timer { .. } => clear_slots(self.slots, first, count, |index| self.store_word(index, 0)),
+            Stamps::Events(events) => clear_slots(self.slots, first, count, |index| events.clear(index)),
+        }
     }
 
     fn calibrate(&self, samples: usize, budget: Duration, out: &mut Vec<CalibrationSample>) -> Result<(), GpuError> {
         let started = Instant::now();
         let _guard = self.private_lock.lock().unwrap_or_else(|e| e.into_inner());
         bind(&self.owned.ctx).map_err(api("cuCtxSetCurrent"))?;
+        let stamp = match &self.stamps {
+            Stamps::Timer { stamp, .. } => *stamp,
+            Stamps::Events(events) => return events.calibrate(self.owned.private, samples, budget, out),
+        };
         let word = self.slots;
         for _ in 0..samples {
             if started.elapsed() >= budget {
@@ -705,7 +1001,7 @@ impl GpuBackend for CudaGpu {
             }
             self.store_word(word, 0);
             let before_ns = monotonic_ns().0;
-            self.launch_stamp(self.owned.private, word)
+            self.launch_stamp(stamp, self.owned.private, word)
                 .map_err(api("cuLaunchKernel"))?;
             let deadline = budget + PROBE_GRACE;
             let ticks = loop {
@@ -753,7 +1049,11 @@ mod tests {
     fn options_are_checked() {
         assert!(check_options(&CudaOptions::default()).is_ok());
         for slots in [0, 1, 3, MAX_SLOTS + 2] {
-            let e = check_options(&CudaOptions { timestamp_slots: slots }).unwrap_err();
+            let e = check_options(&CudaOptions {
+                timestamp_slots: slots,
+                ..CudaOptions::default()
+            })
+            .unwrap_err();
             assert!(matches!(e, GpuError::Invalid { .. }), "{slots}: {e}");
         }
     }
@@ -793,6 +1093,18 @@ mod tests {
         assert!(words.iter().all(|w| w.get() == 0));
         assert!(clear_slots(8, 7, 2, |_| unreachable!()).is_err());
         assert!(clear_slots(8, u32::MAX, u32::MAX, |_| unreachable!()).is_err());
+    }
+
+    #[test]
+    fn event_ticks_count_ns_from_the_anchor() {
+        assert_eq!(event_ticks(EVENT_ORIGIN, 0.0), EVENT_ORIGIN);
+        assert_eq!(event_ticks(EVENT_ORIGIN, 1.5), EVENT_ORIGIN + 1_500_000);
+        // Before the anchor (a slot read after a newer anchor): negative milliseconds.
+        assert_eq!(event_ticks(EVENT_ORIGIN, -0.25), EVENT_ORIGIN - 250_000);
+        assert_eq!(event_ticks(5, -1.0), 1, "never 0, never wrapped");
+        // f32 at 100 ms: within 8 ns (24-bit mantissa).
+        let t = event_ticks(0, 100.000_001);
+        assert!(t.abs_diff(100_000_001) <= 8, "{t}");
     }
 
     #[test]

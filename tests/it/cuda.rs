@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tickline::cuda::cudarc::driver::CudaContext;
-use tickline::cuda::{driver_library, open, CudaGpu, CudaOptions};
+use tickline::cuda::{driver_library, open, CudaGpu, CudaOptions, CudaTiming, CudaTimingInUse};
 use tickline::gpu::{GpuBackend, GpuError, GpuTicks};
 use tickline::{EventKind, MemoryExporter, Timeline, TrackId, TrackKind};
 
@@ -51,7 +51,14 @@ fn options_are_checked_before_the_driver_is_touched() {
         Ok(ctx) => ctx,
         Err(e) => return skip("options_are_checked_before_the_driver_is_touched", e),
     };
-    let e = CudaGpu::new(&ctx, CudaOptions { timestamp_slots: 3 }).unwrap_err();
+    let e = CudaGpu::new(
+        &ctx,
+        CudaOptions {
+            timestamp_slots: 3,
+            ..CudaOptions::default()
+        },
+    )
+    .unwrap_err();
     assert!(matches!(e, GpuError::Invalid { .. }), "{e}");
 }
 
@@ -62,7 +69,13 @@ fn resolution_batch_reads_and_calibration_on_the_device() {
         Err(e) => return skip("resolution_batch_reads_and_calibration_on_the_device", e),
     };
     let clock = gpu.clock();
-    eprintln!("CUDA device: {} {clock:?}", gpu.info().name);
+    eprintln!("CUDA device: {} {clock:?} {:?}", gpu.info().name, gpu.timing());
+    if *gpu.timing() != CudaTimingInUse::GlobalTimer {
+        return skip(
+            "resolution_batch_reads_and_calibration_on_the_device",
+            format!("{:?}", gpu.timing()),
+        );
+    }
     // 1 µs before Hopper, 32 ns on it; never coarser than 1 µs by much, never zero.
     assert!((1..=2_000).contains(&clock.resolution_ns), "{clock:?}");
     assert_eq!(gpu.info().clock.valid_bits(), 64);
@@ -167,4 +180,44 @@ fn scopes_on_two_streams_land_on_their_tracks() {
     for name in ["outer", "upload", "download"] {
         assert_eq!(trace.slice_count(name), 40, "{name}");
     }
+}
+
+#[test]
+fn event_timing_calibrates_and_reads_slots() {
+    let (ctx, gpu) = match device(CudaOptions {
+        timing: CudaTiming::Events,
+        ..CudaOptions::default()
+    }) {
+        Ok(d) => d,
+        Err(e) => return skip("event_timing_calibrates_and_reads_slots", e),
+    };
+    assert!(
+        matches!(gpu.timing(), CudaTimingInUse::Events { .. }),
+        "{:?}",
+        gpu.timing()
+    );
+    assert_eq!(gpu.clock().resolution_ns, 500);
+    assert!(matches!(gpu.read_clock_batch(4), Err(GpuError::NoTimestamps { .. })));
+    let mut samples = Vec::new();
+    gpu.calibrate(20, Duration::from_millis(50), &mut samples).unwrap();
+    assert!(samples.len() >= 5, "{} samples", samples.len());
+    assert!(samples.windows(2).all(|w| w[0].source_ticks <= w[1].source_ticks));
+
+    let stream = ctx.new_stream().unwrap();
+    let mut out = [None; 2];
+    gpu.read_timestamps(0, &mut out).unwrap();
+    assert_eq!(out, [None, None], "never recorded");
+    gpu.write_timestamp(&stream, 0);
+    let _ = stream.clone_htod(&vec![0u8; 1 << 20]).unwrap();
+    gpu.write_timestamp(&stream, 1);
+    stream.synchronize().unwrap();
+    // A calibration burst moves the anchor in between: the slots still read in one tick domain.
+    gpu.calibrate(5, Duration::from_millis(10), &mut samples).unwrap();
+    gpu.read_timestamps(0, &mut out).unwrap();
+    let (begin, end) = (out[0].expect("written"), out[1].expect("written"));
+    assert!(begin < end && end.0 - begin.0 < 1_000_000_000, "{begin:?} {end:?}");
+    gpu.recycle(0, 2).unwrap();
+    gpu.read_timestamps(0, &mut out).unwrap();
+    assert_eq!(out, [None, None], "recycled");
+    assert_eq!(gpu.failed_writes(), 0);
 }
