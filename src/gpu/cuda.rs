@@ -45,18 +45,18 @@
 //!   a private non-blocking stream, spins until the word turns non-zero and reads `CLOCK_MONOTONIC` again. The
 //!   timer was read inside that bracket, and it shows a value for up to its resolution after reaching it, so
 //!   the bracket is widened by the measured resolution at its start; the sample's deviation is half of it,
-//!   launch and PCIe latency included. A burst stops at its budget; a probe still in flight then (the GPU is full) is waited for by
-//!   the next burst, which returns no sample until the private stream is idle.
+//!   launch and PCIe latency included. A burst stops at its budget; a probe still in flight then (the GPU is
+//!   full) is waited for by the next burst, which returns no sample until the private stream is idle.
 //! - **Batched reads.** [`CudaGpu::read_clock_batch`] takes N consecutive `%globaltimer` reads from one launch
 //!   (one thread, one store per read). Calibration does *not* use it: every sample needs a bracket of its own,
 //!   and N reads from one launch share one bracket.
 //! - **Resolution, measured.** [`CudaGpu::new`] launches `tickline_steps`, which spins on `%globaltimer` and
 //!   records the first values it sees change; the smallest step is the timer's update granularity
 //!   ([`CudaClock::resolution_ns`]): 32 ns on Hopper, 1 µs before it (32 ns while NVIDIA's tools run). A
-//!   timer that does not advance at all is refused with [`GpuError::NoTimestamps`].
+//!   timer that does not advance at all is not used (events instead, or [`GpuError::NoTimestamps`] with
+//!   [`CudaTiming::GlobalTimer`]).
 //! - **Clock frequency.** `%globaltimer` is nominally 1 GHz (1 ns per tick; [`GpuDeviceInfo::clock`]); the SM
 //!   clock the driver reports (`CU_DEVICE_ATTRIBUTE_CLOCK_RATE`) is [`CudaClock::sm_clock_khz`], for reference.
-//!
 //! - **Event fallback.** Where the kernel cannot be used (compute capability below 5.0, the PTX target; the
 //!   module does not load; `%globaltimer` does not advance), [`CudaTiming::Auto`] records a CUDA event per
 //!   timestamp instead ([`CudaGpu::timing`] says which and why). Events are relative: each slot reads as the
@@ -70,8 +70,8 @@
 //! - Nothing here has run on a GPU yet: the PTX, the mapped-memory reads and both timings are checked only by
 //!   the GPU tests (which skip without a device) and the `cuda_kernels` example.
 //! - The PTX is `.version 7.0`, `.target sm_50`: a CUDA 11.0 or newer driver.
-//! - `write_timestamp` costs one `cuLaunchKernel` (a few µs of CPU, measured on a GPU machine only) and one
-//!   kernel slot on the stream.
+//! - `write_timestamp` costs one `cuLaunchKernel` (or one `cuEventRecord`) and one entry in the stream; the
+//!   CPU cost is to be measured on a GPU machine (`benches/cuda_scope.rs`).
 //! - A launch that fails on the hot path is counted ([`CudaGpu::failed_writes`]); its slot is never written,
 //!   and the collector treats the scope as it treats any timestamp that never arrives.
 //! - Streams given to scopes must belong to the context the backend was made with. `type Commands` is
@@ -80,8 +80,11 @@
 //!   graph: they write the same pair at every replay. Record scopes outside stream capture.
 //! - The backend never calls cudarc's `bind_to_thread`, `attribute` or `name`: those take and clear the error
 //!   cudarc stores for the application (`check_err`); the backend uses the raw driver calls instead.
-//! - Dropping the backend synchronises the whole context (`cuCtxSynchronize`): a timestamp kernel still queued on
-//!   an application stream must not write into freed memory. Drop it after the timeline is shut down.
+//! - Dropping the backend synchronises the whole context (`cuCtxSynchronize`): a timestamp kernel or event still
+//!   queued on an application stream must not write into freed memory or outlive its event. Drop it after the
+//!   timeline is shut down.
+//! - The module is `tickline::cuda` for now; it belongs at `tickline::gpu::cuda` beside `vulkan` (a one-line
+//!   declaration in `src/gpu/mod.rs`, outside this change).
 
 use std::any::Any;
 use std::ffi::{c_void, CStr};
