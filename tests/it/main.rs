@@ -1,6 +1,8 @@
 //! Integration tests, built as one binary.
 
 mod cli;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod gpu;
 mod live;
 mod pipeline;
