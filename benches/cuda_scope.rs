@@ -17,7 +17,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::Criterion;
-use tickline::cuda::{open, CudaGpu, CudaOptions};
+use tickline::gpu::cuda::{open, CudaGpu, CudaOptions};
 use tickline::gpu::GpuBackend;
 use tickline::Timeline;
 

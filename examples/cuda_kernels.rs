@@ -14,8 +14,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tickline::cuda::cudarc::driver::{result, sys, CudaContext, CudaStream, DevicePtr};
-use tickline::cuda::{open, CudaGpu, CudaOptions};
+use tickline::gpu::cuda::cudarc::driver::{result, sys, CudaContext, CudaStream, DevicePtr};
+use tickline::gpu::cuda::{open, CudaGpu, CudaOptions};
 use tickline::Timeline;
 use tickline_perfetto::PerfettoExporter;
 use tracing::info_span;

@@ -101,12 +101,7 @@
 
 pub mod calibration;
 mod clock;
-// The CUDA backend lives in src/gpu/ with the others; it is declared here only because src/gpu/mod.rs is
-// owned by another branch for now (the intended path is `tickline::gpu::cuda`).
 mod collector;
-#[cfg(feature = "cuda")]
-#[path = "gpu/cuda.rs"]
-pub mod cuda;
 mod error;
 mod export;
 pub mod gpu;

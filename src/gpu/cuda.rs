@@ -7,7 +7,7 @@
 //! [`GpuError::Api`] too.
 //!
 //! ```no_run
-//! use tickline::cuda::{open, CudaGpu, CudaOptions};
+//! use tickline::gpu::cuda::{open, CudaGpu, CudaOptions};
 //!
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let ctx = open(0)?; // GpuError::NoLoader without libcuda.so, NoDevice without a GPU
@@ -83,8 +83,6 @@
 //! - Dropping the backend synchronises the whole context (`cuCtxSynchronize`): a timestamp kernel or event still
 //!   queued on an application stream must not write into freed memory or outlive its event. Drop it after the
 //!   timeline is shut down.
-//! - The module is `tickline::cuda` for now; it belongs at `tickline::gpu::cuda` beside `vulkan` (a one-line
-//!   declaration in `src/gpu/mod.rs`, outside this change).
 
 use std::any::Any;
 use std::ffi::{c_void, CStr};
@@ -211,7 +209,7 @@ pub enum CudaTiming {
 /// What the application asks of [`CudaGpu::new`].
 ///
 /// ```
-/// use tickline::cuda::{CudaOptions, CudaTiming};
+/// use tickline::gpu::cuda::{CudaOptions, CudaTiming};
 /// let options = CudaOptions::default();
 /// assert_eq!((options.timestamp_slots, options.timing), (4096, CudaTiming::Auto));
 /// ```
@@ -310,7 +308,7 @@ fn contain<T>(what: &'static str, f: impl FnOnce() -> Result<T, GpuError>) -> Re
 /// Call it before anything in `cudarc::driver`, which panics without the library.
 ///
 /// ```
-/// match tickline::cuda::driver_library() {
+/// match tickline::gpu::cuda::driver_library() {
 ///     Ok(()) => println!("a CUDA driver is installed"),
 ///     Err(e) => println!("{e}"), // GpuError::NoLoader
 /// }
@@ -343,7 +341,7 @@ fn device_error(call: &'static str, ordinal: usize, e: DriverError) -> GpuError 
 /// library, [`GpuError::NoDevice`] without such a device, never a panic.
 ///
 /// ```
-/// match tickline::cuda::open(0) {
+/// match tickline::gpu::cuda::open(0) {
 ///     Ok(ctx) => println!("CUDA device 0: {:?}", ctx.name()),
 ///     Err(e) => println!("{e}"),
 /// }

@@ -13,6 +13,8 @@
 //! query pool, an array of device words); tickline hands pairs out, reads them back and recycles them.
 
 mod collect;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod lanes;
 pub mod sim;
 mod tracker;

@@ -5,8 +5,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tickline::cuda::cudarc::driver::CudaContext;
-use tickline::cuda::{driver_library, open, CudaGpu, CudaOptions, CudaTiming, CudaTimingInUse};
+use tickline::gpu::cuda::cudarc::driver::CudaContext;
+use tickline::gpu::cuda::{driver_library, open, CudaGpu, CudaOptions, CudaTiming, CudaTimingInUse};
 use tickline::gpu::{GpuBackend, GpuError, GpuTicks};
 use tickline::{EventKind, MemoryExporter, Timeline, TrackId, TrackKind};
 
