@@ -99,6 +99,11 @@ use std::time::{Duration, Instant};
 pub use ash;
 use ash::vk;
 
+/// The wgpu-hal backend: this backend on the raw handles of a hal Vulkan device (lives in `src/gpu/wgpu.rs`).
+#[cfg(feature = "wgpu")]
+#[path = "wgpu.rs"]
+pub mod wgpu;
+
 use super::{GpuBackend, GpuDeviceInfo, GpuError, GpuTicks};
 use crate::calibration::{CalibrationSample, ClockDomain};
 use crate::clock::monotonic_ns;
