@@ -56,6 +56,9 @@
 //! ```ignore
 //! use wgpu::hal::api::Vulkan;
 //! use tickline::gpu::vulkan::wgpu::{open_device, WgpuCommands, WgpuGpu};
+//! use tickline::gpu::vulkan::CalibrationPath;
+//!
+//! // wgpu and tickline must agree on the wgpu-hal version (30): `open` is a hal 30 `OpenDevice`.
 //!
 //! let (open, options) = unsafe {
 //!     let hal_adapter = adapter.as_hal::<Vulkan>().expect("a Vulkan adapter");
@@ -321,6 +324,15 @@ impl WgpuGpu {
     }
 
     /// Locks the queue: hold the guard across every hal `Queue::submit` and `present`.
+    ///
+    /// ```no_run
+    /// # #[allow(dead_code)]
+    /// # fn demo(gpu: &tickline::gpu::vulkan::wgpu::WgpuGpu) {
+    /// let queue = gpu.lock_queue();
+    /// // ... hal `Queue::submit` / `present` to this queue while `queue` is held ...
+    /// drop(queue);
+    /// # }
+    /// ```
     pub fn lock_queue(&self) -> MutexGuard<'_, vk::Queue> {
         self.inner.lock_queue()
     }
@@ -338,8 +350,8 @@ impl WgpuGpu {
         value: hal::FenceValue,
     ) -> Result<(), GpuError> {
         use hal::Queue as _;
-        let _queue = self.lock_queue();
-        debug_assert_eq!(*_queue, queue.as_raw());
+        let guard = self.lock_queue();
+        debug_assert_eq!(*guard, queue.as_raw());
         // SAFETY: the queue is externally synchronised by the lock every submitter takes (`new`'s contract); the
         // rest is hal's contract, this function's.
         unsafe { queue.submit(command_buffers, &[], (fence, value)) }.map_err(|e| GpuError::Api {
