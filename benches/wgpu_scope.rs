@@ -8,9 +8,14 @@
 //! - `gpu_scope_host_reset`: `tickline::gpu_scope!(queue, &commands, "bench")` dropped at once on a
 //!   [`WgpuGpu`] with `hostQueryReset` (two `vkCmdWriteTimestamp`, a pair from the free list, a begin record).
 //!
+//! - `wgpu_profiler_scope`: the peer, `wgpu_profiler::GpuProfiler::scope(.., &mut encoder)` dropped at once, on
+//!   a `wgpu::Device` of the same adapter (wgpu 30, over the same wgpu-hal): wgpu's `write_timestamp` twice
+//!   (through wgpu-core), the scope's label `String`, its query bookkeeping.
+//!
 //! Scopes are timed in chunks of `CHUNK` (`iter_custom`); between chunks the timer stops, the command buffer is
-//! submitted and waited for, and the timeline flushed so every pair returns. Runs on lavapipe; without a Vulkan
-//! device (or without calibrated timestamps and hostQueryReset) it prints `SKIP` and exits.
+//! submitted and waited for, and the timeline flushed (wgpu-profiler: queries resolved, frame ended, results
+//! read) so every pair returns. Runs on lavapipe; without a Vulkan device (or without calibrated timestamps and
+//! hostQueryReset) it prints `SKIP` and exits.
 
 #[path = "../examples/support/wgpu.rs"]
 mod wgpu_support;
@@ -23,7 +28,7 @@ use tickline::gpu::vulkan::wgpu::{hal, wgt, WgpuGpu};
 use tickline::gpu::vulkan::VulkanOptions;
 use tickline::gpu::{GpuDevice, GpuQueue};
 use tickline::Timeline;
-use wgpu_support::{HalDevice, HalWork};
+use wgpu_support::{ready, HalDevice, HalWork};
 
 use hal::{CommandEncoder as _, Device as _};
 
@@ -53,6 +58,71 @@ fn time_scopes(
         left -= n;
     }
     total
+}
+
+/// wgpu-profiler on a `wgpu::Device` of the first Vulkan adapter with timestamps inside encoders, or why not.
+struct Peer {
+    device: wgpu::Device,
+    queue: wgpu::Queue,
+    profiler: wgpu_profiler::GpuProfiler,
+}
+
+impl Peer {
+    fn new() -> Result<Peer, String> {
+        let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
+        desc.backends = wgpu::Backends::VULKAN;
+        let instance = wgpu::Instance::new(desc);
+        let adapter =
+            ready(instance.request_adapter(&wgpu::RequestAdapterOptions::default())).map_err(|e| e.to_string())?;
+        let features = wgpu::Features::TIMESTAMP_QUERY | wgpu::Features::TIMESTAMP_QUERY_INSIDE_ENCODERS;
+        if !adapter.features().contains(features) {
+            return Err("the wgpu adapter has no TIMESTAMP_QUERY_INSIDE_ENCODERS".into());
+        }
+        let (device, queue) = ready(adapter.request_device(&wgpu::DeviceDescriptor {
+            required_features: features,
+            ..Default::default()
+        }))
+        .map_err(|e| e.to_string())?;
+        let profiler = wgpu_profiler::GpuProfiler::new(
+            &device,
+            wgpu_profiler::GpuProfilerSettings {
+                enable_debug_groups: false,
+                ..Default::default()
+            },
+        )
+        .map_err(|e| e.to_string())?;
+        Ok(Peer {
+            device,
+            queue,
+            profiler,
+        })
+    }
+
+    /// Times `iters` scopes in chunks; between chunks (untimed) resolves, submits, waits and reads the results.
+    fn time_scopes(&mut self, iters: u64) -> Duration {
+        let mut total = Duration::ZERO;
+        let mut left = iters;
+        while left > 0 {
+            let n = left.min(CHUNK);
+            let mut encoder = self.device.create_command_encoder(&Default::default());
+            let start = Instant::now();
+            for _ in 0..n {
+                drop(black_box(self.profiler.scope("bench", &mut encoder)));
+            }
+            total += start.elapsed();
+            self.profiler.resolve_queries(&mut encoder);
+            self.queue.submit([encoder.finish()]);
+            self.profiler.end_frame().unwrap();
+            self.device.poll(wgpu::PollType::wait_indefinitely()).unwrap();
+            let results = self
+                .profiler
+                .process_finished_frame(self.queue.get_timestamp_period())
+                .expect("the frame finished");
+            assert_eq!(results.len() as u64, n);
+            left -= n;
+        }
+        total
+    }
 }
 
 fn main() {
@@ -103,6 +173,17 @@ fn main() {
     }
     .unwrap();
 
+    let mut peer = match Peer::new() {
+        Ok(mut peer) => {
+            peer.time_scopes(2 * CHUNK);
+            Some(peer)
+        }
+        Err(reason) => {
+            eprintln!("SKIP: wgpu_scope bench: wgpu_profiler_scope: {reason}");
+            None
+        }
+    };
+
     let mut group = c.benchmark_group("wgpu_hal_gpu_scope");
     group.bench_function("bare_hal_write_timestamp_pair", |b| {
         b.iter_custom(|iters| {
@@ -134,6 +215,11 @@ fn main() {
     group.bench_function("gpu_scope_host_reset", |b| {
         b.iter_custom(|iters| time_scopes(iters, &timeline, &gpu, &queue, &mut work))
     });
+    if let Some(peer) = peer.as_mut() {
+        group.bench_function("wgpu_profiler_scope", |b| {
+            b.iter_custom(|iters| peer.time_scopes(iters))
+        });
+    }
     group.finish();
 
     let stats = timeline.stats();

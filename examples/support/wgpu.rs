@@ -208,3 +208,13 @@ impl Drop for HalWork<'_> {
         }
     }
 }
+
+/// wgpu's futures (tests and bench) resolve at once on native backends: poll once with a no-op waker.
+pub fn ready<T>(future: impl std::future::Future<Output = T>) -> T {
+    let mut future = std::pin::pin!(future);
+    let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+    match future.as_mut().poll(&mut context) {
+        std::task::Poll::Ready(value) => value,
+        std::task::Poll::Pending => panic!("a native wgpu future was pending"),
+    }
+}

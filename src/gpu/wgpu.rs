@@ -49,45 +49,56 @@
 //!
 //! # From a `wgpu::Device`
 //!
-//! tickline does not depend on `wgpu`. A `wgpu` user reaches this backend through wgpu's `as_hal` accessors:
-//! open the device through [`open_device`] and hand it to wgpu with `Adapter::create_device_from_hal` (so the
-//! calibrated-timestamps extension is enabled), then take the hal device and queue back out:
+//! tickline does not depend on `wgpu` (only its tests and bench do). A `wgpu` user reaches this backend through
+//! wgpu's `as_hal` accessors: open the device through [`open_device`] and hand it to wgpu with
+//! `Adapter::create_device_from_hal` (so the calibrated-timestamps extension is enabled), then take the hal
+//! device and queue back out. wgpu and tickline must agree on the wgpu-hal version (30).
 //!
-//! ```ignore
-//! use wgpu::hal::api::Vulkan;
+//! ```no_run
 //! use tickline::gpu::vulkan::wgpu::{open_device, WgpuCommands, WgpuGpu};
 //! use tickline::gpu::vulkan::CalibrationPath;
+//! use wgpu::hal::api::Vulkan;
 //!
-//! // wgpu and tickline must agree on the wgpu-hal version (30): `open` is a hal 30 `OpenDevice`.
-//!
+//! # #[allow(dead_code)]
+//! # fn demo(adapter: &wgpu::Adapter, timeline: &tickline::Timeline) -> Result<(), Box<dyn std::error::Error>> {
+//! let desc = wgpu::DeviceDescriptor::default();
+//! // SAFETY: the hal adapter is the wgpu adapter's; the features and limits are the descriptor's.
 //! let (open, options) = unsafe {
-//!     let hal_adapter = adapter.as_hal::<Vulkan>().expect("a Vulkan adapter");
+//!     let hal_adapter = adapter.as_hal::<Vulkan>().ok_or("not a Vulkan adapter")?;
 //!     open_device(&hal_adapter, desc.required_features, &desc.required_limits, &desc.memory_hints)?
 //! };
+//! // SAFETY: `open` was opened on this adapter with the descriptor's features and limits.
 //! let (device, queue) = unsafe { adapter.create_device_from_hal(open, &desc)? };
+//! // SAFETY: `device` and `queue` outlive the backend; see `WgpuGpu::new`.
 //! let backend = unsafe {
-//!     let hal_device = device.as_hal::<Vulkan>().expect("a Vulkan device");
-//!     let hal_queue = queue.as_hal::<Vulkan>().expect("a Vulkan queue");
+//!     let hal_device = device.as_hal::<Vulkan>().ok_or("not Vulkan")?;
+//!     let hal_queue = queue.as_hal::<Vulkan>().ok_or("not Vulkan")?;
 //!     WgpuGpu::new(&hal_device, &hal_queue, options)?
 //! };
-//! // wgpu-core submits to the queue under its own lock, not tickline's: use the extension path only.
+//! // wgpu-core submits to the queue without tickline's lock: use the extension path only.
 //! assert!(matches!(backend.vulkan().calibration_path(), CalibrationPath::Extension(_)));
 //! let gpu = timeline.gpu(backend)?;
+//! let gpu_queue = gpu.queue("wgpu")?;
 //!
-//! // A scope around commands recorded on the hal encoder of a wgpu::CommandEncoder:
+//! let mut raw = device.create_command_encoder(&Default::default());
+//! // SAFETY: only timestamps are recorded into wgpu's hal encoder.
 //! unsafe {
-//!     encoder.as_hal_mut::<Vulkan, _, _>(|hal_encoder| {
-//!         let hal_encoder = hal_encoder.expect("a Vulkan encoder");
-//!         let commands = WgpuCommands::of(hal_encoder).expect("encoding");
-//!         let _scope = tickline::gpu_scope!(queue_handle, &commands, "raw work");
-//!         // ... hal_encoder.dispatch(..) ...
+//!     raw.as_hal_mut::<Vulkan, _, _>(|hal_encoder| {
+//!         let commands = hal_encoder.and_then(|e| WgpuCommands::of(e)).expect("an open Vulkan encoder");
+//!         let _scope = tickline::gpu_scope!(gpu_queue, &commands, "raw work");
+//!         // ... hal commands on `hal_encoder` ...
 //!     })
 //! };
+//! queue.submit([raw.finish()]);
+//! # Ok(())
+//! # }
 //! ```
 //!
-//! With a `wgpu::Device`, a scope must begin and end around commands recorded on the hal encoder: wgpu-core
-//! records its own passes into command buffers of its choosing, so a scope held across wgpu-level calls has no
-//! defined order relative to them.
+//! wgpu 30 panics when one `wgpu::CommandEncoder` mixes its own encoding API with `as_hal_mut` ("Mixing the
+//! wgpu encoding API with the raw encoding API is not permitted"), and a scope's two timestamps go into one
+//! command buffer: so with a `wgpu::Device`, scopes bracket hal commands recorded inside `as_hal_mut`, not
+//! wgpu-level passes (those need a scope whose end lands in a later command buffer of the same submission,
+//! which [`GpuScope`](crate::gpu::GpuScope) does not offer). `tests/it/wgpu.rs` runs this path on lavapipe.
 //!
 //! # Other hal backends
 //!

@@ -18,7 +18,7 @@ use tickline::gpu::{GpuBackend, GpuDeviceInfo, GpuError, GpuTicks};
 use tickline::{CalibrationSample, MemoryExporter, Timeline};
 
 use crate::vulkan::{gpu_slices, percentile, skip, GpuSlice};
-use support::{HalDevice, HalWork};
+use support::{ready, HalDevice, HalWork};
 
 /// What [`Logged`] saw: slots in write order, the raw ticks read per slot.
 #[derive(Default)]
@@ -252,4 +252,95 @@ fn a_queue_of_another_device_is_refused() {
     // SAFETY: refused before any handle is used beyond reading it.
     let refused = unsafe { WgpuGpu::new(&one.device, &two.queue, one.options.clone()) };
     assert!(matches!(refused, Err(GpuError::Invalid { .. })), "{refused:?}");
+}
+
+/// The path the module docs show a `wgpu` user: open the hal device through `open_device`, hand it to wgpu,
+/// take the hal device and queue back out with `as_hal`, record scopes on the hal encoder of a
+/// `wgpu::CommandEncoder`, submit through wgpu.
+#[test]
+fn a_wgpu_device_reaches_the_backend_through_as_hal() {
+    use tickline::gpu::vulkan::wgpu::open_device;
+    use wgpu::hal::api::Vulkan;
+
+    let _one_at_a_time = crate::exclusive();
+    let test = "a_wgpu_device_reaches_the_backend_through_as_hal";
+    let mut instance_desc = wgpu::InstanceDescriptor::new_without_display_handle();
+    instance_desc.backends = wgpu::Backends::VULKAN;
+    let instance = wgpu::Instance::new(instance_desc);
+    let adapter = match ready(instance.request_adapter(&wgpu::RequestAdapterOptions::default())) {
+        Ok(adapter) => adapter,
+        Err(e) => return skip(test, format!("no wgpu Vulkan adapter: {e}")),
+    };
+    let desc = wgpu::DeviceDescriptor::default();
+    // SAFETY: the hal adapter is the wgpu adapter's, alive while `adapter` is; no features, default limits.
+    let opened = unsafe {
+        let hal_adapter = adapter.as_hal::<Vulkan>().expect("a Vulkan adapter");
+        open_device(
+            &hal_adapter,
+            desc.required_features,
+            &desc.required_limits,
+            &desc.memory_hints,
+        )
+    };
+    let (open, options) = opened.expect("the hal device opens");
+    // SAFETY: `open` was opened on this adapter's hal adapter with the descriptor's features and limits.
+    let (device, queue) = unsafe { adapter.create_device_from_hal(open, &desc) }.expect("wgpu takes the device");
+    // SAFETY: the hal device and queue live as long as `device` and `queue`, dropped after the backend (the
+    // timeline is shut down and `gpu` dropped first); wgpu submits without tickline's queue lock, so only the
+    // extension path is used (checked below: otherwise the test skips before any scope); scopes record into the
+    // hal encoder while wgpu holds it open, each command buffer submitted once and waited for.
+    let backend = unsafe {
+        let hal_device = device.as_hal::<Vulkan>().expect("a Vulkan device");
+        let hal_queue = queue.as_hal::<Vulkan>().expect("a Vulkan queue");
+        WgpuGpu::new(&hal_device, &hal_queue, options)
+    }
+    .expect("the backend sets up");
+    if !matches!(backend.vulkan().calibration_path(), CalibrationPath::Extension(_)) {
+        return skip(
+            test,
+            "no calibrated-timestamps extension: wgpu's submits would race the probe",
+        );
+    }
+    let memory = MemoryExporter::default();
+    let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
+    let gpu = timeline.gpu(backend).unwrap();
+    let gpu_queue = gpu.queue("wgpu").unwrap();
+    let buffer = device.create_buffer(&wgpu::BufferDescriptor {
+        label: None,
+        size: support::SIZE,
+        usage: wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    });
+    let mut windows = Vec::new();
+    for frame in 0..10u64 {
+        // wgpu-level work in its own encoder: wgpu 30 panics when one encoder mixes its encoding API with
+        // `as_hal_mut` ("Mixing the wgpu encoding API with the raw encoding API is not permitted").
+        let mut work = device.create_command_encoder(&Default::default());
+        work.clear_buffer(&buffer, 0, None);
+        let mut raw = device.create_command_encoder(&Default::default());
+        // SAFETY: the scope's timestamps go into wgpu's open hal encoder and nothing is destroyed through it.
+        unsafe {
+            raw.as_hal_mut::<Vulkan, _, _>(|hal_encoder| {
+                let hal_encoder = hal_encoder.expect("a Vulkan encoder");
+                let commands = WgpuCommands::of(hal_encoder).expect("wgpu opens its hal encoder");
+                let _scope = tickline::gpu_scope!(gpu_queue, &commands, "frame", frame = frame);
+            })
+        };
+        let before = tickline::monotonic_ns().0;
+        queue.submit([work.finish(), raw.finish()]);
+        device.poll(wgpu::PollType::wait_indefinitely()).unwrap();
+        windows.push((before, tickline::monotonic_ns().0));
+    }
+    let stats = timeline.shutdown().unwrap();
+    assert_eq!((stats.gpu_scopes, stats.gpu_lost_scopes), (10, 0), "{stats:?}");
+    let slices = gpu_slices(&memory.snapshot());
+    assert_eq!(slices.len(), 10);
+    for s in &slices {
+        let (before, after) = windows[s.frame as usize];
+        assert!(
+            before <= s.begin && s.begin <= s.end && s.end <= after,
+            "{s:?} outside its submission window {before}..{after}"
+        );
+    }
+    drop((gpu_queue, gpu));
 }
