@@ -19,8 +19,9 @@
 //! assert_eq!(memory.snapshot().slice_count("frame"), 1);
 //! ```
 //!
-//! GPU work joins the same timeline through a [`gpu::GpuBackend`] (Vulkan with the `vulkan` feature, CUDA with `cuda`, or the
-//! [simulated GPU](gpu::sim)) and [`gpu_scope!`](macro@gpu_scope)s recorded into its command streams: each GPU
+//! GPU work joins the same timeline through a [`gpu::GpuBackend`] (Vulkan with the `vulkan` feature, CUDA with
+//! `cuda`, wgpu-hal's Vulkan backend with `wgpu`, or the [simulated GPU](gpu::sim)) and
+//! [`gpu_scope!`](macro@gpu_scope)s recorded into its command streams: each GPU
 //! slice is placed on the CPU's time axis by the device clock's own live calibration, carries its
 //! uncertainty, and has a flow from the CPU code that recorded it.
 //!

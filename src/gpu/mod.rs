@@ -20,6 +20,8 @@ pub mod sim;
 mod tracker;
 #[cfg(feature = "vulkan")]
 pub mod vulkan;
+#[cfg(feature = "wgpu")]
+pub mod wgpu;
 
 pub(crate) use collect::GpuCollector;
 pub use tracker::GpuCalibrationConfig;

@@ -141,6 +141,40 @@ impl CalibrationExtension {
     }
 }
 
+/// The calibrated-timestamps extension `physical_device` offers, KHR preferred: the one to enable at
+/// `vkCreateDevice` (and to name in [`VulkanOptions::calibrated_timestamps`]), or `None`.
+///
+/// # Safety
+///
+/// `instance` is alive and `physical_device` belongs to it.
+///
+/// ```no_run
+/// # #[allow(dead_code)]
+/// # fn demo(instance: &ash::Instance, physical: ash::vk::PhysicalDevice) -> Result<(), tickline::gpu::GpuError> {
+/// use tickline::gpu::vulkan::offered_calibration_extension;
+/// // SAFETY: the instance is alive and `physical` was enumerated from it.
+/// if let Some(extension) = unsafe { offered_calibration_extension(instance, physical)? } {
+///     println!("enable {:?}", extension.name());
+/// }
+/// # Ok(())
+/// # }
+/// ```
+pub unsafe fn offered_calibration_extension(
+    instance: &ash::Instance,
+    physical_device: vk::PhysicalDevice,
+) -> Result<Option<CalibrationExtension>, GpuError> {
+    // SAFETY: the caller's contract: `physical_device` belongs to the live instance.
+    let offered = unsafe { instance.enumerate_device_extension_properties(physical_device) }
+        .map_err(api("vkEnumerateDeviceExtensionProperties"))?;
+    Ok([CalibrationExtension::Khr, CalibrationExtension::Ext]
+        .into_iter()
+        .find(|extension| {
+            offered
+                .iter()
+                .any(|p| p.extension_name_as_c_str().is_ok_and(|n| n == extension.name()))
+        }))
+}
+
 /// How [`VulkanGpu`] samples the device clock against `CLOCK_MONOTONIC`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CalibrationPath {
@@ -430,6 +464,29 @@ unsafe fn has_device_fn(instance: &ash::Instance, device: &ash::Device, name: &C
     unsafe { instance.get_device_proc_addr(device.handle(), name.as_ptr()) }.is_some()
 }
 
+/// Whether `physical_device` supports the `hostQueryReset` feature (Vulkan 1.2, or
+/// `VK_EXT_host_query_reset`): `None` when the instance cannot say (no `vkGetPhysicalDeviceFeatures2`).
+///
+/// # Safety
+///
+/// `instance` is alive and was created from `entry`; `physical_device` belongs to it.
+pub(crate) unsafe fn supports_host_query_reset(
+    entry: &ash::Entry,
+    instance: &ash::Instance,
+    physical_device: vk::PhysicalDevice,
+) -> Option<bool> {
+    // SAFETY: the caller's contract; the name is a CStr.
+    if !unsafe { has_instance_fn(entry, instance, c"vkGetPhysicalDeviceFeatures2") } {
+        return None;
+    }
+    let mut host_reset = vk::PhysicalDeviceHostQueryResetFeatures::default();
+    let mut features = vk::PhysicalDeviceFeatures2::default().push_next(&mut host_reset);
+    // SAFETY: the entry point resolved (checked above); `features` is a valid chain of one struct that outlives
+    // the call; the physical device belongs to the instance (contract).
+    unsafe { instance.get_physical_device_features2(physical_device, &mut features) };
+    Some(host_reset.host_query_reset == vk::TRUE)
+}
+
 /// Whether `name` resolves at the instance level.
 ///
 /// # Safety
@@ -512,18 +569,11 @@ impl VulkanGpu {
                     vk::api_version_minor(properties.api_version)
                 )));
             }
-            // SAFETY: the instance is alive (contract); the name is a CStr.
-            if unsafe { has_instance_fn(entry, instance, c"vkGetPhysicalDeviceFeatures2") } {
-                let mut host_reset = vk::PhysicalDeviceHostQueryResetFeatures::default();
-                let mut features = vk::PhysicalDeviceFeatures2::default().push_next(&mut host_reset);
-                // SAFETY: the entry point resolved (checked above); `features` is a valid chain of one struct
-                // that outlives the call.
-                unsafe { instance.get_physical_device_features2(physical_device, &mut features) };
-                if host_reset.host_query_reset == vk::FALSE {
-                    return Err(invalid(format!(
-                        "host_query_reset claimed, but {name} does not support hostQueryReset"
-                    )));
-                }
+            // SAFETY: the caller promises the handles are alive and related (this function's contract).
+            if unsafe { supports_host_query_reset(entry, instance, physical_device) } == Some(false) {
+                return Err(invalid(format!(
+                    "host_query_reset claimed, but {name} does not support hostQueryReset"
+                )));
             }
         }
 

@@ -8,6 +8,8 @@ mod live;
 mod pipeline;
 #[cfg(feature = "vulkan")]
 mod vulkan;
+#[cfg(feature = "wgpu")]
+mod wgpu;
 
 /// Native macros record into the most recently started timeline, so every test that starts a timeline holds
 /// this lock: one at a time.

@@ -21,7 +21,7 @@ use tickline::{monotonic_ns, CalibrationSample, EventKind, FieldValue, MemoryExp
 
 /// Says why a test does not run, on the process's stderr: straight to the stream, not through `eprintln!`, which
 /// the test harness captures, so the line shows even when the test passes.
-fn skip(test: &str, reason: impl std::fmt::Display) {
+pub(crate) fn skip(test: &str, reason: impl std::fmt::Display) {
     use std::io::Write;
     let _ = writeln!(std::io::stderr(), "SKIP: {test}: {reason}");
 }
@@ -375,21 +375,21 @@ impl GpuBackend for Logged {
     }
 }
 
-fn percentile(sorted: &[u64], p: f64) -> u64 {
+pub(crate) fn percentile(sorted: &[u64], p: f64) -> u64 {
     sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
 
 /// A slice on a GPU track of the exported trace.
 #[derive(Debug)]
-struct GpuSlice {
-    name: String,
-    frame: u64,
-    begin: u64,
-    end: u64,
-    uncertainty: u64,
+pub(crate) struct GpuSlice {
+    pub(crate) name: String,
+    pub(crate) frame: u64,
+    pub(crate) begin: u64,
+    pub(crate) end: u64,
+    pub(crate) uncertainty: u64,
 }
 
-fn gpu_slices(trace: &tickline::MemoryTrace) -> Vec<GpuSlice> {
+pub(crate) fn gpu_slices(trace: &tickline::MemoryTrace) -> Vec<GpuSlice> {
     let device = trace
         .tracks
         .iter()
