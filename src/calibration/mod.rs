@@ -29,6 +29,25 @@ pub struct CalibrationSample {
     pub max_deviation_ns: u64,
 }
 
+impl CalibrationSample {
+    /// A sample whose source read `source_ticks` happened somewhere in `[before_ns, after_ns]` on the reference
+    /// clock: the midpoint, and half the width rounded up (at least 1 ns) as the deviation.
+    ///
+    /// ```
+    /// let s = tickline::CalibrationSample::from_bracket(42, 1_000, 1_010);
+    /// assert_eq!((s.reference_ns, s.max_deviation_ns), (1_005, 5));
+    /// ```
+    pub fn from_bracket(source_ticks: u64, before_ns: u64, after_ns: u64) -> CalibrationSample {
+        let width = after_ns.saturating_sub(before_ns);
+        CalibrationSample {
+            source_ticks,
+            reference_ns: before_ns + width / 2,
+            // Rounded up so the bound still holds when the width is odd.
+            max_deviation_ns: width.div_ceil(2).max(1),
+        }
+    }
+}
+
 /// Why a calibration could not be computed. Never a panic, never a NaN.
 #[derive(Clone, Debug, PartialEq)]
 #[non_exhaustive]

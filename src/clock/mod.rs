@@ -149,11 +149,5 @@ pub fn bracketed_sample(source: TickSource, reference: fn() -> Nanos) -> crate::
     let before = reference().0;
     let ticks = source.read().0;
     let after = reference().0;
-    let width = after.saturating_sub(before);
-    crate::calibration::CalibrationSample {
-        source_ticks: ticks,
-        reference_ns: before + width / 2,
-        // Round up so the bound still holds when the bracket width is odd.
-        max_deviation_ns: width.div_ceil(2),
-    }
+    crate::calibration::CalibrationSample::from_bracket(ticks, before, after)
 }

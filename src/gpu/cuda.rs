@@ -419,16 +419,6 @@ fn clear_slots(slots: u32, first: u32, count: u32, clear: impl Fn(u32)) -> Resul
     Ok(())
 }
 
-/// A sample whose device read happened in `[before_ns, after_ns]`: the midpoint, half the width (at least 1).
-fn bracket(ticks: u64, before_ns: u64, after_ns: u64) -> CalibrationSample {
-    let half = after_ns.saturating_sub(before_ns).div_ceil(2);
-    CalibrationSample {
-        source_ticks: ticks,
-        reference_ns: before_ns + half,
-        max_deviation_ns: half.max(1),
-    }
-}
-
 /// Loads the `%globaltimer` kernels into `owned.module` and measures the timer's resolution.
 fn load_timer(owned: &mut Owned, slots: u32, name: &str) -> Result<(Stamps, u64), GpuError> {
     let ptx = std::ffi::CString::new(PTX).map_err(|_| invalid("PTX text holds a NUL".into()))?;
@@ -628,7 +618,11 @@ impl EventStamps {
             // SAFETY: both events are ours, alive, recorded and complete.
             let ms = unsafe { result::event::elapsed(clock.anchor, clock.probe) }.map_err(api("cuEventElapsedTime"))?;
             let ticks = event_ticks(clock.anchor_ticks, ms);
-            out.push(bracket(ticks, before_ns.saturating_sub(EVENT_RESOLUTION_NS), after_ns));
+            out.push(CalibrationSample::from_bracket(
+                ticks,
+                before_ns.saturating_sub(EVENT_RESOLUTION_NS),
+                after_ns,
+            ));
             // The probe becomes the anchor; the old anchor is the next probe.
             let EventClock { anchor, probe, .. } = &mut *clock;
             std::mem::swap(anchor, probe);
@@ -1018,7 +1012,7 @@ impl GpuBackend for CudaGpu {
             }
             // The timer shows `ticks` from the moment it reaches them until its next update, up to
             // `resolution_ns` later: the counter equalled `ticks` in [before - resolution, after].
-            out.push(bracket(
+            out.push(CalibrationSample::from_bracket(
                 ticks,
                 before_ns.saturating_sub(self.clock.resolution_ns),
                 after_ns,
@@ -1110,10 +1104,10 @@ mod tests {
 
     #[test]
     fn brackets_are_half_their_width() {
-        let s = bracket(42, 1_000, 1_010);
+        let s = CalibrationSample::from_bracket(42, 1_000, 1_010);
         assert_eq!((s.source_ticks, s.reference_ns, s.max_deviation_ns), (42, 1_005, 5));
-        assert_eq!(bracket(1, 7, 7).max_deviation_ns, 1);
-        assert_eq!(bracket(1, 10, 3).reference_ns, 10);
+        assert_eq!(CalibrationSample::from_bracket(1, 7, 7).max_deviation_ns, 1);
+        assert_eq!(CalibrationSample::from_bracket(1, 10, 3).reference_ns, 10);
     }
 
     #[test]

@@ -922,19 +922,11 @@ impl VulkanGpu {
             return Ok(ProbeOutcome::Pending);
         }
         Ok(match seen {
-            Some((ticks, after_ns)) => ProbeOutcome::Sample(bracket(ticks, before_ns, after_ns)),
+            Some((ticks, after_ns)) => {
+                ProbeOutcome::Sample(CalibrationSample::from_bracket(ticks, before_ns, after_ns))
+            }
             None => ProbeOutcome::Missed,
         })
-    }
-}
-
-/// A sample whose device read happened in `[before_ns, after_ns]`: the midpoint, half the width (at least 1).
-fn bracket(ticks: u64, before_ns: u64, after_ns: u64) -> CalibrationSample {
-    let half = after_ns.saturating_sub(before_ns).div_ceil(2);
-    CalibrationSample {
-        source_ticks: ticks,
-        reference_ns: before_ns + half,
-        max_deviation_ns: half.max(1),
     }
 }
 
