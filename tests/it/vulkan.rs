@@ -326,26 +326,27 @@ impl Drop for Work<'_> {
 
 /// What [`Logged`] saw: slots in write order, the raw ticks read per slot, the calibration samples.
 #[derive(Default)]
-struct Log {
-    writes: Vec<u32>,
-    reads: HashMap<u32, u64>,
-    samples: Vec<CalibrationSample>,
+pub(crate) struct Log {
+    pub(crate) writes: Vec<u32>,
+    pub(crate) reads: HashMap<u32, u64>,
+    pub(crate) samples: Vec<CalibrationSample>,
 }
 
-/// The Vulkan backend, logging what passes through it (the raw ticks the collector converts).
-struct Logged {
-    inner: VulkanGpu,
-    log: Arc<Mutex<Log>>,
+/// A backend (Vulkan here, wgpu-hal in `wgpu.rs`), logging what passes through it (the raw ticks the
+/// collector converts).
+pub(crate) struct Logged<B> {
+    pub(crate) inner: B,
+    pub(crate) log: Arc<Mutex<Log>>,
 }
 
-impl GpuBackend for Logged {
-    type Commands = vk::CommandBuffer;
+impl<B: GpuBackend> GpuBackend for Logged<B> {
+    type Commands = B::Commands;
 
     fn info(&self) -> GpuDeviceInfo {
         self.inner.info()
     }
 
-    fn write_timestamp(&self, commands: &vk::CommandBuffer, slot: u32) {
+    fn write_timestamp(&self, commands: &B::Commands, slot: u32) {
         self.log.lock().unwrap().writes.push(slot);
         self.inner.write_timestamp(commands, slot);
     }

@@ -8,63 +8,16 @@
 #[path = "../../examples/support/wgpu.rs"]
 mod support;
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tickline::gpu::vulkan::{CalibrationPath, VulkanOptions};
 use tickline::gpu::wgpu::{hal, WgpuCommands, WgpuGpu};
-use tickline::gpu::{GpuBackend, GpuDeviceInfo, GpuError, GpuTicks};
-use tickline::{CalibrationSample, MemoryExporter, Timeline};
+use tickline::gpu::{GpuBackend, GpuError};
+use tickline::{MemoryExporter, Timeline};
 
-use crate::vulkan::{gpu_slices, percentile, skip, GpuSlice};
+use crate::vulkan::{gpu_slices, percentile, skip, GpuSlice, Log, Logged};
 use support::{ready, HalDevice, HalWork};
-
-/// What [`Logged`] saw: slots in write order, the raw ticks read per slot.
-#[derive(Default)]
-struct Log {
-    writes: Vec<u32>,
-    reads: HashMap<u32, u64>,
-}
-
-/// The wgpu-hal backend, logging the slots written and the raw ticks the collector read.
-struct Logged {
-    inner: WgpuGpu,
-    log: Arc<Mutex<Log>>,
-}
-
-impl GpuBackend for Logged {
-    type Commands = WgpuCommands;
-
-    fn info(&self) -> GpuDeviceInfo {
-        self.inner.info()
-    }
-
-    fn write_timestamp(&self, commands: &WgpuCommands, slot: u32) {
-        self.log.lock().unwrap().writes.push(slot);
-        self.inner.write_timestamp(commands, slot);
-    }
-
-    fn read_timestamps(&self, first: u32, out: &mut [Option<GpuTicks>]) -> Result<(), GpuError> {
-        self.inner.read_timestamps(first, out)?;
-        let mut log = self.log.lock().unwrap();
-        for (slot, value) in (first..).zip(out.iter()) {
-            if let Some(ticks) = value {
-                let seen = *log.reads.entry(slot).or_insert(ticks.0);
-                assert_eq!(seen, ticks.0, "slot {slot} changed without being recycled");
-            }
-        }
-        Ok(())
-    }
-
-    fn recycle(&self, first: u32, count: u32) -> Result<(), GpuError> {
-        self.inner.recycle(first, count)
-    }
-
-    fn calibrate(&self, samples: usize, budget: Duration, out: &mut Vec<CalibrationSample>) -> Result<(), GpuError> {
-        self.inner.calibrate(samples, budget, out)
-    }
-}
 
 /// A hal device for `test`, or `None` after printing why not.
 fn hal_or_skip(test: &str) -> Option<HalDevice> {
