@@ -3,11 +3,11 @@
 //! or for `--seconds N`, exported to Tracy and, with `--perfetto PATH`, to a Perfetto trace at the same time
 //! (both exporters on one timeline).
 //!
-//! `cargo run --release --example tracy_live -- [--seconds N] [--perfetto trace.pftrace]`, then connect the
+//! `cargo run --release -p tickline-tracy --example tracy_live -- [--seconds N] [--perfetto trace.pftrace]`, then connect the
 //! Tracy profiler (0.14.x) to this machine. Build with `--features tickline-tracy/ondemand` for Tracy's
 //! on-demand mode (nothing is kept until a profiler connects).
 
-#[path = "support/workload.rs"]
+#[path = "../../../examples/support/workload.rs"]
 mod workload;
 
 use std::sync::atomic::{AtomicBool, Ordering};
