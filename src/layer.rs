@@ -5,22 +5,42 @@ use std::sync::Arc;
 
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record as SpanValues};
+use tracing::subscriber::Interest;
 use tracing::{Event, Metadata, Subscriber};
 use tracing_subscriber::layer::{Context, Layer};
 use tracing_subscriber::registry::LookupSpan;
 
+use crate::codec::{FieldEncoder, Parent};
+use crate::control::{metadata_key, Control};
 use crate::live::{LiveSink, LiveSpanData};
-use crate::record::{FieldEncoder, Kind};
-use crate::recorder::{record_group, record_now, record_span_new_bare, record_untimed, Shared, Target};
+use crate::recorder::{self, Shared};
+use crate::span_table::SpanTable;
 
 /// Records span enter/exit (one slice per enter/exit, on the entering thread), span fields (at creation and
 /// on `record`) and events with their fields into a [`crate::Timeline`].
 ///
 /// It composes like any layer: it leaves `enabled()` alone (overriding it would filter for every layer), so
-/// narrow it with a per-layer filter, `.with_filter(..)`. Its hot path, `on_enter`/`on_exit`, writes one
-/// 16-byte record (span id + raw tick) and looks nothing up; with a [`crate::LiveSink`] installed, an enter
-/// also looks the span up in the registry once (which is why the layer needs a [`LookupSpan`] subscriber,
-/// as every `tracing_subscriber::registry()` stack is).
+/// narrow it with a per-layer filter, `.with_filter(..)`. Its hot path, `on_enter`/`on_exit`, looks the span
+/// up in a lock-free table of its own (a few loads) and writes one 16-byte record; with a
+/// [`crate::LiveSink`] installed, an enter also looks the span up in the registry (which is why the layer
+/// needs a [`LookupSpan`] subscriber, as every `tracing_subscriber::registry()` stack is).
+///
+/// # Span identity
+///
+/// `tracing`'s registry reuses a span's id once the span has closed (under load, within microseconds).
+/// tickline gives every span a serial of its own at creation, unique for the life of the timeline, so a
+/// slice always carries its own span's name and fields, whichever thread enters it and whenever the
+/// collector gets to it. Span ids of different subscribers are different spans: use one layer per
+/// subscriber (`timeline.layer()` or a clone; each clone keeps its own id table).
+///
+/// # Fields
+///
+/// A slice shows the values its span had when the slice ended: values recorded with `Span::record` during
+/// an enter appear on that enter's slice (values recorded on another thread count by their timestamp). A
+/// span's or event's fields are limited to [`MAX_PAYLOAD_BYTES`](crate::MAX_PAYLOAD_BYTES) bytes in all
+/// (less in a ring smaller than 8 Ki records) and each string or `Debug` value to
+/// [`MAX_FIELD_BYTES`](crate::MAX_FIELD_BYTES) bytes; a value beyond that is cut (ending in "…"), a field
+/// beyond that is left out, and the slice or event carries `tickline.fields_truncated` = how many.
 ///
 /// ```
 /// use tracing_subscriber::layer::SubscriberExt;
@@ -32,29 +52,38 @@ use crate::recorder::{record_group, record_now, record_span_new_bare, record_unt
 /// });
 /// timeline.flush().unwrap();
 /// ```
-#[derive(Clone)]
 pub struct TicklineLayer {
     shared: Arc<Shared>,
     /// `shared.id`, kept here so a hook reads it without following the `Arc`; non-zero, so the recorder's
     /// "no timeline" check folds away.
     id: NonZeroU64,
     live: Option<&'static dyn LiveSink>,
+    /// Registry id -> tickline serial for this layer's subscriber.
+    spans: Box<SpanTable>,
 }
 
 impl TicklineLayer {
     pub(crate) fn new(shared: Arc<Shared>, live: Option<&'static dyn LiveSink>) -> Self {
         let id = NonZeroU64::new(shared.id).expect("timeline ids count up from 1");
-        TicklineLayer { shared, id, live }
+        TicklineLayer {
+            shared,
+            id,
+            live,
+            spans: Box::default(),
+        }
+    }
+
+    #[inline(always)]
+    fn serial(&self, id: &Id) -> Option<u64> {
+        self.spans.get(id.into_u64())
     }
 }
 
-impl Target for TicklineLayer {
-    #[inline(always)]
-    fn id(&self) -> u64 {
-        self.id.get()
-    }
-    fn shared(&self) -> Option<Arc<Shared>> {
-        Some(self.shared.clone())
+/// A clone is a layer for another subscriber: same timeline, its own span id table (span ids of two
+/// subscribers are unrelated).
+impl Clone for TicklineLayer {
+    fn clone(&self) -> Self {
+        TicklineLayer::new(self.shared.clone(), self.live)
     }
 }
 
@@ -68,12 +97,6 @@ impl std::fmt::Debug for TicklineLayer {
             .field("live_sink", &self.live.is_some())
             .finish()
     }
-}
-
-/// The address of a `'static` metadata: the collector turns it back into the reference.
-#[inline(always)]
-fn meta_addr(meta: &'static Metadata<'static>) -> u64 {
-    (meta as *const Metadata<'static>).expose_provenance() as u64
 }
 
 struct Encode<'a, 'b>(&'a mut FieldEncoder<'b>);
@@ -104,27 +127,44 @@ impl Visit for Encode<'_, '_> {
     }
 }
 
+impl TicklineLayer {
+    fn parent(&self, is_root: bool, explicit: Option<&Id>) -> Parent {
+        match explicit {
+            Some(id) => self.serial(id).map_or(Parent::Root, Parent::Explicit),
+            None if is_root => Parent::Root,
+            None => Parent::Contextual,
+        }
+    }
+}
+
 impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for TicklineLayer {
+    fn register_callsite(&self, metadata: &'static Metadata<'static>) -> Interest {
+        // The collector learns the callsite before any record names it (this runs before the callsite's
+        // first span or event). A stopped timeline's collector is gone: nothing to tell.
+        let _ = self.shared.control.send(Control::TracingCallsite(metadata));
+        Interest::always()
+    }
+
     fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, ctx: Context<'_, S>) {
         if let Some(live) = self.live {
             if let (Some(data), Some(span)) = (live.span_new(attrs), ctx.span(id)) {
                 span.extensions_mut().insert(LiveData(Some(data)));
             }
         }
-        let meta = meta_addr(attrs.metadata());
+        let callsite = metadata_key(attrs.metadata());
+        let parent = self.parent(attrs.is_root(), attrs.parent());
         // The field set first: inlined, and empty for most spans, where it saves the call that checks values.
-        if attrs.fields().is_empty() || attrs.values().is_empty() {
-            return record_span_new_bare(self, id.into_u64(), meta);
+        let encode = (!attrs.fields().is_empty() && !attrs.values().is_empty())
+            .then_some(|encoder: &mut FieldEncoder<'_>| attrs.record(&mut Encode(encoder)));
+        if let Some(serial) = recorder::span_new(&self.shared, callsite, parent, encode) {
+            self.spans.insert(id.into_u64(), serial);
         }
-        record_group(self, Kind::SpanNew, false, id.into_u64(), meta, |buf| {
-            attrs.record(&mut Encode(&mut FieldEncoder { buf }));
-        });
     }
 
     fn on_record(&self, id: &Id, values: &SpanValues<'_>, ctx: Context<'_, S>) {
-        record_group(self, Kind::SpanRecord, false, id.into_u64(), 0, |buf| {
-            values.record(&mut Encode(&mut FieldEncoder { buf }));
-        });
+        if let Some(serial) = self.serial(id) {
+            recorder::span_record(&self.shared, serial, |encoder| values.record(&mut Encode(encoder)));
+        }
         if let (Some(live), Some(span)) = (self.live, ctx.span(id)) {
             let mut extensions = span.extensions_mut();
             match extensions.get_mut::<LiveData>() {
@@ -139,9 +179,10 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for TicklineLayer {
     }
 
     fn on_event(&self, event: &Event<'_>, _ctx: Context<'_, S>) {
-        let meta = meta_addr(event.metadata());
-        record_group(self, Kind::Event, true, meta, meta, |buf| {
-            event.record(&mut Encode(&mut FieldEncoder { buf }));
+        let callsite = metadata_key(event.metadata());
+        let parent = self.parent(event.is_root(), event.parent());
+        recorder::event(&self.shared, callsite, parent, |encoder| {
+            event.record(&mut Encode(encoder))
         });
         if let Some(live) = self.live {
             live.event(event);
@@ -150,7 +191,9 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for TicklineLayer {
 
     #[inline]
     fn on_enter(&self, id: &Id, ctx: Context<'_, S>) {
-        record_now(self, Kind::SpanEnter, id.into_u64());
+        if let Some(serial) = self.serial(id) {
+            recorder::span_enter(&self.shared, serial);
+        }
         if let Some(live) = self.live {
             live_enter(live, id, &ctx);
         }
@@ -161,11 +204,15 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for TicklineLayer {
         if let Some(live) = self.live {
             live.span_exit();
         }
-        record_now(self, Kind::SpanExit, id.into_u64());
+        if let Some(serial) = self.serial(id) {
+            recorder::span_exit(&self.shared, serial);
+        }
     }
 
     fn on_close(&self, id: Id, _ctx: Context<'_, S>) {
-        record_untimed(self, Kind::SpanClose, id.into_u64());
+        if let Some(serial) = self.spans.remove(id.into_u64()) {
+            recorder::span_close(&self.shared, serial);
+        }
     }
 }
 

@@ -101,17 +101,22 @@
 #![doc(test(attr(deny(warnings))))]
 
 pub mod calibration;
+mod callsite;
+pub mod capture;
 mod clock;
+mod codec;
 mod collector;
+mod control;
 mod error;
 mod export;
 pub mod gpu;
 mod layer;
 mod live;
-mod record;
 mod recorder;
 mod ring;
 mod scope;
+mod span_table;
+mod timeline;
 
 pub use calibration::{
     CalibrationError, CalibrationHistory, CalibrationSample, ClockCalibration, ClockDomain, Converted, FitOptions,
@@ -122,9 +127,11 @@ pub use clock::{
     FastConverter, Nanos, RawTicks, ReliabilityOptions, SkippedCpu, TickSource, TscCalibrator, TscCalibratorConfig,
     TscDecision, TscReport,
 };
+pub use callsite::Callsite;
 #[doc(hidden)]
 pub use collector::bench_support;
-pub use collector::{Timeline, TimelineBuilder, TimelineStats};
+pub use collector::TimelineStats;
+pub use timeline::{Timeline, TimelineBuilder};
 pub use error::TicklineError;
 pub use export::{
     Batch, CpuClock, Event, EventKind, ExportError, Exporter, Field, FieldValue, MemoryExporter, MemoryTrace, NameId,
@@ -137,4 +144,11 @@ pub use scope::{
     record_counter_value as __record_counter, record_frame_mark as __record_frame_mark,
     record_instant as __record_instant,
 };
-pub use scope::{Callsite, ScopeGuard};
+pub use scope::ScopeGuard;
+
+/// Most bytes of fields one span, `record` or event carries (a ring smaller than 8 Ki records allows less);
+/// fields beyond are left out and counted (`tickline.fields_truncated`).
+pub const MAX_PAYLOAD_BYTES: usize = codec::MAX_PAYLOAD_BYTES;
+/// Most bytes of one string or `Debug` field value; a longer value is cut, ends in "…" and is counted
+/// (`tickline.fields_truncated`).
+pub const MAX_FIELD_BYTES: usize = codec::MAX_STR;

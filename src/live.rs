@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicPtr, Ordering};
 use tracing::span::{Attributes, Record};
 use tracing::{Event, Metadata};
 
-use crate::scope::Callsite;
+use crate::callsite::Callsite;
 
 /// Data a sink keeps with a span from its creation to its close (its fields formatted, for example).
 pub type LiveSpanData = Box<dyn Any + Send + Sync>;
@@ -109,51 +109,28 @@ pub trait LiveSink: Send + Sync + 'static {
     }
 }
 
-/// What [`CURRENT`] points to: the sink of the timeline native macros record into.
-struct Installed {
-    timeline: u64,
-    sink: &'static dyn LiveSink,
-}
-
 /// The current timeline's sink, or null. Non-null values come from `Box::leak` in [`set_current`] and are
 /// never freed.
-static CURRENT: AtomicPtr<Installed> = AtomicPtr::new(std::ptr::null_mut());
+static CURRENT: AtomicPtr<&'static dyn LiveSink> = AtomicPtr::new(std::ptr::null_mut());
 
-/// Makes `sink` the one native macros call (`None`: no sink), for the timeline `timeline` just started.
-pub(crate) fn set_current(timeline: u64, sink: Option<&'static dyn LiveSink>) {
-    let installed = sink.map_or(std::ptr::null_mut(), |sink| {
-        Box::into_raw(Box::new(Installed { timeline, sink }))
-    });
-    // Release: publishes the `Installed` written above; pairs with the Acquire in `current`.
+/// Makes `sink` the one native macros call (`None`: no sink): the sink of the timeline that became current.
+pub(crate) fn set_current(sink: Option<&'static dyn LiveSink>) {
+    let installed = sink.map_or(std::ptr::null_mut(), |sink| Box::into_raw(Box::new(sink)));
+    // Release: publishes the box written above; pairs with the Acquire in `current`.
     CURRENT.store(installed, Ordering::Release);
-}
-
-/// Removes the sink of `timeline` if it is the current one (the timeline stopped).
-pub(crate) fn clear_current(timeline: u64) {
-    let p = CURRENT.load(Ordering::Acquire);
-    if p.is_null() {
-        return;
-    }
-    // SAFETY: non-null values of CURRENT come from `Box::into_raw` in `set_current` and are never freed, so
-    // the pointer is valid for the rest of the process.
-    let installed = unsafe { &*p };
-    if installed.timeline == timeline {
-        // A timeline started meanwhile replaced it: leave that one in place.
-        let _ = CURRENT.compare_exchange(p, std::ptr::null_mut(), Ordering::AcqRel, Ordering::Relaxed);
-    }
 }
 
 /// The sink native macros call now, if any: one load and a branch.
 #[inline(always)]
 pub(crate) fn current() -> Option<&'static dyn LiveSink> {
-    // Acquire: pairs with the Release in `set_current`, so the `Installed` it points to is visible.
+    // Acquire: pairs with the Release in `set_current`, so the box it points to is visible.
     let p = CURRENT.load(Ordering::Acquire);
     if p.is_null() {
         return None;
     }
     // SAFETY: non-null values of CURRENT come from `Box::into_raw` in `set_current` and are never freed, so
-    // the pointer is valid (and the `Installed` immutable) for the rest of the process.
-    Some(unsafe { &*p }.sink)
+    // the pointer is valid (and what it points to immutable) for the rest of the process.
+    Some(*unsafe { &*p })
 }
 
 /// Keeps a sink alive for the rest of the process and returns a `'static` reference to it.

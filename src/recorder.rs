@@ -5,120 +5,297 @@
 //! id and its ring, and the thread's record lock, which keeps a record made while another is being made
 //! from aliasing the ring), one compare of the timeline id, one ring push. No allocation, no lock shared
 //! with another thread, no system call.
+//!
+//! # Whole slices only
+//!
+//! In drop mode (the default) a full ring drops records, and it never drops half a slice: every begin
+//! (a span enter, a scope begin) that goes into the ring reserves the slot of its end, and a begin that
+//! would not leave room for its own end and every end still owed is refused. A refused begin's end is then
+//! dropped too, so the pair is lost whole. Every dropped record is counted (the ring's drop counter), and
+//! the next record that fits is preceded by a `Gap` record saying how many went missing there, so the
+//! collector can show where the loss happened.
 
 use std::cell::{Cell, RefCell};
 use std::ptr::{self, NonNull};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock, RwLock};
+use std::thread::Thread;
 
 use crossbeam_channel::Sender;
 
+use crate::callsite::Callsite;
 use crate::clock::TickSource;
-use crate::record::{payload_records, Kind, Record};
+use crate::codec::{self, FieldEncoder, Kind, Parent, Record, DATA_BYTES, MAX_PAYLOAD_BYTES};
+use crate::control::{callsite_key, Control};
+use crate::live::{self, LiveSink};
 use crate::ring::{channel, Producer};
-
-/// What the collector is told over its control channel.
-pub(crate) enum Control {
-    /// A thread recorded its first record into this timeline.
-    NewRing {
-        consumer: crate::ring::Consumer<Record>,
-        tid: u32,
-        name: String,
-    },
-    /// A GPU device or queue joined the timeline.
-    Gpu(crate::gpu::GpuControl),
-    /// Drain everything recorded before this message, export, flush, then answer.
-    Flush(Sender<Result<(), String>>),
-    /// Drain everything, finish the exporters, answer and exit.
-    Shutdown(Sender<Result<(), String>>),
-}
 
 /// What the hot path needs to know about a timeline. Shared by the layer, the native macros and the handle.
 pub(crate) struct Shared {
     pub(crate) id: u64,
     pub(crate) control: Sender<Control>,
     pub(crate) lossless: bool,
+    /// Records per ring (a power of two).
     pub(crate) ring_capacity: usize,
     pub(crate) source: TickSource,
     pub(crate) running: AtomicBool,
+    /// Most field payload bytes one group may carry: the format's limit, or less in a small ring (a group
+    /// may fill at most half the ring, so a lossless producer can always wait for room).
+    pub(crate) max_payload_bytes: usize,
+    /// Ring numbers, for span serials and the collector's bookkeeping.
+    next_ring: AtomicU32,
+    /// The collector's drain thread, woken early when a ring passes half full.
+    pub(crate) drain_thread: OnceLock<Thread>,
+    /// Test hook: while set, the drain stage drains only for a flush or shutdown.
+    pub(crate) drain_paused: AtomicBool,
+}
+
+impl Shared {
+    pub(crate) fn new(control: Sender<Control>, lossless: bool, ring_capacity: usize, source: TickSource) -> Self {
+        let ring_capacity = ring_capacity.max(2).next_power_of_two();
+        // Head, up to two fixed records, then the payload; at most half the ring.
+        let max_data = (ring_capacity / 2).saturating_sub(3).min(codec::MAX_DATA_RECORDS - 2);
+        Shared {
+            id: next_timeline_id(),
+            control,
+            lossless,
+            ring_capacity,
+            source,
+            running: AtomicBool::new(true),
+            max_payload_bytes: (max_data * DATA_BYTES).min(MAX_PAYLOAD_BYTES),
+            next_ring: AtomicU32::new(1),
+            drain_thread: OnceLock::new(),
+            drain_paused: AtomicBool::new(false),
+        }
+    }
 }
 
 static NEXT_TIMELINE_ID: AtomicU64 = AtomicU64::new(1);
 
-pub(crate) fn next_timeline_id() -> u64 {
+fn next_timeline_id() -> u64 {
     NEXT_TIMELINE_ID.fetch_add(1, Ordering::Relaxed)
 }
 
-/// The timeline native macros (`scope!`, `instant!`, `counter!`) record into: the last one started that is
-/// still running.
-static CURRENT: RwLock<Option<Arc<Shared>>> = RwLock::new(None);
-/// `CURRENT`'s id (0: none), read on every native record to validate the thread's cached ring.
+/// Bits of a span serial that count spans on one ring; the ring's number sits above them.
+const SERIAL_COUNTER_BITS: u32 = 40;
+/// Most rings one timeline numbers (serials keep their top bit for [`NOT_ANNOUNCED`]).
+const MAX_RINGS: u32 = 1 << (63 - SERIAL_COUNTER_BITS);
+/// Set in a serial whose span's creation record was dropped: its slices are dropped whole too (the
+/// collector could not name them).
+pub(crate) const NOT_ANNOUNCED: u64 = 1 << 63;
+
+// ---------------------------------------------------------------------------------------------------------
+// The current timeline of native macros.
+
+/// A running timeline native macros may record into, with its live sink.
+struct Running {
+    shared: Arc<Shared>,
+    live: Option<&'static dyn LiveSink>,
+}
+
+/// Running timelines in start order. Native macros (`scope!`, `instant!`, `counter!`) record into the last:
+/// the most recently started timeline that is still running.
+static RUNNING: RwLock<Vec<Running>> = RwLock::new(Vec::new());
+/// The current timeline's id (0: none), read on every native record to validate the thread's cached ring.
 static CURRENT_ID: AtomicU64 = AtomicU64::new(0);
 
-pub(crate) fn set_current(shared: &Arc<Shared>) {
-    let mut current = CURRENT.write().unwrap_or_else(|e| e.into_inner());
-    *current = Some(shared.clone());
-    CURRENT_ID.store(shared.id, Ordering::Release);
-}
-
-pub(crate) fn clear_current(id: u64) {
-    let mut current = CURRENT.write().unwrap_or_else(|e| e.into_inner());
-    if current.as_ref().is_some_and(|s| s.id == id) {
-        *current = None;
-        CURRENT_ID.store(0, Ordering::Release);
+fn publish_current(running: &[Running]) {
+    match running.last() {
+        Some(r) => {
+            live::set_current(r.live);
+            CURRENT_ID.store(r.shared.id, Ordering::Release);
+        }
+        None => {
+            live::set_current(None);
+            CURRENT_ID.store(0, Ordering::Release);
+        }
     }
 }
+
+/// A timeline started: it becomes the current one.
+pub(crate) fn started(shared: &Arc<Shared>, live: Option<&'static dyn LiveSink>) {
+    let mut running = RUNNING.write().unwrap_or_else(|e| e.into_inner());
+    running.push(Running {
+        shared: shared.clone(),
+        live,
+    });
+    publish_current(&running);
+}
+
+/// A timeline stopped: the most recently started one still running becomes current.
+pub(crate) fn stopped(id: u64) {
+    let mut running = RUNNING.write().unwrap_or_else(|e| e.into_inner());
+    running.retain(|r| r.shared.id != id);
+    publish_current(&running);
+}
+
+/// The id of the timeline native macros record into (0: none).
+#[inline(always)]
+pub(crate) fn current_id() -> u64 {
+    CURRENT_ID.load(Ordering::Acquire)
+}
+
+/// Every running timeline (for the exit hook). Empty if the list is being changed right now (a timeline
+/// starting or stopping on another thread as the process exits): the hook must not wait for a lock.
+pub(crate) fn running_timelines() -> Vec<Arc<Shared>> {
+    match RUNNING.try_read() {
+        Ok(running) => running.iter().map(|r| r.shared.clone()).collect(),
+        Err(_) => Vec::new(),
+    }
+}
+
+fn current_shared() -> Option<Arc<Shared>> {
+    RUNNING
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .last()
+        .map(|r| r.shared.clone())
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// This thread's rings.
 
 struct LocalRing {
     timeline: u64,
     producer: Producer<Record>,
     lossless: bool,
     source: TickSource,
+    /// This ring's number in its timeline: the top bits of the serials it hands out.
+    ring_number: u64,
+    /// Spans created on this ring so far: the low bits of the next serial.
+    spans_created: u64,
+    /// Ends (span exits, scope ends) owed by begins in the ring whose ends have not come yet.
+    owed_ends: usize,
+    /// Serials of span enters refused in drop mode whose exits have not come yet: those exits are dropped.
+    refused: Vec<u64>,
+    /// Records dropped since the last `Gap` record.
+    unreported_drops: u64,
+    /// The serial whose exit was the last record pushed (0 if the last record was something else).
+    last_exit: u64,
+    /// The tail index at which to look at the ring's fill level again (half a ring at a time).
+    next_fill_check: usize,
+    shared: Arc<Shared>,
 }
 
 impl LocalRing {
-    /// Pushes `record`; if the ring is full, waits (lossless) or counts it as dropped. The mode is looked at
-    /// only then, so the common case is the bare push.
     #[inline(always)]
-    fn push(&mut self, record: Record) {
-        if let Err(record) = self.producer.try_push(record) {
-            self.push_full(record);
+    fn now(&self) -> u64 {
+        self.source.read().0
+    }
+
+    /// Pushes `records` (all or none) leaving `owed_after` ends' room behind (the ends owed once they are
+    /// in). In drop mode, a push that does not fit is dropped and counted; in lossless mode it waits.
+    #[inline(always)]
+    fn push(&mut self, records: &[Record], owed_after: usize) -> bool {
+        if self.unreported_drops != 0 {
+            return self.push_after_gap(records, owed_after);
+        }
+        let keep = if self.lossless { 0 } else { owed_after };
+        if self.producer.try_push_all_keeping(records, keep) {
+            self.pushed(owed_after);
+            return true;
+        }
+        self.push_full(records, owed_after)
+    }
+
+    #[inline(always)]
+    fn pushed(&mut self, owed_after: usize) {
+        self.owed_ends = owed_after;
+        self.last_exit = 0;
+        if self.producer.tail_index().wrapping_sub(self.next_fill_check) as isize >= 0 {
+            self.check_fill();
         }
     }
 
+    /// Wakes the collector early when the ring passes half full (checked every half ring of records).
     #[cold]
-    #[inline(never)]
-    fn push_full(&mut self, record: Record) {
-        if self.lossless {
-            // Err only when the collector is gone: then there is nobody left to lose the record to.
-            let _ = self.producer.push_waiting(record);
-        } else {
-            self.producer.count_drops(1);
-        }
-    }
-
-    /// Pushes all of `group` or none; if it does not fit, waits (lossless) or counts it as dropped. True when
-    /// the group is in the ring.
-    #[inline]
-    fn push_group(&mut self, group: &[Record]) -> bool {
-        self.producer.try_push_all(group) || self.push_group_full(group)
-    }
-
-    #[cold]
-    #[inline(never)]
-    fn push_group_full(&mut self, group: &[Record]) -> bool {
-        if self.lossless {
-            while !self.producer.try_push_all(group) {
-                if !self.producer.is_consumer_alive() {
-                    return false;
-                }
-                std::thread::yield_now();
+    fn check_fill(&mut self) {
+        let half = self.producer.capacity() / 2;
+        self.next_fill_check = self.producer.tail_index().wrapping_add(half.max(1));
+        if self.producer.len_now() >= half {
+            if let Some(thread) = self.shared.drain_thread.get() {
+                thread.unpark();
             }
-            true
-        } else {
-            self.producer.count_drops(group.len() as u64);
-            false
         }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn push_full(&mut self, records: &[Record], owed_after: usize) -> bool {
+        if self.lossless {
+            let drain = self.shared.drain_thread.get();
+            let wake = || {
+                if let Some(thread) = drain {
+                    thread.unpark();
+                }
+            };
+            if self.producer.push_all_waiting(records, wake) {
+                self.pushed(owed_after);
+                return true;
+            }
+        }
+        self.drop_records(records.len());
+        false
+    }
+
+    /// Records went missing before this push: a `Gap` record first, where there is room for it. An end whose
+    /// reserved slot is all there is goes in without it (the gap is then reported at a later record, still
+    /// after the loss).
+    #[cold]
+    #[inline(never)]
+    fn push_after_gap(&mut self, records: &[Record], owed_after: usize) -> bool {
+        let keep = if self.lossless { 0 } else { owed_after };
+        if self.producer.free_slots() >= 1 + records.len() + keep {
+            // Stamped like the record it precedes (ticks must not go backwards along the ring).
+            let ticks = match records[0].low48() {
+                0 => self.now(),
+                ticks => ticks,
+            };
+            let gap = Record::timed(Kind::Gap, ticks, self.unreported_drops);
+            let pushed = self.producer.try_push_all_keeping(&[gap], records.len() + keep)
+                && self.producer.try_push_all_keeping(records, keep);
+            debug_assert!(pushed, "room was checked above and only this thread pushes");
+            self.unreported_drops = 0;
+            self.pushed(owed_after);
+            return pushed;
+        }
+        if self.producer.try_push_all_keeping(records, keep) {
+            self.pushed(owed_after);
+            return true;
+        }
+        self.push_full(records, owed_after)
+    }
+
+    #[cold]
+    fn drop_records(&mut self, n: usize) {
+        self.producer.count_drops(n as u64);
+        self.unreported_drops += n as u64;
+    }
+
+    fn next_serial(&mut self) -> u64 {
+        self.spans_created += 1;
+        (self.ring_number << SERIAL_COUNTER_BITS) | (self.spans_created & ((1 << SERIAL_COUNTER_BITS) - 1))
+    }
+
+    /// A begin: needs room for itself, its end and every end owed.
+    #[inline(always)]
+    fn push_begin(&mut self, record: Record) -> bool {
+        let owed = self.owed_ends + 1;
+        self.push(&[record], owed)
+    }
+
+    /// An end: its room was reserved by its begin.
+    #[inline(always)]
+    fn push_end(&mut self, record: Record) -> bool {
+        let owed = self.owed_ends.saturating_sub(1);
+        self.push(&[record], owed)
+    }
+
+    /// Anything else: needs room for itself and every end owed.
+    #[inline(always)]
+    fn push_other(&mut self, records: &[Record]) -> bool {
+        let owed = self.owed_ends;
+        self.push(records, owed)
     }
 }
 
@@ -221,14 +398,15 @@ pub(crate) struct Current;
 impl Target for Current {
     #[inline(always)]
     fn id(&self) -> u64 {
-        CURRENT_ID.load(Ordering::Acquire)
+        current_id()
     }
     fn shared(&self) -> Option<Arc<Shared>> {
-        CURRENT.read().unwrap_or_else(|e| e.into_inner()).clone()
+        current_shared()
     }
 }
 
-/// Runs `f` with this thread's ring for `target`, creating and registering it on first use.
+/// Runs `f` with this thread's ring for `target`, creating and registering it on first use; `None` when
+/// there is no ring (no timeline, timeline stopped, thread exiting, or a record already being made).
 ///
 /// The thread's record lock: `f` gets a `&mut LocalRing` only while `HOT_ID` is [`LOCKED`]. A record
 /// attempted meanwhile on this thread (`f` cannot call user code, but it may allocate, and a global allocator
@@ -236,10 +414,10 @@ impl Target for Current {
 /// ring. Fast path: one TLS load and compare, one TLS load of the ring, the lock and unlock stores, and one
 /// TLS load to check for such records.
 #[inline(always)]
-fn with_ring(target: &impl Target, f: impl FnOnce(&mut LocalRing)) {
+fn with_ring<R>(target: &impl Target, f: impl FnOnce(&mut LocalRing) -> R) -> Option<R> {
     let id = target.id();
     if id == 0 {
-        return;
+        return None;
     }
     if HOT_ID.get() != id {
         return with_ring_slow(target, id, f);
@@ -248,7 +426,7 @@ fn with_ring(target: &impl Target, f: impl FnOnce(&mut LocalRing)) {
     HOT_ID.set(LOCKED);
     // SAFETY: `HOT_ID` held a timeline id, so `HOT_RING` points at a live ring that no `&mut` refers to
     // (the invariants `with_ring_locked` states), and we have just taken the lock.
-    unsafe { with_ring_locked(id, ring, f) }
+    Some(unsafe { with_ring_locked(id, ring, f) })
 }
 
 /// Runs `f` on `ring`, then releases the thread's record lock with `ring` cached as `id`'s.
@@ -262,13 +440,13 @@ fn with_ring(target: &impl Target, f: impl FnOnce(&mut LocalRing)) {
 /// after the freeing) and by `Rings::drop` (which sets `HOT_ID` to 0 first); a `&mut` to a ring is made only
 /// here and in `Release::drop`, under the lock, and dies before the lock is released.
 #[inline(always)]
-unsafe fn with_ring_locked(id: u64, ring: *mut LocalRing, f: impl FnOnce(&mut LocalRing)) {
+unsafe fn with_ring_locked<R>(id: u64, ring: *mut LocalRing, f: impl FnOnce(&mut LocalRing) -> R) -> R {
     debug_assert_eq!(HOT_ID.get(), LOCKED);
     debug_assert!(!ring.is_null());
     let release = Release { id, ring };
     // SAFETY: live and unaliased by the caller's contract; the lock keeps any other `&mut` from being made
     // until `release` drops, after this one's last use.
-    f(unsafe { &mut *release.ring });
+    f(unsafe { &mut *release.ring })
 }
 
 /// Releases the thread's record lock when dropped (also when `f` unwinds, so a panic does not leave it
@@ -295,17 +473,17 @@ impl Drop for Release {
 #[cold]
 fn count_reentered(ring: &mut LocalRing, reentered: u64) {
     REENTERED.set(0);
-    ring.producer.count_drops(reentered);
+    ring.drop_records(reentered as usize);
 }
 
 /// [`with_ring`] when the cached ring is not `target`'s: find or register the ring and cache it. Or when the
 /// thread is making a record already (`HOT_ID == LOCKED`): count this one as dropped.
 #[cold]
 #[inline(never)]
-fn with_ring_slow(target: &impl Target, id: u64, f: impl FnOnce(&mut LocalRing)) {
+fn with_ring_slow<R>(target: &impl Target, id: u64, f: impl FnOnce(&mut LocalRing) -> R) -> Option<R> {
     if HOT_ID.get() == LOCKED {
         REENTERED.set(REENTERED.get() + 1);
-        return;
+        return None;
     }
     // Held while the rings are looked up and registered too: `register` allocates and may free rings.
     HOT_ID.set(LOCKED);
@@ -327,17 +505,21 @@ fn with_ring_slow(target: &impl Target, id: u64, f: impl FnOnce(&mut LocalRing))
         let shared = target.shared().filter(|s| s.id == id)?;
         register(&shared, rings)
     });
-    let Ok(Some(ring)) = found else { return };
+    let Ok(Some(ring)) = found else { return None };
     std::mem::forget(none_found);
     HOT_RING.set(ring.as_ptr());
     // SAFETY: we hold the lock; `ring` is owned by `RINGS` (found or registered just now, not freed since)
     // and has no reference to it alive, since `&mut`s to rings are made only under the lock.
-    unsafe { with_ring_locked(id, ring.as_ptr(), f) }
+    Some(unsafe { with_ring_locked(id, ring.as_ptr(), f) })
 }
 
 #[cold]
-fn register(shared: &Shared, rings: &mut Vec<OwnedRing>) -> Option<NonNull<LocalRing>> {
+fn register(shared: &Arc<Shared>, rings: &mut Vec<OwnedRing>) -> Option<NonNull<LocalRing>> {
     if !shared.running.load(Ordering::Acquire) {
+        return None;
+    }
+    let ring_number = shared.next_ring.fetch_add(1, Ordering::Relaxed);
+    if ring_number >= MAX_RINGS {
         return None;
     }
     // Rings of timelines that have shut down are of no use any more.
@@ -346,7 +528,19 @@ fn register(shared: &Shared, rings: &mut Vec<OwnedRing>) -> Option<NonNull<Local
     let thread = std::thread::current();
     let tid = current_tid();
     let name = thread.name().map_or_else(|| format!("thread-{tid}"), str::to_owned);
-    shared.control.send(Control::NewRing { consumer, tid, name }).ok()?;
+    shared
+        .control
+        .send(Control::NewRing {
+            consumer,
+            ring: ring_number,
+            tid,
+            name,
+        })
+        .ok()?;
+    if let Some(drain) = shared.drain_thread.get() {
+        drain.unpark();
+    }
+    let half = producer.capacity() / 2;
     rings.insert(
         0,
         OwnedRing::new(LocalRing {
@@ -354,6 +548,14 @@ fn register(shared: &Shared, rings: &mut Vec<OwnedRing>) -> Option<NonNull<Local
             producer,
             lossless: shared.lossless,
             source: shared.source,
+            ring_number: u64::from(ring_number),
+            spans_created: 0,
+            owed_ends: 0,
+            refused: Vec::new(),
+            unreported_drops: 0,
+            last_exit: 0,
+            next_fill_check: half,
+            shared: shared.clone(),
         }),
     );
     Some(rings[0].ring)
@@ -371,122 +573,255 @@ fn current_tid() -> u32 {
     }
 }
 
-/// Records one record stamped now.
-#[inline(always)]
-pub(crate) fn record_now(shared: &impl Target, kind: Kind, payload: u64) {
-    with_ring(shared, |ring| {
-        let ticks = ring.source.read().0;
-        ring.push(Record::new(kind, ticks, payload));
-    });
+// ---------------------------------------------------------------------------------------------------------
+// What the layer, the native macros and GPU scopes record.
+
+/// Encodes fields into this thread's scratch payload (outside the record lock: `encode` may run user
+/// `Debug` code, which may record), then calls `push` with the payload. `None` if the scratch space is in
+/// use (a field's `Debug` impl recorded while this thread was encoding): that inner record is counted as
+/// dropped rather than lost silently.
+fn with_payload<R>(
+    target: &impl Target,
+    max_bytes: usize,
+    encode: impl FnOnce(&mut FieldEncoder<'_>),
+    push: impl FnOnce(&[u8], &mut Vec<Record>) -> Option<R>,
+) -> Option<R> {
+    SCRATCH
+        .try_with(|scratch| {
+            let Ok(mut scratch) = scratch.try_borrow_mut() else {
+                with_ring(target, |ring| ring.drop_records(1));
+                return None;
+            };
+            let (bytes, group) = &mut *scratch;
+            let mut encoder = FieldEncoder::new(bytes, max_bytes);
+            encode(&mut encoder);
+            encoder.finish();
+            push(bytes, group)
+        })
+        .ok()
+        .flatten()
 }
 
-/// Records one record without a timestamp (bookkeeping records whose time does not matter).
-#[inline(always)]
-pub(crate) fn record_untimed(shared: &impl Target, kind: Kind, payload: u64) {
-    with_ring(shared, |ring| ring.push(Record::new(kind, 0, payload)));
-}
-
-/// Most data records one group may carry (16 KiB of fields); a payload beyond it is cut at a field boundary by
-/// the encoder's caller.
-pub(crate) const MAX_PAYLOAD_BYTES: usize = 16 * 1024;
-
-/// Records a group: `kind` with `payload_word`, then a header `[len, meta]` and the encoded fields that
-/// `encode` writes. All or nothing.
-pub(crate) fn record_group(
-    shared: &impl Target,
-    kind: Kind,
-    timed: bool,
-    payload_word: u64,
-    meta: u64,
-    encode: impl FnOnce(&mut Vec<u8>),
-) -> bool {
-    let mut pushed = false;
-    let _ = SCRATCH.try_with(|scratch| {
-        let Ok(mut scratch) = scratch.try_borrow_mut() else {
-            // Re-entered: a field's `Debug` impl recorded while this thread was encoding. Count the inner
-            // record as dropped rather than lose it silently.
-            with_ring(shared, |ring| ring.producer.count_drops(1));
-            return;
-        };
-        let (bytes, group) = &mut *scratch;
-        bytes.clear();
-        encode(bytes);
-        bytes.truncate(MAX_PAYLOAD_BYTES);
-        with_ring(shared, |ring| {
-            // A group must fit the ring with room to spare, or a lossless producer would wait forever: cut
-            // the payload (the collector stops decoding at the cut field).
-            let max_data_records = (ring.producer.capacity() / 2).saturating_sub(2);
-            bytes.truncate(max_data_records * 16);
-            group.clear();
-            let ticks = if timed { ring.source.read().0 } else { 0 };
-            group.push(Record::new(kind, ticks, payload_word));
-            group.push(Record::new(Kind::Data, bytes.len() as u64, meta));
-            group.extend(payload_records(bytes));
-            pushed = ring.push_group(group);
-        });
-    });
-    pushed
-}
-
-/// Announces span `id`, created without field values, with the metadata at address `meta`: one
-/// [`Kind::SpanNewBare`] record, or where the address does not fit one, a [`Kind::SpanNew`] group with an
-/// empty payload. No encoding, no scratch space.
-#[inline]
-pub(crate) fn record_span_new_bare(shared: &impl Target, id: u64, meta: u64) {
-    match Record::span_new_bare(meta, id) {
-        Some(record) => with_ring(shared, |ring| ring.push(record)),
-        None => with_ring(shared, |ring| {
-            let group = [Record::new(Kind::SpanNew, 0, id), Record::new(Kind::Data, 0, meta)];
-            ring.push_group(&group);
-        }),
-    }
-}
-
-/// Records a counter value: the record and one data record with the value's bits.
-pub(crate) fn record_counter(shared: &impl Target, callsite: u64, value: f64) {
-    with_ring(shared, |ring| {
-        let ticks = ring.source.read().0;
-        let group = [
-            Record::new(Kind::Counter, ticks, callsite),
-            Record {
-                word0: value.to_bits(),
-                word1: 0,
-            },
-        ];
-        ring.push_group(&group);
-    });
-}
-
-/// Counts one record as dropped on this thread's ring (a record that could not be made, e.g. a GPU scope that
-/// found no free timestamp pair).
-pub(crate) fn count_drop(shared: &Arc<Shared>) {
-    with_ring(shared, |ring| ring.producer.count_drops(1));
-}
-
-/// Records a GPU scope's begin: `GpuBegin` stamped now with the call site, then a header `[len, key]` and the
-/// encoded fields, all or nothing. True when the group is in the ring.
-pub(crate) fn record_gpu_begin(
+/// Records a span's creation and returns its serial (with [`NOT_ANNOUNCED`] set if the record was dropped),
+/// or `None` when there is no ring to record into.
+pub(crate) fn span_new(
     shared: &Arc<Shared>,
     callsite: u64,
-    key: u64,
-    encode: Option<impl FnOnce(&mut Vec<u8>)>,
-) -> bool {
+    parent: Parent,
+    encode: Option<impl FnOnce(&mut FieldEncoder<'_>)>,
+) -> Option<u64> {
     match encode {
-        // The same group as any field payload: header `[len, key]`, then the encoded fields.
-        Some(encode) => record_group(shared, Kind::GpuBegin, true, callsite, key, encode),
-        None => {
-            let mut pushed = false;
-            with_ring(shared, |ring| {
-                let ticks = ring.source.read().0;
-                let group = [
-                    Record::new(Kind::GpuBegin, ticks, callsite),
-                    Record::new(Kind::Data, 0, key),
-                ];
-                pushed = ring.push_group(&group);
-            });
-            pushed
-        }
+        None if parent == Parent::Contextual => with_ring(shared, |ring| {
+            let serial = ring.next_serial();
+            let group = codec::span_new_bare(ring.now(), serial, callsite);
+            if ring.push_other(&group) {
+                serial
+            } else {
+                serial | NOT_ANNOUNCED
+            }
+        }),
+        encode => with_payload(
+            shared,
+            shared.max_payload_bytes,
+            |encoder| {
+                if let Some(encode) = encode {
+                    encode(encoder)
+                }
+            },
+            |payload, group| {
+                with_ring(shared, |ring| {
+                    let serial = ring.next_serial();
+                    codec::encode_span_new(group, ring.now(), serial, callsite, parent, payload);
+                    if ring.push_other(group) {
+                        serial
+                    } else {
+                        serial | NOT_ANNOUNCED
+                    }
+                })
+            },
+        ),
     }
+}
+
+/// Records new values of span `serial`'s fields.
+pub(crate) fn span_record(shared: &Arc<Shared>, serial: u64, encode: impl FnOnce(&mut FieldEncoder<'_>)) {
+    if serial & NOT_ANNOUNCED != 0 {
+        with_ring(shared, |ring| ring.drop_records(1));
+        return;
+    }
+    with_payload(shared, shared.max_payload_bytes, encode, |payload, group| {
+        with_ring(shared, |ring| {
+            codec::encode_span_record(group, ring.now(), serial, payload);
+            ring.push_other(group);
+        })
+    });
+}
+
+/// Records an enter of span `serial`: a begin (see the module docs).
+#[inline(always)]
+pub(crate) fn span_enter(shared: &Arc<Shared>, serial: u64) {
+    with_ring(shared, |ring| {
+        if serial & NOT_ANNOUNCED != 0 {
+            ring.drop_records(1);
+            ring.refused.push(serial);
+            return;
+        }
+        let record = Record::timed(Kind::SpanEnter, ring.now(), serial);
+        if !ring.push_begin(record) && !ring.lossless {
+            ring.refused.push(serial);
+        }
+    });
+}
+
+/// Records an exit of span `serial`: an end. The exit of a refused enter is dropped with it.
+#[inline(always)]
+pub(crate) fn span_exit(shared: &Arc<Shared>, serial: u64) {
+    with_ring(shared, |ring| {
+        if !ring.refused.is_empty() && drop_refused_exit(ring, serial) {
+            return;
+        }
+        let record = Record::timed(Kind::SpanExit, ring.now(), serial);
+        if ring.push_end(record) {
+            ring.last_exit = serial;
+        }
+    });
+}
+
+#[cold]
+fn drop_refused_exit(ring: &mut LocalRing, serial: u64) -> bool {
+    let Some(pos) = ring.refused.iter().rposition(|&s| s == serial) else {
+        return false;
+    };
+    ring.refused.swap_remove(pos);
+    ring.drop_records(1);
+    true
+}
+
+/// Records span `serial`'s close: untimed when it follows its own exit (it takes that exit's tick).
+#[inline]
+pub(crate) fn span_close(shared: &Arc<Shared>, serial: u64) {
+    with_ring(shared, |ring| {
+        if serial & NOT_ANNOUNCED != 0 {
+            ring.drop_records(1);
+            return;
+        }
+        let record = if ring.last_exit == serial {
+            Record::head(Kind::SpanClose, codec::AT_LAST_EXIT, 0, serial)
+        } else {
+            Record::timed(Kind::SpanClose, ring.now(), serial)
+        };
+        ring.push_other(&[record]);
+    });
+}
+
+/// Records an event at `callsite` with its fields.
+pub(crate) fn event(
+    shared: &Arc<Shared>,
+    callsite: u64,
+    parent: Parent,
+    encode: impl FnOnce(&mut FieldEncoder<'_>),
+) {
+    with_payload(shared, shared.max_payload_bytes, encode, |payload, group| {
+        with_ring(shared, |ring| {
+            codec::encode_event(group, ring.now(), callsite, parent, payload);
+            ring.push_other(group);
+        })
+    });
+}
+
+/// Registers a native call site with the ring's timeline on its first use there (before any record names
+/// it, so the collector always knows it first).
+#[inline(always)]
+fn registered(ring: &LocalRing, callsite: &'static Callsite) -> u64 {
+    if !callsite.is_registered_with(ring.timeline) {
+        register_native(ring, callsite);
+    }
+    callsite_key(callsite)
+}
+
+#[cold]
+#[inline(never)]
+fn register_native(ring: &LocalRing, callsite: &'static Callsite) {
+    if ring.shared.control.send(Control::NativeCallsite(callsite)).is_ok() {
+        callsite.mark_registered(ring.timeline);
+    }
+}
+
+/// Records a native scope's begin; true when it is in the ring (its end must then be recorded).
+#[inline(always)]
+pub(crate) fn scope_begin(target: &impl Target, callsite: &'static Callsite) -> bool {
+    with_ring(target, |ring| {
+        let key = registered(ring, callsite);
+        let record = Record::timed(Kind::ScopeBegin, ring.now(), key);
+        ring.push_begin(record)
+    })
+    .unwrap_or(false)
+}
+
+/// Records a native scope's end (`recorded`: whether its begin went in; if not, the end is dropped too).
+#[inline(always)]
+pub(crate) fn scope_end(target: &impl Target, callsite: &'static Callsite, recorded: bool) {
+    with_ring(target, |ring| {
+        if !recorded {
+            ring.drop_records(1);
+            return;
+        }
+        let record = Record::timed(Kind::ScopeEnd, ring.now(), callsite_key(callsite));
+        ring.push_end(record);
+    });
+}
+
+/// Records an instant at `callsite`.
+#[inline(always)]
+pub(crate) fn instant(target: &impl Target, callsite: &'static Callsite) {
+    with_ring(target, |ring| {
+        let key = registered(ring, callsite);
+        let record = Record::timed(Kind::Instant, ring.now(), key);
+        ring.push_other(&[record]);
+    });
+}
+
+/// Records a counter value at `callsite`.
+#[inline]
+pub(crate) fn counter(target: &impl Target, callsite: &'static Callsite, value: f64) {
+    with_ring(target, |ring| {
+        let key = registered(ring, callsite);
+        let group = codec::counter(ring.now(), key, value);
+        ring.push_other(&group);
+    });
+}
+
+/// Counts records that could not be made as dropped on this thread's ring (a GPU scope that found no free
+/// timestamp pair).
+pub(crate) fn count_drop(target: &impl Target, n: usize) {
+    with_ring(target, |ring| ring.drop_records(n));
+}
+
+/// Records a GPU scope's begin: the CPU tick, the call site, the scope key and the fields, all or nothing.
+/// True when the group is in the ring.
+pub(crate) fn gpu_begin(
+    shared: &Arc<Shared>,
+    callsite: &'static Callsite,
+    key: u64,
+    encode: Option<impl FnOnce(&mut FieldEncoder<'_>)>,
+) -> bool {
+    with_payload(
+        shared,
+        shared.max_payload_bytes,
+        |encoder| {
+            if let Some(encode) = encode {
+                encode(encoder)
+            }
+        },
+        |payload, group| {
+            with_ring(shared, |ring| {
+                let callsite = registered(ring, callsite);
+                codec::encode_gpu_begin(group, ring.now(), callsite, key, payload);
+                ring.push_other(group)
+            })
+        },
+    )
+    .unwrap_or(false)
 }
 
 #[cfg(all(test, not(loom)))]
@@ -496,71 +831,87 @@ mod tests {
     use crossbeam_channel::{unbounded, Receiver};
 
     use super::*;
+    use crate::codec::{Decoder, Item};
     use crate::ring::Consumer;
 
+    const SITE: Callsite = Callsite::new("test", file!(), line!());
+    static SITES: [Callsite; 128] = [SITE; 128];
+
+    fn site(i: u64) -> &'static Callsite {
+        &SITES[i as usize]
+    }
+
+    fn index_of(key: u64) -> u64 {
+        (key - callsite_key(&SITES[0])) / std::mem::size_of::<Callsite>() as u64
+    }
+
     /// A running timeline whose control channel the test reads instead of a collector.
-    fn timeline() -> (Arc<Shared>, Receiver<Control>) {
+    fn timeline(capacity: usize) -> (Arc<Shared>, Receiver<Control>) {
         let (control, rx) = unbounded();
-        let shared = Arc::new(Shared {
-            id: next_timeline_id(),
-            control,
-            lossless: false,
-            ring_capacity: 64,
-            source: TickSource::Monotonic,
-            running: AtomicBool::new(true),
-        });
+        let shared = Arc::new(Shared::new(control, false, capacity, TickSource::Monotonic));
         (shared, rx)
     }
 
     /// The ring the next `NewRing` message hands over.
     fn new_ring(rx: &Receiver<Control>) -> Consumer<Record> {
-        match rx.try_recv() {
-            Ok(Control::NewRing { consumer, .. }) => consumer,
-            _ => panic!("no ring was registered"),
+        loop {
+            match rx.try_recv() {
+                Ok(Control::NewRing { consumer, .. }) => return consumer,
+                Ok(_) => continue,
+                Err(_) => panic!("no ring was registered"),
+            }
         }
     }
 
-    /// The payloads of the records the ring holds now.
-    fn payloads(consumer: &mut Consumer<Record>) -> Vec<u64> {
+    fn records(consumer: &mut Consumer<Record>) -> Vec<Record> {
         let mut out = Vec::new();
-        while consumer.drain(usize::MAX, |run| out.extend(run.iter().map(|r| r.word1))) > 0 {}
+        while consumer.drain(usize::MAX, |run| out.extend_from_slice(run)) > 0 {}
         out
+    }
+
+    /// The payloads (word 1) of the one-record items the ring holds now.
+    fn payloads(consumer: &mut Consumer<Record>) -> Vec<u64> {
+        let records = records(consumer);
+        Decoder::new(&records)
+            .filter_map(|item| match item.ok()? {
+                Item::Instant { callsite, .. } => Some(index_of(callsite)),
+                _ => None,
+            })
+            .collect()
     }
 
     #[test]
     fn records_for_several_timelines_on_one_thread_go_to_their_own_rings() {
-        let (a, a_rx) = timeline();
-        let (b, b_rx) = timeline();
-        let (c, c_rx) = timeline();
+        let (a, a_rx) = timeline(64);
+        let (b, b_rx) = timeline(64);
+        let (c, c_rx) = timeline(64);
         let order: [(&Arc<Shared>, u64); 8] = [(&a, 1), (&b, 2), (&a, 3), (&a, 4), (&c, 5), (&b, 6), (&c, 7), (&a, 8)];
         for (target, payload) in order {
-            record_now(target, Kind::Instant, payload);
+            instant(target, site(payload));
         }
         let (mut a_ring, mut b_ring, mut c_ring) = (new_ring(&a_rx), new_ring(&b_rx), new_ring(&c_rx));
         assert_eq!(payloads(&mut a_ring), [1, 3, 4, 8]);
         assert_eq!(payloads(&mut b_ring), [2, 6]);
         assert_eq!(payloads(&mut c_ring), [5, 7]);
-        assert!(
-            a_rx.try_recv().is_err() && b_rx.try_recv().is_err(),
-            "one ring per thread and timeline"
-        );
+        let more_rings = |rx: &Receiver<Control>| rx.try_iter().any(|m| matches!(m, Control::NewRing { .. }));
+        assert!(!more_rings(&a_rx) && !more_rings(&b_rx), "one ring per thread and timeline");
     }
 
     #[test]
     fn a_record_made_while_making_one_is_counted_as_dropped() {
-        let (a, a_rx) = timeline();
-        let (b, b_rx) = timeline();
-        record_now(&b, Kind::Instant, 1);
+        let (a, a_rx) = timeline(64);
+        let (b, b_rx) = timeline(64);
+        instant(&b, site(1));
         with_ring(&a, |ring| {
-            ring.push(Record::new(Kind::Instant, 0, 2));
+            ring.push_other(&[Record::timed(Kind::Instant, 0, callsite_key(site(2)))]);
             // As from an allocator or a signal handler that records: the ring in use must not be aliased,
             // and neither may the thread's ring list, whatever the timeline.
-            record_now(&a, Kind::Instant, 3);
-            record_untimed(&b, Kind::Instant, 4);
-            record_counter(&a, 5, 1.0);
+            instant(&a, site(3));
+            instant(&b, site(4));
+            counter(&a, site(5), 1.0);
         });
-        record_now(&a, Kind::Instant, 6);
-        record_now(&b, Kind::Instant, 7);
+        instant(&a, site(6));
+        instant(&b, site(7));
         let (mut a_ring, mut b_ring) = (new_ring(&a_rx), new_ring(&b_rx));
         assert_eq!(payloads(&mut a_ring), [2, 6]);
         assert_eq!(payloads(&mut b_ring), [1, 7]);
@@ -570,32 +921,35 @@ mod tests {
 
     #[test]
     fn a_panic_while_making_a_record_releases_the_lock() {
-        let (a, a_rx) = timeline();
+        let (a, a_rx) = timeline(64);
         let result = catch_unwind(AssertUnwindSafe(|| {
             with_ring(&a, |_| panic!("in the middle of a record"))
         }));
         assert!(result.is_err());
-        record_now(&a, Kind::Instant, 1);
+        instant(&a, site(1));
         assert_eq!(payloads(&mut new_ring(&a_rx)), [1]);
     }
 
     #[test]
     fn a_stopped_timeline_takes_nothing_and_others_go_on() {
-        let (a, a_rx) = timeline();
-        let (b, b_rx) = timeline();
-        record_now(&b, Kind::Instant, 1);
-        record_now(&a, Kind::Instant, 2);
+        let (a, a_rx) = timeline(64);
+        let (b, b_rx) = timeline(64);
+        instant(&b, site(1));
+        instant(&a, site(2));
         // a's ring is the cached one when a shuts down: its collector drops the consumer.
         a.running.store(false, Ordering::Release);
         drop(new_ring(&a_rx));
         // Registering c frees a's ring.
-        let (c, c_rx) = timeline();
-        record_now(&c, Kind::Instant, 3);
-        record_now(&a, Kind::Instant, 4);
-        record_now(&b, Kind::Instant, 5);
-        record_now(&a, Kind::Instant, 6);
-        record_now(&c, Kind::Instant, 7);
-        assert!(a_rx.try_recv().is_err(), "a stopped timeline registers no ring");
+        let (c, c_rx) = timeline(64);
+        instant(&c, site(3));
+        instant(&a, site(4));
+        instant(&b, site(5));
+        instant(&a, site(6));
+        instant(&c, site(7));
+        assert!(
+            !a_rx.try_iter().any(|m| matches!(m, Control::NewRing { .. })),
+            "a stopped timeline registers no ring"
+        );
         assert_eq!(payloads(&mut new_ring(&b_rx)), [1, 5]);
         assert_eq!(payloads(&mut new_ring(&c_rx)), [3, 7]);
     }
@@ -607,23 +961,23 @@ mod tests {
             fn drop(&mut self) {
                 // Runs during thread exit, before or after `RINGS` is destroyed: either the record lands in
                 // the ring, or it is lost; it must never touch a freed ring.
-                record_now(&self.0, Kind::Instant, 99);
+                instant(&self.0, site(99));
             }
         }
         thread_local! {
             static EARLY: RefCell<Option<RecordsOnDrop>> = const { RefCell::new(None) };
             static LATE: RefCell<Option<RecordsOnDrop>> = const { RefCell::new(None) };
         }
-        let (a, a_rx) = timeline();
-        let (b, b_rx) = timeline();
+        let (a, a_rx) = timeline(64);
+        let (b, b_rx) = timeline(64);
         let (a2, b2) = (a.clone(), b.clone());
         // Not a scoped thread: `join` must wait for the thread-local destructors, which run after the closure.
         std::thread::spawn(move || {
             // Destructors registered before and after `RINGS`'s, so that one of them likely runs after it.
             EARLY.with(|early| *early.borrow_mut() = Some(RecordsOnDrop(a2.clone())));
-            record_now(&a2, Kind::Instant, 1);
-            record_now(&b2, Kind::Instant, 2);
-            record_now(&a2, Kind::Instant, 3);
+            instant(&a2, site(1));
+            instant(&b2, site(2));
+            instant(&a2, site(3));
             LATE.with(|late| *late.borrow_mut() = Some(RecordsOnDrop(a2.clone())));
         })
         .join()
@@ -636,5 +990,34 @@ mod tests {
             "{a_records:?}"
         );
         assert_eq!(payloads(&mut b_ring), [2]);
+    }
+
+    #[test]
+    fn a_full_ring_loses_whole_slices_and_marks_the_gap() {
+        let (a, a_rx) = timeline(16);
+        // Nest until begins are refused: every begin that went in keeps the room of its end.
+        let mut recorded = Vec::new();
+        for depth in 0..20u64 {
+            recorded.push(scope_begin(&a, site(depth)));
+        }
+        for depth in (0..20u64).rev() {
+            scope_end(&a, site(depth), recorded[depth as usize]);
+        }
+        let mut consumer = new_ring(&a_rx);
+        let taken = records(&mut consumer);
+        let items: Vec<Item<'_>> = Decoder::new(&taken).map(|i| i.unwrap()).collect();
+        let begins = items.iter().filter(|i| matches!(i, Item::ScopeBegin { .. })).count();
+        let ends = items.iter().filter(|i| matches!(i, Item::ScopeEnd { .. })).count();
+        assert_eq!(begins, ends, "{items:?}");
+        assert_eq!(begins, recorded.iter().filter(|r| **r).count());
+        assert!(begins > 0 && begins < 20);
+        // Every record is accounted: what is in the ring and what was counted as dropped.
+        assert_eq!(begins + ends + consumer.dropped_records() as usize, 40);
+        // The next record after the loss carries the gap.
+        instant(&a, site(7));
+        let more = records(&mut consumer);
+        let items: Vec<Item<'_>> = Decoder::new(&more).map(|i| i.unwrap()).collect();
+        assert!(matches!(items[0], Item::Gap { dropped, .. } if dropped == consumer.dropped_records()));
+        assert!(matches!(items[1], Item::Instant { callsite, .. } if index_of(callsite) == 7));
     }
 }

@@ -1,84 +1,53 @@
 //! Native CPU instrumentation for code that does not go through `tracing`: [`scope!`](macro@crate::scope),
 //! [`instant!`](macro@crate::instant) and [`counter!`](macro@crate::counter).
 //!
-//! Each macro call site owns a `static` [`Callsite`]; the hot path copies its address and a raw tick into the
-//! thread's ring. They record into the most recently started [`crate::Timeline`] that is still running, and
-//! cost one atomic load when none is.
+//! Each macro call site owns a `static` [`Callsite`]; the hot path copies its key and a raw tick into the
+//! thread's ring. They record into the most recently started [`crate::Timeline`] that is still running (when
+//! that one stops, the one started before it, if still running, takes over), and cost one atomic load when
+//! none is.
 
+use std::marker::PhantomData;
+
+use crate::callsite::Callsite;
 use crate::live::{self, LiveSink};
-use crate::record::Kind;
-use crate::recorder::{record_counter, record_now, Current};
+use crate::recorder::{self, Current};
 
-/// What a native call site records. Created by the macros; not constructed by hand.
-#[derive(Debug)]
-pub struct Callsite {
-    name: &'static str,
-    fields: &'static [&'static str],
-    file: &'static str,
-    line: u32,
-}
-
-impl Callsite {
-    /// A call site named `name` at `file:line`. Used by the macros in a `static`.
-    #[doc(hidden)]
-    pub const fn new(name: &'static str, file: &'static str, line: u32) -> Self {
-        Callsite {
-            name,
-            fields: &[],
-            file,
-            line,
-        }
-    }
-
-    /// A call site with named fields (a [`gpu_scope!`](macro@crate::gpu_scope) with fields).
-    #[doc(hidden)]
-    pub const fn with_fields(
-        name: &'static str,
-        fields: &'static [&'static str],
-        file: &'static str,
-        line: u32,
-    ) -> Self {
-        Callsite {
-            name,
-            fields,
-            file,
-            line,
-        }
-    }
-
-    /// The names of the fields the call site records, in order.
-    pub fn fields(&self) -> &'static [&'static str] {
-        self.fields
-    }
-
-    /// The name given to the macro.
-    pub fn name(&self) -> &'static str {
-        self.name
-    }
-
-    /// Where the macro was called.
-    pub fn location(&self) -> (&'static str, u32) {
-        (self.file, self.line)
-    }
-
-    #[inline(always)]
-    pub(crate) fn addr(&'static self) -> u64 {
-        (self as *const Callsite).expose_provenance() as u64
-    }
-}
-
-/// An open native scope: the slice ends when this guard is dropped.
+/// An open native scope: the slice ends when this guard is dropped, on the thread that opened it.
+///
+/// Not `Send`: a scope begins and ends on one thread, or neither thread's nesting would hold. In async code
+/// do not hold a scope across an `.await` (the task may resume on another worker); instrument the future
+/// with a span instead, which tickline follows across threads:
+///
+/// ```
+/// use tracing::Instrument;
+/// # async fn fetch() {}
+/// async fn handle() {
+///     fetch().instrument(tracing::info_span!("fetch")).await;
+/// }
+/// # drop(handle());
+/// ```
+///
+/// ```compile_fail
+/// fn needs_send<T: Send>(_: T) {}
+/// needs_send(tickline::scope!("x"));
+/// ```
 #[must_use = "the scope ends when this guard is dropped"]
 pub struct ScopeGuard {
     callsite: &'static Callsite,
+    /// Whether the begin went into the ring (in drop mode a full ring refuses it, and then the end is
+    /// dropped too: the slice is lost whole, and counted).
+    recorded: bool,
     /// The live sink that saw the begin, so the end goes to the same one.
     live: Option<&'static dyn LiveSink>,
+    /// `!Send` and `!Sync`.
+    _not_send: PhantomData<*const ()>,
 }
 
 impl std::fmt::Debug for ScopeGuard {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ScopeGuard")
             .field("callsite", &self.callsite)
+            .field("recorded", &self.recorded)
             .field("live_sink", &self.live.is_some())
             .finish()
     }
@@ -89,12 +58,17 @@ impl ScopeGuard {
     #[doc(hidden)]
     #[inline(always)]
     pub fn enter(callsite: &'static Callsite) -> Self {
-        record_now(&Current, Kind::ScopeBegin, callsite.addr());
+        let recorded = recorder::scope_begin(&Current, callsite);
         let live = live::current();
         if let Some(sink) = live {
             sink.scope_begin(callsite);
         }
-        ScopeGuard { callsite, live }
+        ScopeGuard {
+            callsite,
+            recorded,
+            live,
+            _not_send: PhantomData,
+        }
     }
 }
 
@@ -104,7 +78,7 @@ impl Drop for ScopeGuard {
         if let Some(sink) = self.live {
             sink.scope_end(self.callsite);
         }
-        record_now(&Current, Kind::ScopeEnd, self.callsite.addr());
+        recorder::scope_end(&Current, self.callsite, self.recorded);
     }
 }
 
@@ -112,7 +86,7 @@ impl Drop for ScopeGuard {
 #[doc(hidden)]
 #[inline(always)]
 pub fn record_instant(callsite: &'static Callsite) {
-    record_now(&Current, Kind::Instant, callsite.addr());
+    recorder::instant(&Current, callsite);
     if let Some(sink) = live::current() {
         sink.instant(callsite);
     }
@@ -123,7 +97,7 @@ pub fn record_instant(callsite: &'static Callsite) {
 #[doc(hidden)]
 #[inline]
 pub fn record_frame_mark(callsite: &'static Callsite, main: bool) {
-    record_now(&Current, Kind::Instant, callsite.addr());
+    recorder::instant(&Current, callsite);
     if let Some(sink) = live::current() {
         sink.frame_mark((!main).then(|| callsite.name()));
     }
@@ -133,7 +107,7 @@ pub fn record_frame_mark(callsite: &'static Callsite, main: bool) {
 #[doc(hidden)]
 #[inline(always)]
 pub fn record_counter_value(callsite: &'static Callsite, value: f64) {
-    record_counter(&Current, callsite.addr(), value);
+    recorder::counter(&Current, callsite, value);
 }
 
 /// Opens a named CPU slice on this thread until the returned guard drops.

@@ -1,5 +1,7 @@
-//! The collector's GPU side: per device, the scopes in flight, the clock tracker, the queues' lanes and the
-//! device's counter tracks. Runs on the collector thread only.
+//! The processing stage's GPU side: per device, the scopes whose begin record was seen, the timestamps the
+//! drain stage read back for them, the clock tracker fed with the calibration bursts, the queues' lanes and
+//! the device's counter tracks. A function of the input log (see `collector/input.rs`): the same code runs
+//! live and when a raw capture is converted later.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -7,24 +9,27 @@ use std::sync::Arc;
 use super::lanes::{LaneEvent, Lanes, Slice};
 use super::tracker::{GpuCalibrationConfig, GpuClockTracker};
 use super::{split_key, DeviceLink, GpuCalibrationReport, GpuDeviceInfo, GpuTicks};
-use crate::calibration::CalibrationSample;
-use crate::collector::Processor;
+use crate::collector::input::{GpuInput, PairRead};
+use crate::collector::output::Output;
 use crate::export::{EventKind, Field, FieldValue, NameId, TrackId, TrackKind};
 
-/// A scope whose begin record the collector has seen.
-struct InFlight {
+/// A scope whose begin record the processing stage has seen.
+struct Scope {
     queue: u16,
-    pair: u32,
     name: NameId,
     fields: Vec<Field>,
     /// When the CPU recorded it (reference ns): GPU work cannot start before.
     cpu_ns: u64,
     flow: u64,
-    seen_ns: u64,
-    begin: Option<GpuTicks>,
-    end: Option<GpuTicks>,
-    /// When both timestamps were read (reference ns).
-    finished_ns: Option<u64>,
+}
+
+/// A scope whose ticks were read back, waiting to be converted.
+struct Finished {
+    scope: Scope,
+    begin: GpuTicks,
+    end: GpuTicks,
+    /// When the drain stage read the ticks (reference ns): GPU work cannot end after.
+    read_ns: u64,
 }
 
 /// What a laid-out slice carries to its begin event.
@@ -44,14 +49,17 @@ struct QueueState {
 }
 
 struct DeviceState {
-    link: Arc<dyn DeviceLink>,
     info: GpuDeviceInfo,
+    /// The live device, to ask for calibration bursts and publish the fit (absent when converting a capture).
+    link: Option<Arc<dyn DeviceLink>>,
     track: TrackId,
     queues: Vec<QueueState>,
     tracker: GpuClockTracker,
-    in_flight: Vec<InFlight>,
-    /// Pairs whose begin record was lost: recycled once the GPU wrote both timestamps.
-    orphans: Vec<(u32, u64)>,
+    /// Scopes seen, by `(pair, generation)`, waiting for their ticks.
+    in_flight: HashMap<(u32, u32), Scope>,
+    finished: Vec<Finished>,
+    /// Reads that matched no scope yet (its begin record may still be on its way), with the pass they came in.
+    unmatched_reads: Vec<(PairRead, u64, u64)>,
     drift_track: TrackId,
     error_track: TrackId,
     offset_track: TrackId,
@@ -68,10 +76,12 @@ pub(crate) struct GpuStats {
     pub(crate) lost_scopes: u64,
     pub(crate) causality_violations: u64,
     pub(crate) failed_calibrations: u64,
+    pub(crate) read_failures: u64,
 }
 
-/// Most pairs read back in one backend call.
-const MAX_READ_RUN: usize = 256;
+/// Passes a read waits for its scope's begin record before it is dropped (the record was lost to a full
+/// ring, which counted it).
+const UNMATCHED_READ_PASSES: u64 = 3;
 
 /// Every GPU device of one timeline.
 #[derive(Default)]
@@ -79,8 +89,7 @@ pub(crate) struct GpuCollector {
     config: GpuCalibrationConfig,
     devices: HashMap<u16, DeviceState>,
     next_flow: u64,
-    samples: Vec<CalibrationSample>,
-    reads: Vec<Option<GpuTicks>>,
+    pass: u64,
     pub(crate) stats: GpuStats,
     uncertainty_name: Option<NameId>,
 }
@@ -94,28 +103,73 @@ impl GpuCollector {
         }
     }
 
-    /// Whether any device has scopes in flight or slices not exported yet.
-    pub(crate) fn busy(&self) -> bool {
-        self.devices
-            .values()
-            .any(|d| !d.in_flight.is_empty() || d.queues.iter().any(|q| q.lanes.waiting() > 0))
+    /// A new flow id (unique per timeline).
+    pub(crate) fn next_flow(&mut self) -> u64 {
+        let flow = self.next_flow;
+        self.next_flow += 1;
+        flow
     }
 
-    pub(crate) fn add_device(
-        &mut self,
-        p: &mut Processor,
-        device: u16,
-        info: GpuDeviceInfo,
-        link: Arc<dyn DeviceLink>,
-    ) {
-        let track = p.new_track(
-            Some(p.process_track()),
+    /// An input from the drain stage.
+    pub(crate) fn input(&mut self, out: &mut Output, input: GpuInput) {
+        match input {
+            GpuInput::Device { device, info, link } => self.add_device(out, device, info, link.0),
+            GpuInput::Queue { device, queue, name } => self.add_queue(out, device, queue, name),
+            GpuInput::Calibration {
+                device,
+                at_ns,
+                samples,
+                failed,
+            } => {
+                let Some(d) = self.devices.get_mut(&device) else { return };
+                // Added even when the read failed (with what it got, maybe nothing): the history counts it.
+                let added = d.tracker.add_burst(at_ns, &samples);
+                if failed || added.is_err() {
+                    self.stats.failed_calibrations += 1;
+                }
+            }
+            GpuInput::Reads {
+                device,
+                read_ns,
+                reads,
+            } => {
+                let Some(d) = self.devices.get_mut(&device) else { return };
+                for read in reads {
+                    match d.in_flight.remove(&(read.pair, read.generation)) {
+                        Some(scope) => d.finished.push(Finished {
+                            scope,
+                            begin: read.begin,
+                            end: read.end,
+                            read_ns,
+                        }),
+                        None => d.unmatched_reads.push((read, read_ns, self.pass)),
+                    }
+                }
+            }
+            GpuInput::Lost {
+                device,
+                pair,
+                generation,
+            } => {
+                if let Some(d) = self.devices.get_mut(&device) {
+                    if d.in_flight.remove(&(pair, generation)).is_some() {
+                        self.stats.lost_scopes += 1;
+                    }
+                }
+            }
+            GpuInput::ReadFailed { .. } => self.stats.read_failures += 1,
+        }
+    }
+
+    fn add_device(&mut self, out: &mut Output, device: u16, info: GpuDeviceInfo, link: Option<Arc<dyn DeviceLink>>) {
+        let track = out.new_track(
+            Some(out.process_track()),
             TrackKind::Group {
                 name: format!("GPU: {} ({})", info.name, info.api),
             },
         );
-        let counter = |p: &mut Processor, what: &str, unit: &str| {
-            p.new_track(
+        let counter = |out: &mut Output, what: &str, unit: &str| {
+            out.new_track(
                 Some(track),
                 TrackKind::Counter {
                     name: format!("{} {what}", info.name),
@@ -123,21 +177,22 @@ impl GpuCollector {
                 },
             )
         };
-        let drift_track = counter(p, "clock drift", "ppm");
-        let error_track = counter(p, "clock error bound", "ns");
-        let offset_track = counter(p, "clock offset", "ns");
-        let violations_track = counter(p, "causality violations", "slices");
+        let drift_track = counter(out, "clock drift", "ppm");
+        let error_track = counter(out, "clock error bound", "ns");
+        let offset_track = counter(out, "clock offset", "ns");
+        let violations_track = counter(out, "causality violations", "slices");
         let tracker = GpuClockTracker::new(info.clock, self.config);
         self.devices.insert(
             device,
             DeviceState {
-                link,
                 info,
+                link,
                 track,
                 queues: Vec::new(),
                 tracker,
-                in_flight: Vec::new(),
-                orphans: Vec::new(),
+                in_flight: HashMap::new(),
+                finished: Vec::new(),
+                unmatched_reads: Vec::new(),
                 drift_track,
                 error_track,
                 offset_track,
@@ -149,7 +204,7 @@ impl GpuCollector {
         );
     }
 
-    pub(crate) fn add_queue(&mut self, p: &mut Processor, device: u16, queue: u16, name: String) {
+    fn add_queue(&mut self, out: &mut Output, device: u16, queue: u16, name: String) {
         let Some(d) = self.devices.get_mut(&device) else {
             return;
         };
@@ -160,7 +215,7 @@ impl GpuCollector {
             } else {
                 format!("queue {index}")
             };
-            let track = p.new_track(Some(d.track), TrackKind::Group { name: name.clone() });
+            let track = out.new_track(Some(d.track), TrackKind::Group { name: name.clone() });
             d.queues.push(QueueState {
                 name,
                 tracks: vec![track],
@@ -170,195 +225,124 @@ impl GpuCollector {
         }
     }
 
-    /// Drops every scope still in flight (shutdown); returns how many. Their pairs are retired.
-    pub(crate) fn abandon_in_flight(&mut self) -> u64 {
-        let mut lost = 0;
-        for d in self.devices.values_mut() {
-            lost += d.in_flight.len() as u64;
-            d.in_flight.clear();
-        }
-        self.stats.lost_scopes += lost;
-        lost
-    }
-
-    /// A new flow id (unique per timeline).
-    pub(crate) fn next_flow(&mut self) -> u64 {
-        let flow = self.next_flow;
-        self.next_flow += 1;
-        flow
-    }
-
-    /// A scope's begin record, recorded by the CPU at `cpu_ns` with flow `flow`. Returns false when its device
-    /// is unknown (the scope is counted as lost).
-    pub(crate) fn begin(&mut self, key: u64, name: NameId, fields: Vec<Field>, cpu_ns: u64, flow: u64, now_ns: u64) {
-        let (device, queue, pair) = split_key(key);
+    /// A scope's begin record, recorded by the CPU at `cpu_ns` with flow `flow`.
+    pub(crate) fn begin(&mut self, key: u64, name: NameId, fields: Vec<Field>, cpu_ns: u64, flow: u64) {
+        let (device, queue, pair, generation) = split_key(key);
         self.stats.scopes += 1;
         let Some(d) = self.devices.get_mut(&device) else {
             self.stats.lost_scopes += 1;
             return;
         };
-        d.in_flight.push(InFlight {
+        let scope = Scope {
             queue,
-            pair,
             name,
             fields,
             cpu_ns,
             flow,
-            seen_ns: now_ns,
-            begin: None,
-            end: None,
-            finished_ns: None,
-        });
+        };
+        // Its ticks may have been read already (the drain stage polls GPUs after it drains the rings).
+        match d
+            .unmatched_reads
+            .iter()
+            .position(|(r, _, _)| (r.pair, r.generation) == (pair, generation))
+        {
+            Some(pos) => {
+                let (read, read_ns, _) = d.unmatched_reads.swap_remove(pos);
+                d.finished.push(Finished {
+                    scope,
+                    begin: read.begin,
+                    end: read.end,
+                    read_ns,
+                });
+            }
+            None => {
+                d.in_flight.insert((pair, generation), scope);
+            }
+        }
     }
 
-    /// One collector pass: calibrate when due, read finished timestamps, convert what is ready, lay slices
-    /// out and export them, export calibration counters. `drain_ns` is when this pass drained the rings: every
-    /// scope recorded before it has been seen. `force` (flush, shutdown) takes a fresh burst and converts and
-    /// exports every finished slice now.
-    pub(crate) fn poll(&mut self, p: &mut Processor, now_ns: u64, drain_ns: u64, force: bool) {
-        let uncertainty_name = *self.uncertainty_name.get_or_insert_with(|| p.intern("uncertainty_ns"));
-        let config = self.config;
+    /// End of a drain pass at `drain_ns` (reference ns): every scope recorded before it has been seen. Converts
+    /// what is ready, lays slices out and exports them, exports calibration counters. `force` (flush,
+    /// shutdown) converts and exports every finished slice now.
+    pub(crate) fn pass_end(&mut self, out: &mut Output, drain_ns: u64, force: bool) {
+        self.pass += 1;
+        let pass = self.pass;
+        let uncertainty_name = *self.uncertainty_name.get_or_insert_with(|| out.intern("uncertainty_ns"));
         for d in self.devices.values_mut() {
-            // Calibration: on schedule; on a flush too, unless a burst was just taken.
-            let gap = config.min_burst_gap.as_nanos() as u64;
-            let recent = d
-                .tracker
-                .last_burst_ns()
-                .is_some_and(|t| now_ns.saturating_sub(t) < gap);
-            if d.tracker.burst_due(now_ns) || (force && !recent) {
-                self.samples.clear();
-                let read = d
-                    .link
-                    .calibrate(config.burst_samples, config.burst_budget, &mut self.samples);
-                // Added even when the read failed (with what it got, maybe nothing): the schedule moves on, so
-                // a failing device is retried next period, not on every pass.
-                let added = d.tracker.add_burst(crate::clock::monotonic_ns().0, &self.samples);
-                if read.is_err() || added.is_err() {
-                    self.stats.failed_calibrations += 1;
-                }
-            }
+            d.unmatched_reads
+                .retain(|&(_, _, seen)| pass.saturating_sub(seen) < UNMATCHED_READ_PASSES);
             if let Some(fit) = d.tracker.history().latest() {
                 if fit.calibrated_at_ns() != d.reported_fit_ns {
                     d.reported_fit_ns = fit.calibrated_at_ns();
-                    let value = p.value_name();
-                    p.push_counter(d.drift_track, now_ns, value, fit.drift_ppm());
-                    p.push_counter(d.error_track, now_ns, value, fit.error_bound_ns());
+                    let value = out.value_name();
+                    out.push_counter(d.drift_track, drain_ns, value, fit.drift_ppm());
+                    out.push_counter(d.error_track, drain_ns, value, fit.error_bound_ns());
                     // The device clock's offset from the reference now: device time (nominal ns) minus host ns.
-                    let device_ns = fit.from_reference_ns(now_ns) as f64 * d.info.clock.nominal_ns_per_tick();
-                    let offset = device_ns - now_ns as f64;
-                    p.push_counter(d.offset_track, now_ns, value, offset);
-                    d.link.publish(GpuCalibrationReport {
-                        latest: *fit,
-                        stats: d.tracker.history().stats(),
-                    });
-                }
-            }
-
-            // Read finished timestamps: runs of consecutive pairs in one call (pairs are handed out in order,
-            // so scopes in flight mostly sit side by side), one call per run instead of one per scope.
-            d.in_flight.sort_unstable_by_key(|s| s.pair);
-            let mut i = 0;
-            while i < d.in_flight.len() {
-                if d.in_flight[i].finished_ns.is_some() {
-                    i += 1;
-                    continue;
-                }
-                let first = d.in_flight[i].pair;
-                let mut run = 1;
-                while run < MAX_READ_RUN
-                    && i + run < d.in_flight.len()
-                    && d.in_flight[i + run].pair == first + run as u32
-                    && d.in_flight[i + run].finished_ns.is_none()
-                {
-                    run += 1;
-                }
-                self.reads.clear();
-                self.reads.resize(2 * run, None);
-                if d.link.read_timestamps(2 * first, &mut self.reads).is_ok() {
-                    for (scope, read) in d.in_flight[i..i + run].iter_mut().zip(self.reads.chunks_exact(2)) {
-                        scope.begin = scope.begin.or(read[0]);
-                        scope.end = scope.end.or(read[1]);
-                        if scope.begin.is_some() && scope.end.is_some() {
-                            scope.finished_ns = Some(now_ns);
-                        }
+                    let device_ns = fit.from_reference_ns(drain_ns) as f64 * d.info.clock.nominal_ns_per_tick();
+                    out.push_counter(d.offset_track, drain_ns, value, device_ns - drain_ns as f64);
+                    if let Some(link) = &d.link {
+                        link.publish(GpuCalibrationReport {
+                            latest: *fit,
+                            stats: d.tracker.history().stats(),
+                        });
                     }
                 }
-                i += run;
             }
-            while let Some(pair) = d.link.take_orphan() {
-                d.orphans.push((pair, now_ns));
-            }
-            let lost_after = config.lost_after.as_nanos() as u64;
-            d.orphans.retain(|&(pair, since)| {
-                self.reads.clear();
-                self.reads.resize(2, None);
-                let done =
-                    d.link.read_timestamps(2 * pair, &mut self.reads).is_ok() && self.reads.iter().all(Option::is_some);
-                if done {
-                    let _ = d.link.release_pair(pair);
+            if let Some(link) = &d.link {
+                if d.tracker.burst_due(drain_ns) {
+                    link.request_burst();
                 }
-                // An orphan never written is retired (never reused: a late write would corrupt a new scope).
-                !done && now_ns.saturating_sub(since) < lost_after
-            });
+            }
 
             // Convert what is ready, in begin-tick order so the history's monotonic guard holds.
-            let mut ready: Vec<InFlight> = Vec::new();
+            let mut ready = Vec::new();
             let mut i = 0;
-            while i < d.in_flight.len() {
-                let s = &d.in_flight[i];
-                let convert = match (s.end, s.finished_ns) {
-                    (Some(end), Some(finished)) => {
-                        d.tracker.history().latest().is_some() && (force || d.tracker.ready(end.0, finished, now_ns))
-                    }
-                    _ => false,
-                };
+            while i < d.finished.len() {
+                let f = &d.finished[i];
+                let convert = d.tracker.history().latest().is_some()
+                    && (force || d.tracker.ready(f.end.0, f.read_ns, drain_ns));
                 if convert {
-                    ready.push(d.in_flight.swap_remove(i));
-                } else if s.finished_ns.is_none() && now_ns.saturating_sub(s.seen_ns) >= lost_after {
-                    // Never written: its commands were not submitted. Counted; the pair is retired.
-                    d.in_flight.swap_remove(i);
-                    self.stats.lost_scopes += 1;
+                    ready.push(d.finished.swap_remove(i));
                 } else {
                     i += 1;
                 }
             }
             // Wrap-aware order: ticks relative to one of them (all lie within half a wrap of each other).
-            let reference = ready.first().and_then(|s| s.begin).map_or(0, |t| t.0);
-            ready.sort_by_key(|s| s.begin.map_or(0, |t| d.info.clock.delta_ticks(reference, t.0)));
-            for s in ready {
-                let (Some(begin), Some(end)) = (s.begin, s.end) else {
+            let reference = ready.first().map_or(0, |f| f.begin.0);
+            ready.sort_by_key(|f| d.info.clock.delta_ticks(reference, f.begin.0));
+            for f in ready {
+                let (Some(b), Some(e)) = (d.tracker.convert(f.begin.0), d.tracker.convert(f.end.0)) else {
                     continue;
                 };
-                let (Some(b), Some(e)) = (d.tracker.convert(begin.0), d.tracker.convert(end.0)) else {
-                    continue;
-                };
-                let _ = d.link.release_pair(s.pair);
+                let scope = f.scope;
                 let mut begin_ns = b.ns;
-                if begin_ns < s.cpu_ns {
+                if begin_ns < scope.cpu_ns {
                     // The GPU cannot run work before the CPU recorded it: the calibration is wrong here.
                     // Counted and exported; clamped only so viewers draw the flow forwards.
                     d.violations += 1;
                     self.stats.causality_violations += 1;
-                    begin_ns = s.cpu_ns;
+                    begin_ns = scope.cpu_ns;
+                    if let Some(link) = &d.link {
+                        link.request_burst();
+                    }
                 }
                 let end_ns = e.ns.max(begin_ns);
-                let mut fields = s.fields;
+                let mut fields = scope.fields;
                 fields.push(Field {
                     name: uncertainty_name,
                     value: FieldValue::U64(b.uncertainty_ns.max(e.uncertainty_ns)),
                 });
-                if let Some(q) = d.queues.get_mut(s.queue as usize) {
-                    q.lanes.push(Slice {
+                match d.queues.get_mut(scope.queue as usize) {
+                    Some(q) => q.lanes.push(Slice {
                         begin_ns,
                         end_ns,
                         payload: SlicePayload {
-                            name: s.name,
+                            name: scope.name,
                             fields,
-                            flow: s.flow,
+                            flow: scope.flow,
                         },
-                    });
-                } else {
-                    self.stats.lost_scopes += 1;
+                    }),
+                    None => self.stats.lost_scopes += 1,
                 }
             }
 
@@ -366,9 +350,11 @@ impl GpuCollector {
             for (index, q) in d.queues.iter_mut().enumerate() {
                 let watermark = d
                     .in_flight
-                    .iter()
-                    .filter(|s| s.queue as usize == index)
-                    .map(|s| s.cpu_ns)
+                    .values()
+                    .map(|s| (s.queue, s.cpu_ns))
+                    .chain(d.finished.iter().map(|f| (f.scope.queue, f.scope.cpu_ns)))
+                    .filter(|&(queue, _)| queue as usize == index)
+                    .map(|(_, cpu_ns)| cpu_ns)
                     .min()
                     .unwrap_or(u64::MAX)
                     .min(drain_ns);
@@ -383,13 +369,13 @@ impl GpuCollector {
                     LaneEvent::Begin { lane, ts_ns, payload } => {
                         while tracks.len() <= lane {
                             let name = format!("{queue_name} ({})", tracks.len() + 1);
-                            tracks.push(p.new_track(Some(device_track), TrackKind::Group { name }));
+                            tracks.push(out.new_track(Some(device_track), TrackKind::Group { name }));
                         }
                         if open_names.len() <= lane {
                             open_names.resize_with(lane + 1, Vec::new);
                         }
                         open_names[lane].push(payload.name);
-                        p.push_gpu_event(
+                        out.push_gpu_event(
                             ts_ns,
                             tracks[lane],
                             EventKind::SliceBegin,
@@ -400,15 +386,25 @@ impl GpuCollector {
                     }
                     LaneEvent::End { lane, ts_ns } => {
                         let name = open_names.get_mut(lane).and_then(Vec::pop).unwrap_or(NameId(0));
-                        p.push_gpu_event(ts_ns, tracks[lane], EventKind::SliceEnd, name, &[], None);
+                        out.push_gpu_event(ts_ns, tracks[lane], EventKind::SliceEnd, name, &[], None);
                     }
                 });
             }
             if d.violations != d.reported_violations {
                 d.reported_violations = d.violations;
-                let value = p.value_name();
-                p.push_counter(d.violations_track, now_ns, value, d.violations as f64);
+                let value = out.value_name();
+                out.push_counter(d.violations_track, drain_ns, value, d.violations as f64);
             }
+        }
+    }
+
+    /// Shutdown: scopes still waiting for their ticks, or read but never convertible (no calibration of
+    /// their device), are lost.
+    pub(crate) fn abandon(&mut self) {
+        for d in self.devices.values_mut() {
+            self.stats.lost_scopes += (d.in_flight.len() + d.finished.len()) as u64;
+            d.in_flight.clear();
+            d.finished.clear();
         }
     }
 }

@@ -61,6 +61,7 @@ impl<T> Lanes<T> {
     }
 
     /// Slices not laid out yet.
+    #[cfg(test)]
     pub(crate) fn waiting(&self) -> usize {
         self.waiting.len()
     }

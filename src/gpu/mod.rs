@@ -16,6 +16,7 @@ mod collect;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod lanes;
+pub(crate) mod live;
 pub mod sim;
 mod tracker;
 #[cfg(feature = "vulkan")]
@@ -29,16 +30,18 @@ pub use tracker::GpuCalibrationConfig;
 pub use tracker::GpuClockTracker;
 
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crossbeam_queue::ArrayQueue;
 
 use crate::calibration::{CalibrationSample, ClockCalibration, ClockDomain, HistoryStats};
-use crate::record::FieldEncoder;
-use crate::recorder::{record_gpu_begin, Control, Shared};
-use crate::scope::Callsite;
+use crate::callsite::Callsite;
+use crate::codec::FieldEncoder;
+use crate::control::Control;
+use crate::recorder::{self, Shared};
 
 /// Raw device-clock ticks, as a GPU timestamp query returns them (masked to the clock's valid bits).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -150,12 +153,38 @@ pub(crate) enum GpuControl {
 pub(crate) trait DeviceLink: Send + Sync {
     fn read_timestamps(&self, first: u32, out: &mut [Option<GpuTicks>]) -> Result<(), GpuError>;
     fn calibrate(&self, samples: usize, budget: Duration, out: &mut Vec<CalibrationSample>) -> Result<(), GpuError>;
-    /// Recycles pair `pair` and makes it available to scopes again.
+    /// Recycles pair `pair` (both its ticks were read) and makes it available to scopes again.
     fn release_pair(&self, pair: u32) -> Result<(), GpuError>;
-    /// Pairs whose begin record never reached the collector (a full ring dropped it).
-    fn take_orphan(&self) -> Option<u32>;
+    /// Takes pair `pair` out of use for good (it was never written; a late write must not hit a new scope).
+    fn retire_pair(&self, pair: u32);
+    /// Every pair's state (see [`pair_state`]).
+    fn pair_states(&self) -> &[AtomicU32];
+    /// Asks for a calibration burst soon (the processing stage found the fit too uncertain, or a slice
+    /// outside what the CPU knows).
+    fn request_burst(&self);
+    /// Whether a burst was asked for since the last call.
+    fn take_burst_request(&self) -> bool;
     /// The collector's newest calibration of the device clock, for [`GpuDevice::calibration`].
     fn publish(&self, calibration: GpuCalibrationReport);
+}
+
+/// A timestamp pair's state word: whether a scope holds it, and how many times it has been handed out
+/// (so a read is matched to the scope that wrote it, never to an earlier or later user of the pair).
+pub(crate) mod pair_state {
+    /// A scope holds the pair (handed out, not read back yet).
+    pub(crate) const ALLOCATED: u32 = 1 << 31;
+    /// The pair was never written within the loss bound and is out of use for good.
+    pub(crate) const RETIRED: u32 = 1 << 30;
+    /// Bits of the use count kept (it travels in a scope key).
+    pub(crate) const GENERATION_MASK: u32 = (1 << super::GENERATION_BITS) - 1;
+
+    pub(crate) fn is_allocated(state: u32) -> bool {
+        state & ALLOCATED != 0
+    }
+
+    pub(crate) fn generation(state: u32) -> u32 {
+        state & GENERATION_MASK
+    }
 }
 
 /// How well the collector knows a device's clock: its newest fit and the history's counters.
@@ -174,8 +203,9 @@ struct DeviceShared<B: GpuBackend> {
     device: u16,
     info: GpuDeviceInfo,
     free_pairs: ArrayQueue<u32>,
-    /// Pairs written whose begin record was dropped: the collector waits for them and recycles them.
-    orphans: ArrayQueue<u32>,
+    /// Per pair: [`pair_state`].
+    pairs: Box<[AtomicU32]>,
+    burst_requested: AtomicBool,
     /// Scopes that found no free pair.
     starved: AtomicU64,
     queue_names: Mutex<Vec<String>>,
@@ -191,14 +221,30 @@ impl<B: GpuBackend> DeviceLink for DeviceShared<B> {
     }
     fn release_pair(&self, pair: u32) -> Result<(), GpuError> {
         let result = self.backend.recycle(2 * pair, 2);
+        let state = &self.pairs[pair as usize];
+        // Release: the scope's use of the pair is over before the free list hands it out again.
+        state.store(pair_state::generation(state.load(Ordering::Relaxed)), Ordering::Release);
         if result.is_ok() {
             // Cannot fail: the queue holds every pair, and each pair is in at most one place at a time.
             let _ = self.free_pairs.push(pair);
         }
         result
     }
-    fn take_orphan(&self) -> Option<u32> {
-        self.orphans.pop()
+    fn retire_pair(&self, pair: u32) {
+        let state = &self.pairs[pair as usize];
+        state.store(
+            pair_state::RETIRED | pair_state::generation(state.load(Ordering::Relaxed)),
+            Ordering::Release,
+        );
+    }
+    fn pair_states(&self) -> &[AtomicU32] {
+        &self.pairs
+    }
+    fn request_burst(&self) {
+        self.burst_requested.store(true, Ordering::Relaxed);
+    }
+    fn take_burst_request(&self) -> bool {
+        self.burst_requested.swap(false, Ordering::Relaxed)
     }
     fn publish(&self, calibration: GpuCalibrationReport) {
         *self.calibration.lock().unwrap_or_else(|e| e.into_inner()) = Some(calibration);
@@ -254,6 +300,17 @@ impl<B: GpuBackend> GpuDevice<B> {
             }
             .into());
         }
+        if pairs > MAX_PAIRS {
+            return Err(GpuError::Invalid {
+                detail: format!(
+                    "{} reports {} timestamp slots; tickline uses at most {}",
+                    info.name,
+                    info.timestamp_slots,
+                    2 * MAX_PAIRS
+                ),
+            }
+            .into());
+        }
         let free_pairs = ArrayQueue::new(pairs as usize);
         for pair in 0..pairs {
             let _ = free_pairs.push(pair);
@@ -264,7 +321,8 @@ impl<B: GpuBackend> GpuDevice<B> {
             device: device as u16,
             info: info.clone(),
             free_pairs,
-            orphans: ArrayQueue::new(pairs as usize),
+            pairs: (0..pairs).map(|_| AtomicU32::new(0)).collect(),
+            burst_requested: AtomicBool::new(false),
             starved: AtomicU64::new(0),
             queue_names: Mutex::new(Vec::new()),
             calibration: Mutex::new(None),
@@ -278,6 +336,9 @@ impl<B: GpuBackend> GpuDevice<B> {
                 link,
             }))
             .map_err(|_| crate::TicklineError::CollectorGone)?;
+        if let Some(drain) = timeline.drain_thread.get() {
+            drain.unpark();
+        }
         Ok(GpuDevice { shared })
     }
 
@@ -377,25 +438,52 @@ impl<B: GpuBackend> GpuQueue<B> {
     }
 }
 
-/// The key a scope's record carries: device, queue and timestamp pair.
+/// Bits of a pair's use count kept in a scope key.
+const GENERATION_BITS: u32 = 12;
+/// Bits of a pair index in a scope key: at most 2^20 pairs (2 Mi timestamp slots) per device.
+const PAIR_BITS: u32 = 20;
+const MAX_PAIRS: u32 = 1 << PAIR_BITS;
+
+/// The key a scope's record carries: device, queue, timestamp pair and the pair's use count.
 #[inline]
-pub(crate) fn scope_key(device: u16, queue: u16, pair: u32) -> u64 {
-    (u64::from(device) << 48) | (u64::from(queue) << 32) | u64::from(pair)
+pub(crate) fn scope_key(device: u16, queue: u16, pair: u32, generation: u32) -> u64 {
+    (u64::from(device) << 48)
+        | (u64::from(queue) << 32)
+        | (u64::from(generation & pair_state::GENERATION_MASK) << PAIR_BITS)
+        | u64::from(pair & (MAX_PAIRS - 1))
 }
 
-/// Splits a [`scope_key`].
+/// Splits a [`scope_key`]: `(device, queue, pair, generation)`.
 #[inline]
-pub(crate) fn split_key(key: u64) -> (u16, u16, u32) {
-    ((key >> 48) as u16, (key >> 32) as u16, key as u32)
+pub(crate) fn split_key(key: u64) -> (u16, u16, u32, u32) {
+    (
+        (key >> 48) as u16,
+        (key >> 32) as u16,
+        key as u32 & (MAX_PAIRS - 1),
+        (key as u32 >> PAIR_BITS) & pair_state::GENERATION_MASK,
+    )
 }
 
 /// An open GPU scope: the end timestamp is written into the same command stream when this guard drops.
+///
+/// Not `Send`: the end must be written by the thread that records the command stream, as the begin was.
+///
+/// ```compile_fail
+/// # use tickline::gpu::sim::{SimCommands, SimGpu, SimGpuConfig};
+/// # let timeline = tickline::Timeline::builder().start().unwrap();
+/// # let gpu = timeline.gpu(SimGpu::new(SimGpuConfig::default()).unwrap()).unwrap();
+/// # let queue = gpu.queue("compute").unwrap();
+/// # let commands = SimCommands::new();
+/// fn needs_send<T: Send>(_: T) {}
+/// needs_send(tickline::gpu_scope!(queue, &commands, "x"));
+/// ```
 #[must_use = "the GPU scope ends when this guard is dropped"]
 pub struct GpuScope<'a, B: GpuBackend> {
     queue: &'a GpuQueue<B>,
     commands: &'a B::Commands,
     /// The timestamp pair, or `u32::MAX` when the scope is not recorded (no free pair, or no timeline).
     pair: u32,
+    _not_send: PhantomData<*const ()>,
 }
 
 impl<B: GpuBackend> fmt::Debug for GpuScope<'_, B> {
@@ -414,33 +502,38 @@ impl<'a, B: GpuBackend> GpuScope<'a, B> {
         queue: &'a GpuQueue<B>,
         commands: &'a B::Commands,
         callsite: &'static Callsite,
-        fields: Option<&dyn Fn(&mut GpuFieldEncoder<'_>)>,
+        fields: Option<&dyn Fn(&mut GpuFieldEncoder<'_, '_>)>,
     ) -> Self {
         let shared = &*queue.shared;
         let Some(pair) = shared.free_pairs.pop() else {
             shared.starved.fetch_add(1, Ordering::Relaxed);
-            crate::recorder::count_drop(&shared.timeline);
+            recorder::count_drop(&shared.timeline, 1);
             return GpuScope {
                 queue,
                 commands,
                 pair: NO_PAIR,
+                _not_send: PhantomData,
             };
         };
+        let state = &shared.pairs[pair as usize];
+        let generation = pair_state::generation(state.load(Ordering::Relaxed).wrapping_add(1));
+        // Release: marks the pair held before its timestamps can be written; the drain stage's Acquire load
+        // reads it, and reads the pair only while it is held.
+        state.store(pair_state::ALLOCATED | generation, Ordering::Release);
         shared.backend.write_timestamp(commands, 2 * pair);
-        let key = scope_key(shared.device, queue.queue, pair);
+        let key = scope_key(shared.device, queue.queue, pair, generation);
         let encode = fields.map(|f| {
-            move |buf: &mut Vec<u8>| {
-                f(&mut GpuFieldEncoder {
-                    inner: FieldEncoder { buf },
-                })
-            }
+            move |encoder: &mut FieldEncoder<'_>| f(&mut GpuFieldEncoder { inner: encoder })
         });
-        if !record_gpu_begin(&shared.timeline, callsite.addr(), key, encode) {
-            // The begin record was dropped (full ring) or the timeline is gone: the timestamps are still
-            // written, so hand the pair to the collector to wait for and recycle.
-            let _ = shared.orphans.push(pair);
+        // If the record is dropped (full ring) the pair is still read back and released by the drain stage:
+        // its read then matches no scope and is counted as such.
+        recorder::gpu_begin(&shared.timeline, callsite, key, encode);
+        GpuScope {
+            queue,
+            commands,
+            pair,
+            _not_send: PhantomData,
         }
-        GpuScope { queue, commands, pair }
     }
 }
 
@@ -458,22 +551,22 @@ impl<B: GpuBackend> Drop for GpuScope<'_, B> {
 
 /// Encodes a GPU scope's fields. Used by [`gpu_scope!`](macro@crate::gpu_scope).
 #[doc(hidden)]
-pub struct GpuFieldEncoder<'a> {
-    inner: FieldEncoder<'a>,
+pub struct GpuFieldEncoder<'a, 'b> {
+    inner: &'a mut FieldEncoder<'b>,
 }
 
 /// A value a [`gpu_scope!`](macro@crate::gpu_scope) field can take: integers, floats, `bool`, strings.
 pub trait GpuFieldValue {
     /// Writes the value as field `index`.
     #[doc(hidden)]
-    fn encode(&self, index: u8, encoder: &mut GpuFieldEncoder<'_>);
+    fn encode(&self, index: u8, encoder: &mut GpuFieldEncoder<'_, '_>);
 }
 
 macro_rules! field_value {
     ($method:ident as $target:ty: $($t:ty),*) => {$(
         impl GpuFieldValue for $t {
             #[inline]
-            fn encode(&self, index: u8, encoder: &mut GpuFieldEncoder<'_>) {
+            fn encode(&self, index: u8, encoder: &mut GpuFieldEncoder<'_, '_>) {
                 encoder.inner.$method(index, *self as $target);
             }
         }
@@ -484,27 +577,27 @@ field_value!(u64 as u64: u8, u16, u32, u64, usize);
 field_value!(f64 as f64: f32, f64);
 
 impl GpuFieldValue for bool {
-    fn encode(&self, index: u8, encoder: &mut GpuFieldEncoder<'_>) {
+    fn encode(&self, index: u8, encoder: &mut GpuFieldEncoder<'_, '_>) {
         encoder.inner.bool(index, *self);
     }
 }
 impl GpuFieldValue for str {
-    fn encode(&self, index: u8, encoder: &mut GpuFieldEncoder<'_>) {
+    fn encode(&self, index: u8, encoder: &mut GpuFieldEncoder<'_, '_>) {
         encoder.inner.str(index, self);
     }
 }
 impl GpuFieldValue for String {
-    fn encode(&self, index: u8, encoder: &mut GpuFieldEncoder<'_>) {
+    fn encode(&self, index: u8, encoder: &mut GpuFieldEncoder<'_, '_>) {
         encoder.inner.str(index, self);
     }
 }
 impl<T: GpuFieldValue + ?Sized> GpuFieldValue for &T {
-    fn encode(&self, index: u8, encoder: &mut GpuFieldEncoder<'_>) {
+    fn encode(&self, index: u8, encoder: &mut GpuFieldEncoder<'_, '_>) {
         (**self).encode(index, encoder);
     }
 }
 
-impl GpuFieldEncoder<'_> {
+impl GpuFieldEncoder<'_, '_> {
     /// Writes field `index`.
     #[doc(hidden)]
     #[inline]
@@ -549,7 +642,7 @@ macro_rules! gpu_scope {
             &$queue,
             $commands,
             &CALLSITE,
-            Some(&|encoder: &mut $crate::gpu::GpuFieldEncoder<'_>| {
+            Some(&|encoder: &mut $crate::gpu::GpuFieldEncoder<'_, '_>| {
                 let mut index = 0u8;
                 $(
                     encoder.field(index, &$value);
@@ -567,8 +660,8 @@ mod tests {
 
     #[test]
     fn scope_keys_round_trip() {
-        for (d, q, p) in [(0, 0, 0), (1, 2, 3), (u16::MAX, u16::MAX, u32::MAX - 1)] {
-            assert_eq!(split_key(scope_key(d, q, p)), (d, q, p));
+        for (d, q, p, g) in [(0, 0, 0, 0), (1, 2, 3, 4), (u16::MAX, u16::MAX, MAX_PAIRS - 1, 4095)] {
+            assert_eq!(split_key(scope_key(d, q, p, g)), (d, q, p, g));
         }
     }
 }

@@ -71,7 +71,7 @@ fn producer_exit_while_draining_loses_nothing() {
     });
 }
 
-/// Lossless mode: 3 `push_waiting`s into 2 slots; the producer waits for the consumer, and the
+/// Lossless mode: 3 `push_all_waiting`s into 2 slots; the producer waits for the consumer, and the
 /// consumer receives exactly 0, 1, 2.
 #[test]
 fn lossless_push_waiting_delivers_everything() {
@@ -79,7 +79,7 @@ fn lossless_push_waiting_delivers_everything() {
         let (mut p, mut c) = channel::<[u64; 2]>(2);
         let producer = thread::spawn(move || {
             for i in 0..3 {
-                p.push_waiting(rec(i)).unwrap();
+                assert!(p.push_all_waiting(&[rec(i)], || {}));
             }
         });
         let mut received = Vec::new();
@@ -99,7 +99,7 @@ fn lossless_push_waiting_delivers_everything() {
 fn push_waiting_returns_when_the_consumer_drops() {
     loom::model(|| {
         let (mut p, mut c) = channel::<[u64; 2]>(2);
-        let producer = thread::spawn(move || (0..3).map(|i| p.push_waiting(rec(i)).is_ok()).collect::<Vec<_>>());
+        let producer = thread::spawn(move || (0..3).map(|i| p.push_all_waiting(&[rec(i)], || {})).collect::<Vec<_>>());
         let mut received = Vec::new();
         drain_into(&mut c, 1, &mut received);
         drop(c);
@@ -126,10 +126,10 @@ fn group_push_is_seen_whole() {
     });
 }
 
-/// The collector's own loop (`collector.rs`): note `closed` before draining, drain a bounded batch,
-/// free the ring once it was closed before the drain and `len()` is 0. Nothing may be lost.
+/// The drain stage's loop (`collector/drain.rs`): note `closed` before draining, drain everything up to
+/// the tail, and free the ring once a drain followed a `closed` reading. Nothing may be lost.
 #[test]
-fn collector_loop_frees_only_a_drained_closed_ring() {
+fn drain_loop_frees_only_a_drained_closed_ring() {
     loom::model(|| {
         let (mut p, mut c) = channel::<[u64; 2]>(2);
         let producer = thread::spawn(move || {
@@ -138,9 +138,10 @@ fn collector_loop_frees_only_a_drained_closed_ring() {
         });
         let mut received = Vec::new();
         loop {
-            let closed = !c.is_producer_alive();
-            drain_into(&mut c, 1, &mut received);
-            if closed && c.len() == 0 {
+            let closed = c.is_closed();
+            drain_into(&mut c, usize::MAX, &mut received);
+            if closed {
+                assert_eq!(c.len(), 0, "a drain after the close takes everything");
                 break;
             }
             thread::yield_now();
@@ -148,5 +149,31 @@ fn collector_loop_frees_only_a_drained_closed_ring() {
         assert_eq!(received.len() as u64 + c.dropped_records(), 3);
         let before_join = received.clone();
         assert_eq!(before_join, producer.join().unwrap());
+    });
+}
+
+/// Whole slices: a begin goes in only with room for its end kept free (`keep = 1`), so the end, pushed with
+/// nothing kept, always fits, whatever the consumer does meanwhile.
+#[test]
+fn an_end_always_fits_once_its_begin_went_in() {
+    loom::model(|| {
+        let (mut p, mut c) = channel::<[u64; 2]>(2);
+        let producer = thread::spawn(move || {
+            let mut pairs = 0;
+            for i in 0..2 {
+                if p.try_push_all_keeping(&[rec(2 * i)], 1) {
+                    assert!(p.try_push_all_keeping(&[rec(2 * i + 1)], 0), "the end's slot was kept");
+                    pairs += 1;
+                }
+            }
+            pairs
+        });
+        let mut received = Vec::new();
+        drain_into(&mut c, usize::MAX, &mut received);
+        let pairs = producer.join().unwrap();
+        drain_into(&mut c, usize::MAX, &mut received);
+        assert_eq!(received.len(), 2 * pairs, "begins and ends in pairs: {received:?}");
+        assert!(received.chunks(2).all(|pair| pair[1] == pair[0] + 1));
+        assert!(pairs >= 1, "the empty ring takes the first pair");
     });
 }

@@ -152,6 +152,7 @@ unsafe impl<T: Send> Send for Producer<T> {}
 
 impl<T: Copy + Send> Producer<T> {
     /// Appends `value`, or hands it back if the ring is full. Never blocks, allocates or counts.
+    #[cfg(any(test, loom))]
     ///
     /// Wait-free: at most one atomic load (only when the cached head says full), one slot write and
     /// one `Release` store.
@@ -171,13 +172,21 @@ impl<T: Copy + Send> Producer<T> {
     /// blocks, allocates or counts. A group longer than [`Producer::capacity`] never fits.
     ///
     /// The consumer sees the whole group at once (one `Release` store of tail), never a part of it.
-    #[inline]
+    #[cfg(any(test, loom))]
     pub(crate) fn try_push_all(&mut self, values: &[T]) -> bool {
-        if !self.has_room(values.len()) {
+        self.try_push_all_keeping(values, 0)
+    }
+
+    /// Appends all of `values`, in order, or none of them, and only if `keep` slots stay free after them
+    /// (room the caller has promised to later records: the ends of slices already begun). Returns whether
+    /// they were stored. Never blocks, allocates or counts.
+    #[inline]
+    pub(crate) fn try_push_all_keeping(&mut self, values: &[T], keep: usize) -> bool {
+        if !self.has_room(values.len().saturating_add(keep)) {
             return false;
         }
         for (k, &value) in values.iter().enumerate() {
-            // SAFETY: `has_room(values.len())` returned true, so indices `tail..tail + values.len()`
+            // SAFETY: `has_room(values.len() + keep)` returned true, so indices `tail..tail + values.len()`
             // meet `write_slot`'s precondition; k < values.len().
             unsafe { self.write_slot(self.tail.wrapping_add(k), value) };
         }
@@ -185,16 +194,29 @@ impl<T: Copy + Send> Producer<T> {
         true
     }
 
+    /// Slots free now (reloads the consumer's head).
+    pub(crate) fn free_slots(&mut self) -> usize {
+        // Acquire: pairs with the Release store of head in `Consumer::drain`, as in `has_room`.
+        self.head_cache = self.shared.head.load(Ordering::Acquire);
+        self.capacity() - self.tail.wrapping_sub(self.head_cache)
+    }
+
+    /// Records in the ring now, as far as this producer can tell (reloads the consumer's head).
+    pub(crate) fn len_now(&mut self) -> usize {
+        self.capacity() - self.free_slots()
+    }
+
+    /// The index of the next slot to write: counts every record ever pushed (wrapping).
+    #[inline(always)]
+    pub(crate) fn tail_index(&self) -> usize {
+        self.tail
+    }
+
     /// Appends `value`, or, if the ring is full, drops it and counts it (the default "drop" mode).
     ///
     /// Returns whether the record was stored. Never blocks, allocates or makes a system call. The
     /// consumer reads the count with [`Consumer::dropped_records`].
-    #[allow(
-        dead_code,
-        reason = "used by the ring's tests and loom models; the recorder calls `try_push` and looks at its \
-                  mode only when the ring is full"
-    )]
-    #[inline]
+    #[cfg(any(test, loom))]
     pub(crate) fn push_or_count_drop(&mut self, value: T) -> bool {
         match self.try_push(value) {
             Ok(()) => true,
@@ -266,21 +288,25 @@ impl<T: Copy + Send> Producer<T> {
         self.shared.tail.store(self.tail, Ordering::Release);
     }
 
-    /// Appends `value`, waiting while the ring is full (the lossless mode).
+    /// Appends all of `values` (or none), waiting while the ring has no room for them (the lossless mode);
+    /// `wake` is called each time it starts to wait (to wake the consumer early).
     ///
     /// Waits by spinning (`spin_loop` hints, backing off), then yielding the thread. The fast case (room
-    /// in the ring) makes no system call. Returns `Err(value)` only if the [`Consumer`] has been
-    /// dropped, so a thread never waits forever on a collector that is gone.
-    pub(crate) fn push_waiting(&mut self, mut value: T) -> Result<(), T> {
+    /// in the ring) makes no system call. Returns false only if the [`Consumer`] has been dropped, or
+    /// the group can never fit (longer than the ring), so a thread never waits forever.
+    pub(crate) fn push_all_waiting(&mut self, values: &[T], mut wake: impl FnMut()) -> bool {
+        if values.len() > self.capacity() {
+            return false;
+        }
         let mut backoff = Backoff::new();
         loop {
-            match self.try_push(value) {
-                Ok(()) => return Ok(()),
-                Err(v) => value = v,
+            if self.try_push_all_keeping(values, 0) {
+                return true;
             }
             if !self.is_consumer_alive() {
-                return Err(value);
+                return false;
             }
+            wake();
             backoff.snooze();
         }
     }
@@ -299,7 +325,7 @@ impl<T: Copy + Send> Producer<T> {
 
     /// Whether the [`Consumer`] still exists. Once false, stays false.
     pub(crate) fn is_consumer_alive(&self) -> bool {
-        // Relaxed: the flag publishes no data; it only ends `push_waiting`'s wait.
+        // Relaxed: the flag publishes no data; it only ends `push_all_waiting`'s wait.
         self.shared.consumer_alive.load(Ordering::Relaxed)
     }
 }
@@ -455,13 +481,14 @@ impl<T: Copy + Send> Consumer<T> {
     }
 
     /// Whether the [`Producer`] still exists: `!self.is_closed()`.
+    #[cfg(any(test, loom))]
     pub(crate) fn is_producer_alive(&self) -> bool {
         !self.is_closed()
     }
 
     /// Whether the producer is gone and every record it pushed has been drained. The collector then
     /// drops this Consumer, which frees the ring.
-    #[allow(dead_code, reason = "the collector checks `is_producer_alive` and `len` itself")]
+    #[cfg(any(test, loom))]
     pub(crate) fn is_finished(&mut self) -> bool {
         if !self.is_closed() {
             return false;
@@ -474,7 +501,7 @@ impl<T: Copy + Send> Consumer<T> {
 
 impl<T> Drop for Consumer<T> {
     fn drop(&mut self) {
-        // Relaxed: publishes no data; it only tells a producer in `push_waiting` to stop waiting.
+        // Relaxed: publishes no data; it only tells a producer in `push_all_waiting` to stop waiting.
         self.shared.consumer_alive.store(false, Ordering::Relaxed);
     }
 }
@@ -488,7 +515,7 @@ impl<T> fmt::Debug for Consumer<T> {
     }
 }
 
-/// Exponential backoff for [`Producer::push_waiting`]: spin hints first, then yield the thread.
+/// Exponential backoff for [`Producer::push_all_waiting`]: spin hints first, then yield the thread.
 struct Backoff {
     step: u32,
 }
@@ -702,12 +729,13 @@ mod tests {
     #[test]
     fn push_waiting_returns_err_once_the_consumer_is_gone() {
         let (mut p, c) = channel::<u64>(2);
-        p.push_waiting(0).unwrap();
-        p.push_waiting(1).unwrap();
+        assert!(p.push_all_waiting(&[0], || {}));
+        assert!(p.push_all_waiting(&[1], || {}));
         assert!(p.is_consumer_alive());
         drop(c);
         assert!(!p.is_consumer_alive());
-        assert_eq!(p.push_waiting(2), Err(2));
+        assert!(!p.push_all_waiting(&[2], || {}));
+        assert!(!p.push_all_waiting(&[1, 2, 3], || {}), "longer than the ring: never fits");
     }
 
     #[test]
@@ -715,10 +743,10 @@ mod tests {
         let (mut p, c) = channel::<u64>(2);
         p.try_push(0).unwrap();
         p.try_push(1).unwrap();
-        let waiter = thread::spawn(move || p.push_waiting(7));
+        let waiter = thread::spawn(move || p.push_all_waiting(&[7], || {}));
         thread::sleep(Duration::from_millis(10));
         drop(c);
-        assert_eq!(waiter.join().unwrap(), Err(7));
+        assert!(!waiter.join().unwrap());
     }
 
     #[test]
@@ -726,7 +754,7 @@ mod tests {
         let (mut p, mut c) = channel::<[u64; 2]>(64);
         let producer = thread::spawn(move || {
             for i in 0..N as u64 {
-                p.push_waiting(rec(i)).unwrap();
+                assert!(p.push_all_waiting(&[rec(i)], || {}));
             }
             p.dropped()
             // `p` is dropped here: the thread's exit closes the ring.

@@ -330,9 +330,9 @@ fn scopes_whose_begin_record_is_dropped_are_counted_and_their_timestamp_pairs_re
     let timeline = Timeline::builder()
         .exporter(memory.clone())
         .ring_capacity(64)
-        .poll_interval(Duration::from_secs(3600))
         .start()
         .unwrap();
+    timeline.pause_drain(true);
     let config = SimGpuConfig {
         timestamp_slots: 200,
         ..Default::default()

@@ -103,26 +103,36 @@ fn drop_mode_accounts_for_every_record() {
     let _x = exclusive();
     const ITERATIONS: u64 = 200_000;
     let counting = Counting::default();
-    // A tiny ring and a slow collector: most records are dropped, and every one is counted.
+    // A tiny ring and a collector that drains only when flushed: most slices are dropped, whole, and every
+    // dropped record is counted.
     let timeline = Timeline::builder()
         .ring_capacity(64)
-        .poll_interval(std::time::Duration::from_millis(20))
         .exporter(counting.clone())
         .start()
         .unwrap();
+    timeline.pause_drain(true);
     let subscriber = tracing_subscriber::registry().with(timeline.layer());
     tracing::subscriber::with_default(subscriber, || {
         let span = tracing::info_span!("hot");
-        for _ in 0..ITERATIONS {
+        timeline.flush().unwrap();
+        for i in 0..ITERATIONS {
             let _e = span.enter();
+            if i % 10_000 == 0 {
+                drop(_e);
+                timeline.flush().unwrap();
+            }
         }
+        timeline.flush().unwrap();
     });
     let stats = timeline.shutdown().unwrap();
-    // Produced: the span's announcement (1 record: a span without field values), 2 per enter/exit, 1 close.
-    let produced = 1 + 2 * ITERATIONS + 1;
-    assert!(stats.dropped_records > 0, "the test must overflow the ring: {stats:?}");
-    assert_eq!(stats.records + stats.dropped_records, produced, "{stats:?}");
     let s = counting.0.lock().unwrap();
+    let begins: u64 = s.begins.values().sum();
+    assert!(stats.dropped_records > 0, "the test must overflow the ring: {stats:?}");
+    // A slice is exported or dropped whole (enter and exit), never half.
+    assert_eq!(stats.dropped_records % 2, 0, "{stats:?}");
+    assert_eq!(begins + stats.dropped_records / 2, ITERATIONS, "{stats:?}");
+    assert_eq!(s.ends.values().sum::<u64>(), begins);
+    assert_eq!(stats.truncated_slices, 0);
     assert_eq!(s.negative_depth, 0);
     assert_eq!(s.backwards, 0);
 }

@@ -1,0 +1,207 @@
+//! Raw capture files (`.tickline`): the cheapest recording, converted later.
+//!
+//! A timeline started with [`TimelineBuilder::raw_capture`](crate::TimelineBuilder::raw_capture) writes the
+//! records it drains, as they are, with the calibration samples of every clock and the tables that name
+//! threads and call sites; without exporters it converts nothing while the program runs.
+//! [`convert`] turns the file into a timeline afterwards, through the same processing the live path uses,
+//! with one difference: the CPU clock's whole calibration history is known, so every CPU timestamp is
+//! placed between calibration points on both sides. `tickline convert run.tickline -o run.pftrace` does
+//! this from the command line.
+//!
+//! The format is versioned and documented in the source (`collector/capture.rs`). A file cut at any byte
+//! (a killed process) converts up to its last whole frame, and a corrupt one up to the corruption.
+//!
+//! ```
+//! # let dir = std::env::temp_dir().join(format!("tickline-capture-doc-{}", std::process::id()));
+//! # std::fs::create_dir_all(&dir).unwrap();
+//! let path = dir.join("run.tickline");
+//! let timeline = tickline::Timeline::builder().raw_capture(&path).start().unwrap();
+//! {
+//!     let _s = tickline::scope!("work");
+//! }
+//! timeline.shutdown().unwrap();
+//!
+//! let memory = tickline::MemoryExporter::default();
+//! let summary = tickline::capture::convert(&path, memory.clone()).unwrap();
+//! assert!(summary.complete);
+//! assert_eq!(memory.snapshot().slice_count("work"), 1);
+//! # std::fs::remove_dir_all(&dir).unwrap();
+//! ```
+
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::calibration::CalibrationHistory;
+use crate::clock::TscCalibratorConfig;
+use crate::collector::capture::{open, Frame};
+use crate::collector::input::Input;
+use crate::collector::output::Output;
+use crate::collector::stats::SharedStats;
+use crate::collector::{CpuTime, Processor};
+use crate::export::{Batch, EventKind, ExportError, Exporter};
+use crate::gpu::GpuCalibrationConfig;
+use crate::TimelineStats;
+
+pub use crate::collector::capture::CaptureError;
+
+/// What a raw capture holds, and what converting it gave.
+#[derive(Clone, Debug, Default, PartialEq)]
+#[non_exhaustive]
+pub struct CaptureSummary {
+    /// The recording process's id and name.
+    pub pid: u32,
+    /// The recording process's name.
+    pub process_name: String,
+    /// The CPU tick source the records were taken with (`"Tsc"`, `"ArmVirtualCounter"`, `"Monotonic"`).
+    pub tick_source: String,
+    /// Threads that recorded.
+    pub threads: u64,
+    /// Call sites registered.
+    pub callsites: u64,
+    /// Records in the file.
+    pub records: u64,
+    /// Records the rings dropped while recording (drop mode, ring full).
+    pub dropped_records: u64,
+    /// CPU calibration bursts, and the CPU clock's drift and error bound over the whole capture.
+    pub cpu_calibration_bursts: u64,
+    /// The CPU clock's rate error against CLOCK_MONOTONIC over the whole capture, in ppm.
+    pub cpu_drift_ppm: f64,
+    /// The final CPU fit's error bound, in ns.
+    pub cpu_error_bound_ns: f64,
+    /// GPU devices, and their calibration bursts.
+    pub gpu_devices: u64,
+    /// GPU calibration bursts in all.
+    pub gpu_calibration_bursts: u64,
+    /// Whether the capture ended cleanly (its writer finished it). A capture cut short still converts up to
+    /// its last whole frame.
+    pub complete: bool,
+    /// Why reading stopped early, if it did (cut or corrupt).
+    pub stopped_early: Option<String>,
+    /// Slices and events the conversion produced.
+    pub slices: u64,
+    /// Instant events the conversion produced.
+    pub instants: u64,
+    /// The conversion's counters (truncated slices, unknown spans...).
+    pub stats: TimelineStats,
+}
+
+/// Converts the raw capture at `path` into `exporter` (a Perfetto file, memory...) and returns what it held.
+pub fn convert(path: impl AsRef<Path>, exporter: impl Exporter + 'static) -> Result<CaptureSummary, CaptureError> {
+    run(path.as_ref(), Box::new(exporter))
+}
+
+/// Reads and converts the raw capture at `path` without keeping the result: what it holds and its counts.
+pub fn summarize(path: impl AsRef<Path>) -> Result<CaptureSummary, CaptureError> {
+    run(path.as_ref(), Box::new(Discard))
+}
+
+/// An exporter that keeps nothing.
+struct Discard;
+
+impl Exporter for Discard {
+    fn export(&mut self, _: &Batch) -> Result<(), ExportError> {
+        Ok(())
+    }
+    fn flush(&mut self) -> Result<(), ExportError> {
+        Ok(())
+    }
+}
+
+/// Counts slices and instants on their way to the real exporter.
+struct Counting {
+    inner: Box<dyn Exporter>,
+    counts: Arc<std::sync::Mutex<(u64, u64)>>,
+}
+
+impl Exporter for Counting {
+    fn export(&mut self, batch: &Batch) -> Result<(), ExportError> {
+        let slices = batch.events.iter().filter(|e| e.kind == EventKind::SliceBegin).count() as u64;
+        let instants = batch.events.iter().filter(|e| e.kind == EventKind::Instant).count() as u64;
+        let mut counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        counts.0 += slices;
+        counts.1 += instants;
+        drop(counts);
+        self.inner.export(batch)
+    }
+    fn flush(&mut self) -> Result<(), ExportError> {
+        self.inner.flush()
+    }
+    fn finish(&mut self) -> Result<(), ExportError> {
+        self.inner.finish()
+    }
+}
+
+fn run(path: &Path, exporter: Box<dyn Exporter>) -> Result<CaptureSummary, CaptureError> {
+    let mut summary = CaptureSummary::default();
+    // First pass: the header and the CPU clock's whole history.
+    let mut reader = open(path)?;
+    let Some(Frame::Header(header)) = reader.next() else {
+        return Err(CaptureError::Format {
+            detail: "the capture has no process frame".into(),
+        });
+    };
+    let mut cpu = CalibrationHistory::new(header.cpu_domain, TscCalibratorConfig::default().history);
+    for frame in reader.by_ref() {
+        match frame {
+            Frame::Input(Input::CpuCalibration(samples)) => {
+                summary.cpu_calibration_bursts += 1;
+                let _ = cpu.add_burst(&samples);
+            }
+            Frame::Input(Input::Thread { .. }) => summary.threads += 1,
+            Frame::Input(Input::Callsite(_)) => summary.callsites += 1,
+            Frame::Input(Input::Chunk(chunk)) => {
+                summary.records += chunk.records.len() as u64;
+            }
+            Frame::Input(Input::Gpu(crate::collector::input::GpuInput::Device { .. })) => summary.gpu_devices += 1,
+            Frame::Input(Input::Gpu(crate::collector::input::GpuInput::Calibration { .. })) => {
+                summary.gpu_calibration_bursts += 1
+            }
+            Frame::End => summary.complete = true,
+            _ => {}
+        }
+    }
+    summary.stopped_early = reader.stopped().map(str::to_owned);
+    summary.pid = header.pid;
+    summary.process_name = header.process_name.clone();
+    summary.tick_source = format!("{:?}", header.source);
+    if let Some(fit) = cpu.latest() {
+        summary.cpu_drift_ppm = fit.drift_ppm();
+        summary.cpu_error_bound_ns = fit.error_bound_ns();
+    }
+
+    // Second pass: the same processing as live.
+    let counts = Arc::new(std::sync::Mutex::new((0, 0)));
+    let counting = Counting {
+        inner: exporter,
+        counts: counts.clone(),
+    };
+    let stats = Arc::new(SharedStats::default());
+    let out = Output::new(header.pid, header.process_name.clone(), vec![Box::new(counting)]);
+    let mut processor = Processor::new(out, GpuCalibrationConfig::default(), None, stats.clone());
+    processor.set_cpu_clock(CpuTime::Complete { history: cpu });
+    let mut records = 0u64;
+    let mut dropped = std::collections::HashMap::new();
+    for frame in open(path)? {
+        if let Frame::Input(input) = frame {
+            if let Input::Chunk(chunk) = &input {
+                records += chunk.records.len() as u64;
+                dropped.insert(chunk.ring, chunk.dropped_total);
+            }
+            processor.input(input);
+        }
+    }
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    processor.input(Input::Shutdown(tx));
+    let result = rx.recv().unwrap_or(Ok(()));
+    summary.dropped_records = dropped.values().sum();
+    let mut s = stats.snapshot();
+    s.records = records;
+    s.dropped_records = summary.dropped_records;
+    s.threads = summary.threads;
+    summary.stats = s;
+    let (slices, instants) = *counts.lock().unwrap_or_else(|e| e.into_inner());
+    summary.slices = slices;
+    summary.instants = instants;
+    result.map_err(|e| CaptureError::Export(ExportError::Other(e)))?;
+    Ok(summary)
+}

@@ -1,0 +1,732 @@
+//! Raw capture: the collector's input log written to a `.tickline` file as it is drained, and read back to
+//! be converted later with the whole calibration history.
+//!
+//! # Format (version 1)
+//!
+//! A file is the 16-byte magic `TICKLINE` + `\0\0\0\0` + version (`u32` little-endian, 1), then *frames*
+//! until the end of the file:
+//!
+//! ```text
+//! frame := type: u8 | length: u32 LE | payload: length bytes | check: u64 LE (FNV-1a 64 of type, length, payload)
+//! ```
+//!
+//! Integers are little-endian, strings are `u16` length + UTF-8 bytes, samples are
+//! `(source ticks u64, reference ns u64, max deviation ns u64)`. Frame types and payloads:
+//!
+//! | type | frame | payload |
+//! |---|---|---|
+//! | 1 | process | pid u32, name str, tick source u8 (0 TSC, 1 ARM counter, 2 CLOCK_MONOTONIC), CPU clock valid bits u32, nominal ns per tick f64 |
+//! | 2 | thread | ring u32, tid u32, name str |
+//! | 3 | callsite | key u64, kind u8 (0 span, 1 event, 2 native), level u8, line u32, name str, target str, file str, field count u16, field names str... |
+//! | 4 | chunk | ring u32, now ticks u64, dropped total u64, record count u32, records (16 bytes each: word 0, word 1) |
+//! | 5 | thread end | ring u32 |
+//! | 6 | CPU calibration | sample count u32, samples |
+//! | 7 | GPU device | device u16, name str, api str, valid bits u32, nominal ns per tick f64, timestamp slots u32 |
+//! | 8 | GPU queue | device u16, queue u16, name str |
+//! | 9 | GPU calibration | device u16, at ns u64, failed u8, sample count u32, samples |
+//! | 10 | GPU reads | device u16, read ns u64, count u32, (pair u32, generation u32, begin ticks u64, end ticks u64)... |
+//! | 11 | GPU lost | device u16, pair u32, generation u32 |
+//! | 12 | GPU read failed | device u16 |
+//! | 13 | pass end | drain ns u64, drain ticks u64, buffered bytes u64 |
+//! | 14 | end | (empty): the capture was finished cleanly |
+//!
+//! The records inside chunks are the ring format of [`crate::codec`]. A reader stops at the first frame that
+//! is cut short or fails its check, so a file cut at any byte (a killed process) converts up to its last
+//! whole frame; unknown frame types are skipped (a newer minor addition).
+
+use std::fs::File;
+use std::io::{BufWriter, Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use super::input::{CallsiteDef, CallsiteKind, Chunk, GpuInput, Input, LiveLink, PairRead};
+use super::stats::SharedStats;
+use crate::calibration::{CalibrationSample, ClockDomain};
+use crate::clock::TickSource;
+use crate::codec::Record;
+use crate::gpu::{GpuDeviceInfo, GpuTicks};
+
+const MAGIC: &[u8; 12] = b"TICKLINE\0\0\0\0";
+/// The format version this build writes and reads.
+pub(crate) const VERSION: u32 = 1;
+/// Write the buffer out at least this often, so a killed process loses at most about this much.
+const FLUSH_INTERVAL: Duration = Duration::from_secs(1);
+
+mod frame {
+    pub(super) const PROCESS: u8 = 1;
+    pub(super) const THREAD: u8 = 2;
+    pub(super) const CALLSITE: u8 = 3;
+    pub(super) const CHUNK: u8 = 4;
+    pub(super) const THREAD_END: u8 = 5;
+    pub(super) const CPU_CALIBRATION: u8 = 6;
+    pub(super) const GPU_DEVICE: u8 = 7;
+    pub(super) const GPU_QUEUE: u8 = 8;
+    pub(super) const GPU_CALIBRATION: u8 = 9;
+    pub(super) const GPU_READS: u8 = 10;
+    pub(super) const GPU_LOST: u8 = 11;
+    pub(super) const GPU_READ_FAILED: u8 = 12;
+    pub(super) const PASS_END: u8 = 13;
+    pub(super) const END: u8 = 14;
+}
+
+fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut hash = 0xcbf2_9ce4_8422_2325u64;
+    for part in parts {
+        for &b in *part {
+            hash ^= u64::from(b);
+            hash = hash.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    hash
+}
+
+/// Writes the input log to a `.tickline` file. Failures are reported like an exporter's.
+pub(crate) struct CaptureWriter {
+    out: BufWriter<File>,
+    path: PathBuf,
+    frame: Vec<u8>,
+    last_flush: Instant,
+    failed: bool,
+}
+
+fn put_str(buf: &mut Vec<u8>, s: &str) {
+    let bytes = &s.as_bytes()[..s.len().min(u16::MAX as usize)];
+    buf.extend_from_slice(&(bytes.len() as u16).to_le_bytes());
+    buf.extend_from_slice(bytes);
+}
+
+fn put_samples(buf: &mut Vec<u8>, samples: &[CalibrationSample]) {
+    buf.extend_from_slice(&(samples.len() as u32).to_le_bytes());
+    for s in samples {
+        buf.extend_from_slice(&s.source_ticks.to_le_bytes());
+        buf.extend_from_slice(&s.reference_ns.to_le_bytes());
+        buf.extend_from_slice(&s.max_deviation_ns.to_le_bytes());
+    }
+}
+
+fn source_code(source: TickSource) -> u8 {
+    match source {
+        TickSource::Tsc => 0,
+        TickSource::ArmVirtualCounter => 1,
+        TickSource::Monotonic => 2,
+    }
+}
+
+impl CaptureWriter {
+    /// Creates (or truncates) the capture file at `path`.
+    pub(crate) fn create(path: &Path) -> std::io::Result<Self> {
+        let file = File::create(path).map_err(|e| {
+            std::io::Error::new(e.kind(), format!("cannot create raw capture {}: {e}", path.display()))
+        })?;
+        let mut out = BufWriter::with_capacity(1 << 20, file);
+        out.write_all(MAGIC)?;
+        out.write_all(&VERSION.to_le_bytes())?;
+        Ok(CaptureWriter {
+            out,
+            path: path.to_owned(),
+            frame: Vec::with_capacity(1 << 16),
+            last_flush: Instant::now(),
+            failed: false,
+        })
+    }
+
+    fn emit(&mut self, kind: u8, payload: impl FnOnce(&mut Vec<u8>)) -> std::io::Result<()> {
+        self.frame.clear();
+        payload(&mut self.frame);
+        let len = (self.frame.len() as u32).to_le_bytes();
+        let check = fnv1a(&[&[kind], &len, &self.frame]);
+        self.out.write_all(&[kind])?;
+        self.out.write_all(&len)?;
+        self.out.write_all(&self.frame)?;
+        self.out.write_all(&check.to_le_bytes())
+    }
+
+    /// The process frame: who recorded, and the CPU clock the chunks' ticks are in.
+    pub(crate) fn write_header(&mut self, pid: u32, name: &str, source: TickSource, domain: ClockDomain) {
+        let result = self.emit(frame::PROCESS, |b| {
+            b.extend_from_slice(&pid.to_le_bytes());
+            put_str(b, name);
+            b.push(source_code(source));
+            b.extend_from_slice(&domain.valid_bits().to_le_bytes());
+            b.extend_from_slice(&domain.nominal_ns_per_tick().to_le_bytes());
+        });
+        if result.is_err() {
+            self.failed = true;
+        }
+    }
+
+    fn fail(&mut self, stats: &SharedStats, e: std::io::Error) {
+        self.failed = true;
+        stats.export_failures.fetch_add(1, Ordering::Relaxed);
+        let mut first = stats.first_export_error.lock().unwrap_or_else(|e| e.into_inner());
+        if first.is_none() {
+            *first = Some((
+                e.kind(),
+                format!("writing raw capture {}: {e}", self.path.display()),
+            ));
+        }
+    }
+
+    /// Writes one input (inputs that are not part of the log, flush and shutdown, are not written).
+    pub(crate) fn write(&mut self, input: &Input, stats: &SharedStats) {
+        if self.failed {
+            return;
+        }
+        let result = match input {
+            Input::Thread { ring, tid, name } => self.emit(frame::THREAD, |b| {
+                b.extend_from_slice(&ring.to_le_bytes());
+                b.extend_from_slice(&tid.to_le_bytes());
+                put_str(b, name);
+            }),
+            Input::Callsite(def) => self.emit(frame::CALLSITE, |b| {
+                b.extend_from_slice(&def.key.to_le_bytes());
+                b.push(match def.kind {
+                    CallsiteKind::Span => 0,
+                    CallsiteKind::Event => 1,
+                    CallsiteKind::Native => 2,
+                });
+                b.push(def.level);
+                b.extend_from_slice(&def.line.to_le_bytes());
+                put_str(b, &def.name);
+                put_str(b, &def.target);
+                put_str(b, &def.file);
+                b.extend_from_slice(&(def.fields.len().min(u16::MAX as usize) as u16).to_le_bytes());
+                for f in def.fields.iter().take(u16::MAX as usize) {
+                    put_str(b, f);
+                }
+            }),
+            Input::Chunk(chunk) => self.emit(frame::CHUNK, |b| {
+                b.extend_from_slice(&chunk.ring.to_le_bytes());
+                b.extend_from_slice(&chunk.now_ticks.to_le_bytes());
+                b.extend_from_slice(&chunk.dropped_total.to_le_bytes());
+                b.extend_from_slice(&(chunk.records.len() as u32).to_le_bytes());
+                b.reserve(chunk.records.len() * 16);
+                for r in &chunk.records {
+                    b.extend_from_slice(&r.word0.to_le_bytes());
+                    b.extend_from_slice(&r.word1.to_le_bytes());
+                }
+            }),
+            Input::ThreadEnd { ring } => self.emit(frame::THREAD_END, |b| b.extend_from_slice(&ring.to_le_bytes())),
+            Input::CpuCalibration(samples) => self.emit(frame::CPU_CALIBRATION, |b| put_samples(b, samples)),
+            Input::Gpu(gpu) => self.write_gpu(gpu),
+            Input::PassEnd {
+                drain_ns,
+                drain_ticks,
+                buffered_bytes,
+            } => {
+                let result = self.emit(frame::PASS_END, |b| {
+                    b.extend_from_slice(&drain_ns.to_le_bytes());
+                    b.extend_from_slice(&drain_ticks.to_le_bytes());
+                    b.extend_from_slice(&buffered_bytes.to_le_bytes());
+                });
+                if result.is_ok() && self.last_flush.elapsed() >= FLUSH_INTERVAL {
+                    self.last_flush = Instant::now();
+                    self.out.flush()
+                } else {
+                    result
+                }
+            }
+            Input::Flush(_) | Input::Shutdown(_) => Ok(()),
+        };
+        if let Err(e) = result {
+            self.fail(stats, e);
+        }
+    }
+
+    fn write_gpu(&mut self, gpu: &GpuInput) -> std::io::Result<()> {
+        match gpu {
+            GpuInput::Device { device, info, .. } => self.emit(frame::GPU_DEVICE, |b| {
+                b.extend_from_slice(&device.to_le_bytes());
+                put_str(b, &info.name);
+                put_str(b, info.api);
+                b.extend_from_slice(&info.clock.valid_bits().to_le_bytes());
+                b.extend_from_slice(&info.clock.nominal_ns_per_tick().to_le_bytes());
+                b.extend_from_slice(&info.timestamp_slots.to_le_bytes());
+            }),
+            GpuInput::Queue { device, queue, name } => self.emit(frame::GPU_QUEUE, |b| {
+                b.extend_from_slice(&device.to_le_bytes());
+                b.extend_from_slice(&queue.to_le_bytes());
+                put_str(b, name);
+            }),
+            GpuInput::Calibration {
+                device,
+                at_ns,
+                samples,
+                failed,
+            } => self.emit(frame::GPU_CALIBRATION, |b| {
+                b.extend_from_slice(&device.to_le_bytes());
+                b.extend_from_slice(&at_ns.to_le_bytes());
+                b.push(*failed as u8);
+                put_samples(b, samples);
+            }),
+            GpuInput::Reads {
+                device,
+                read_ns,
+                reads,
+            } => self.emit(frame::GPU_READS, |b| {
+                b.extend_from_slice(&device.to_le_bytes());
+                b.extend_from_slice(&read_ns.to_le_bytes());
+                b.extend_from_slice(&(reads.len() as u32).to_le_bytes());
+                for r in reads {
+                    b.extend_from_slice(&r.pair.to_le_bytes());
+                    b.extend_from_slice(&r.generation.to_le_bytes());
+                    b.extend_from_slice(&r.begin.0.to_le_bytes());
+                    b.extend_from_slice(&r.end.0.to_le_bytes());
+                }
+            }),
+            GpuInput::Lost {
+                device,
+                pair,
+                generation,
+            } => self.emit(frame::GPU_LOST, |b| {
+                b.extend_from_slice(&device.to_le_bytes());
+                b.extend_from_slice(&pair.to_le_bytes());
+                b.extend_from_slice(&generation.to_le_bytes());
+            }),
+            GpuInput::ReadFailed { device } => {
+                self.emit(frame::GPU_READ_FAILED, |b| b.extend_from_slice(&device.to_le_bytes()))
+            }
+        }
+    }
+
+    /// Makes everything written so far durable.
+    pub(crate) fn flush(&mut self, stats: &SharedStats) -> Result<(), String> {
+        if !self.failed {
+            self.last_flush = Instant::now();
+            if let Err(e) = self.out.flush() {
+                self.fail(stats, e);
+            }
+        }
+        first_error(stats)
+    }
+
+    /// Writes the end frame and flushes.
+    pub(crate) fn finish(&mut self, stats: &SharedStats) -> Result<(), String> {
+        if !self.failed {
+            if let Err(e) = self.emit(frame::END, |_| {}) {
+                self.fail(stats, e);
+            }
+        }
+        self.flush(stats)
+    }
+}
+
+fn first_error(stats: &SharedStats) -> Result<(), String> {
+    match stats
+        .first_export_error
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .as_ref()
+    {
+        Some((_, message)) => Err(message.clone()),
+        None => Ok(()),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Reading.
+
+/// Why a raw capture could not be read or converted.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum CaptureError {
+    /// The file could not be opened or read.
+    Io(std::io::Error),
+    /// Not a tickline raw capture (no magic), or a version this build does not read.
+    Format {
+        /// What is wrong, in words.
+        detail: String,
+    },
+    /// The exporter the capture was converted into failed.
+    Export(crate::export::ExportError),
+}
+
+impl std::fmt::Display for CaptureError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CaptureError::Io(e) => write!(f, "reading the raw capture: {e}"),
+            CaptureError::Format { detail } => write!(f, "not a readable tickline raw capture: {detail}"),
+            CaptureError::Export(e) => write!(f, "converting the raw capture: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for CaptureError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            CaptureError::Io(e) => Some(e),
+            CaptureError::Export(e) => Some(e),
+            CaptureError::Format { .. } => None,
+        }
+    }
+}
+
+/// The process frame of a capture.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct CaptureHeader {
+    pub(crate) pid: u32,
+    pub(crate) process_name: String,
+    pub(crate) source: TickSource,
+    pub(crate) cpu_domain: ClockDomain,
+}
+
+/// A cursor over a frame's payload; every read checks the length (a corrupt payload yields `None`).
+struct Payload<'a>(&'a [u8]);
+
+impl<'a> Payload<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        if self.0.len() < n {
+            return None;
+        }
+        let (head, rest) = self.0.split_at(n);
+        self.0 = rest;
+        Some(head)
+    }
+    fn u8(&mut self) -> Option<u8> {
+        self.take(1).map(|b| b[0])
+    }
+    fn u16(&mut self) -> Option<u16> {
+        self.take(2).map(|b| u16::from_le_bytes([b[0], b[1]]))
+    }
+    fn u32(&mut self) -> Option<u32> {
+        self.take(4).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
+    }
+    fn u64(&mut self) -> Option<u64> {
+        self.take(8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+    }
+    fn f64(&mut self) -> Option<f64> {
+        self.u64().map(f64::from_bits)
+    }
+    fn str(&mut self) -> Option<String> {
+        let len = self.u16()? as usize;
+        self.take(len).map(|b| String::from_utf8_lossy(b).into_owned())
+    }
+    fn samples(&mut self) -> Option<Vec<CalibrationSample>> {
+        let n = self.u32()? as usize;
+        // Each sample is 24 bytes: a count beyond what is left is corrupt (and must not allocate).
+        if n > self.0.len() / 24 {
+            return None;
+        }
+        (0..n)
+            .map(|_| {
+                Some(CalibrationSample {
+                    source_ticks: self.u64()?,
+                    reference_ns: self.u64()?,
+                    max_deviation_ns: self.u64()?,
+                })
+            })
+            .collect()
+    }
+}
+
+/// One frame read back.
+#[derive(Debug)]
+pub(crate) enum Frame {
+    Header(CaptureHeader),
+    Input(Input),
+    End,
+}
+
+/// Reads the frames of a capture. Never panics on any input: a frame that is cut short, fails its check or
+/// does not parse ends the reading (see [`CaptureReader::stopped`]).
+pub(crate) struct CaptureReader<R: Read> {
+    input: R,
+    buf: Vec<u8>,
+    /// Why reading stopped early, if it did.
+    stopped: Option<String>,
+    done: bool,
+}
+
+/// API names are `&'static str` in [`GpuDeviceInfo`]; a capture's are mapped back to the known ones, and
+/// others kept for the rest of the process (a handful per capture at most).
+fn static_api(api: String) -> &'static str {
+    match api.as_str() {
+        "Vulkan" => "Vulkan",
+        "CUDA" => "CUDA",
+        "simulated" => "simulated",
+        "wgpu" => "wgpu",
+        _ => Box::leak(api.into_boxed_str()),
+    }
+}
+
+impl<R: Read> CaptureReader<R> {
+    /// Checks the magic and version.
+    pub(crate) fn new(mut input: R) -> Result<Self, CaptureError> {
+        let mut magic = [0u8; 16];
+        input.read_exact(&mut magic).map_err(|e| match e.kind() {
+            std::io::ErrorKind::UnexpectedEof => CaptureError::Format {
+                detail: "the file is shorter than the 16-byte header".into(),
+            },
+            _ => CaptureError::Io(e),
+        })?;
+        if &magic[..12] != MAGIC {
+            return Err(CaptureError::Format {
+                detail: "no TICKLINE magic at the start".into(),
+            });
+        }
+        let version = u32::from_le_bytes(magic[12..].try_into().expect("4 bytes"));
+        if version != VERSION {
+            return Err(CaptureError::Format {
+                detail: format!("format version {version}; this build reads version {VERSION}"),
+            });
+        }
+        Ok(CaptureReader {
+            input,
+            buf: Vec::new(),
+            stopped: None,
+            done: false,
+        })
+    }
+
+    /// Why reading stopped before a clean end, if it did (a cut or corrupt file).
+    pub(crate) fn stopped(&self) -> Option<&str> {
+        self.stopped.as_deref()
+    }
+
+    fn stop(&mut self, why: String) -> Option<Frame> {
+        self.stopped = Some(why);
+        self.done = true;
+        None
+    }
+
+    fn read_frame(&mut self) -> Option<(u8, Vec<u8>)> {
+        let mut head = [0u8; 5];
+        match read_full(&mut self.input, &mut head) {
+            Ok(0) => {
+                self.done = true;
+                return None;
+            }
+            Ok(5) => {}
+            Ok(_) => {
+                self.stop("the file ends inside a frame header".into());
+                return None;
+            }
+            Err(e) => {
+                self.stop(format!("read error: {e}"));
+                return None;
+            }
+        }
+        let len = u32::from_le_bytes(head[1..].try_into().expect("4 bytes")) as usize;
+        // Read in steps, so a corrupt length cannot make us allocate gigabytes up front.
+        self.buf.clear();
+        let mut left = len + 8;
+        let mut step = [0u8; 1 << 16];
+        while left > 0 {
+            let n = left.min(step.len());
+            match read_full(&mut self.input, &mut step[..n]) {
+                Ok(got) if got == n => {
+                    self.buf.extend_from_slice(&step[..n]);
+                    left -= n;
+                }
+                Ok(_) => {
+                    self.stop("the file ends inside a frame (a cut capture)".into());
+                    return None;
+                }
+                Err(e) => {
+                    self.stop(format!("read error: {e}"));
+                    return None;
+                }
+            }
+        }
+        let check = u64::from_le_bytes(self.buf[len..].try_into().expect("8 bytes"));
+        self.buf.truncate(len);
+        if fnv1a(&[&head[..1], &head[1..], &self.buf]) != check {
+            self.stop("a frame fails its check (a corrupt capture)".into());
+            return None;
+        }
+        Some((head[0], std::mem::take(&mut self.buf)))
+    }
+
+    fn parse(kind: u8, payload: &[u8]) -> Option<Option<Frame>> {
+        let mut p = Payload(payload);
+        let frame = match kind {
+            frame::PROCESS => {
+                let pid = p.u32()?;
+                let process_name = p.str()?;
+                let source = match p.u8()? {
+                    0 => TickSource::Tsc,
+                    1 => TickSource::ArmVirtualCounter,
+                    2 => TickSource::Monotonic,
+                    _ => return None,
+                };
+                let cpu_domain = ClockDomain::new(p.u32()?, p.f64()?).ok()?;
+                Frame::Header(CaptureHeader {
+                    pid,
+                    process_name,
+                    source,
+                    cpu_domain,
+                })
+            }
+            frame::THREAD => Frame::Input(Input::Thread {
+                ring: p.u32()?,
+                tid: p.u32()?,
+                name: p.str()?,
+            }),
+            frame::CALLSITE => {
+                let key = p.u64()?;
+                let kind = match p.u8()? {
+                    0 => CallsiteKind::Span,
+                    1 => CallsiteKind::Event,
+                    2 => CallsiteKind::Native,
+                    _ => return None,
+                };
+                let level = p.u8()?;
+                let line = p.u32()?;
+                let name = p.str()?;
+                let target = p.str()?;
+                let file = p.str()?;
+                let n = p.u16()?;
+                let fields = (0..n).map(|_| p.str()).collect::<Option<Vec<_>>>()?;
+                Frame::Input(Input::Callsite(CallsiteDef {
+                    key,
+                    kind,
+                    name,
+                    target,
+                    level,
+                    file,
+                    line,
+                    fields,
+                }))
+            }
+            frame::CHUNK => {
+                let ring = p.u32()?;
+                let now_ticks = p.u64()?;
+                let dropped_total = p.u64()?;
+                let n = p.u32()? as usize;
+                if n != p.0.len() / 16 || p.0.len() % 16 != 0 {
+                    return None;
+                }
+                let records = (0..n)
+                    .map(|_| {
+                        Some(Record {
+                            word0: p.u64()?,
+                            word1: p.u64()?,
+                        })
+                    })
+                    .collect::<Option<Vec<_>>>()?;
+                Frame::Input(Input::Chunk(Chunk {
+                    ring,
+                    now_ticks,
+                    dropped_total,
+                    records,
+                }))
+            }
+            frame::THREAD_END => Frame::Input(Input::ThreadEnd { ring: p.u32()? }),
+            frame::CPU_CALIBRATION => Frame::Input(Input::CpuCalibration(p.samples()?)),
+            frame::GPU_DEVICE => {
+                let device = p.u16()?;
+                let name = p.str()?;
+                let api = static_api(p.str()?);
+                let clock = ClockDomain::new(p.u32()?, p.f64()?).ok()?;
+                let timestamp_slots = p.u32()?;
+                Frame::Input(Input::Gpu(GpuInput::Device {
+                    device,
+                    info: GpuDeviceInfo {
+                        name,
+                        api,
+                        clock,
+                        timestamp_slots,
+                    },
+                    link: LiveLink(None),
+                }))
+            }
+            frame::GPU_QUEUE => Frame::Input(Input::Gpu(GpuInput::Queue {
+                device: p.u16()?,
+                queue: p.u16()?,
+                name: p.str()?,
+            })),
+            frame::GPU_CALIBRATION => Frame::Input(Input::Gpu(GpuInput::Calibration {
+                device: p.u16()?,
+                at_ns: p.u64()?,
+                failed: p.u8()? != 0,
+                samples: p.samples()?,
+            })),
+            frame::GPU_READS => {
+                let device = p.u16()?;
+                let read_ns = p.u64()?;
+                let n = p.u32()? as usize;
+                if n > p.0.len() / 24 {
+                    return None;
+                }
+                let reads = (0..n)
+                    .map(|_| {
+                        Some(PairRead {
+                            pair: p.u32()?,
+                            generation: p.u32()?,
+                            begin: GpuTicks(p.u64()?),
+                            end: GpuTicks(p.u64()?),
+                        })
+                    })
+                    .collect::<Option<Vec<_>>>()?;
+                Frame::Input(Input::Gpu(GpuInput::Reads {
+                    device,
+                    read_ns,
+                    reads,
+                }))
+            }
+            frame::GPU_LOST => Frame::Input(Input::Gpu(GpuInput::Lost {
+                device: p.u16()?,
+                pair: p.u32()?,
+                generation: p.u32()?,
+            })),
+            frame::GPU_READ_FAILED => Frame::Input(Input::Gpu(GpuInput::ReadFailed { device: p.u16()? })),
+            frame::PASS_END => Frame::Input(Input::PassEnd {
+                drain_ns: p.u64()?,
+                drain_ticks: p.u64()?,
+                buffered_bytes: p.u64()?,
+            }),
+            frame::END => Frame::End,
+            // A frame type this version does not know: skipped.
+            _ => return Some(None),
+        };
+        Some(Some(frame))
+    }
+}
+
+impl<R: Read> Iterator for CaptureReader<R> {
+    type Item = Frame;
+
+    fn next(&mut self) -> Option<Frame> {
+        loop {
+            if self.done {
+                return None;
+            }
+            let (kind, payload) = self.read_frame()?;
+            match Self::parse(kind, &payload) {
+                Some(Some(Frame::End)) => {
+                    self.done = true;
+                    return Some(Frame::End);
+                }
+                Some(Some(frame)) => return Some(frame),
+                Some(None) => continue,
+                None => return self.stop(format!("frame of type {kind} does not parse (a corrupt capture)")),
+            }
+        }
+    }
+}
+
+/// Reads until `buf` is full or the input ends; returns how many bytes were read.
+fn read_full(input: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut got = 0;
+    while got < buf.len() {
+        match input.read(&mut buf[got..]) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(got)
+}
+
+/// Opens a capture file for reading.
+pub(crate) fn open(path: &Path) -> Result<CaptureReader<std::io::BufReader<File>>, CaptureError> {
+    let file = File::open(path).map_err(|e| {
+        CaptureError::Io(std::io::Error::new(
+            e.kind(),
+            format!("cannot open {}: {e}", path.display()),
+        ))
+    })?;
+    CaptureReader::new(std::io::BufReader::with_capacity(1 << 20, file))
+}

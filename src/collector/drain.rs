@@ -1,0 +1,320 @@
+//! The drain stage: the collector's live side, on its own thread (`tickline-drain`).
+//!
+//! It does only what must happen while the program runs, and nothing that scales with the work of turning
+//! records into a timeline: it moves whole rings' worth of raw records into chunks (a copy, at memory
+//! speed), reads the control channel, takes the CPU clock's calibration bursts, and polls the GPUs (reads
+//! finished timestamp pairs and releases their slots at once, takes their calibration bursts, retires
+//! pairs that are never written). Everything it learns goes, in order, into the input log the
+//! processing stage consumes (see `input.rs`).
+//!
+//! Chunk memory in flight is bounded (`TimelineBuilder::chunk_budget`): when the processing stage falls that
+//! far behind, the drain stage stops draining and the rings fill, so drop mode (or a lossless producer's
+//! wait) starts only then, and every loss is counted where it happens.
+//!
+//! It polls every `poll_interval`, and sooner when a producer finds its ring half full (the producer unparks
+//! this thread) or a control message arrives (its sender unparks it).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crossbeam_channel::{Receiver, Sender};
+use crossbeam_queue::ArrayQueue;
+
+use super::input::{CallsiteDef, Chunk, Input};
+use super::stats::SharedStats;
+use crate::calibration::CalibrationSample;
+use crate::clock::{bracketed_sample, monotonic_ns, TickSource};
+use crate::codec::Record;
+use crate::control::{Control, Reply};
+use crate::gpu::live::GpuLive;
+use crate::gpu::GpuCalibrationConfig;
+use crate::recorder::Shared;
+use crate::ring::Consumer;
+
+/// Chunk memory in flight between the drain and processing stages.
+#[derive(Debug, Default)]
+pub(crate) struct Budget {
+    used_bytes: AtomicU64,
+}
+
+impl Budget {
+    pub(crate) fn add(&self, bytes: usize) {
+        self.used_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+    pub(crate) fn release(&self, bytes: usize) {
+        self.used_bytes.fetch_sub(bytes as u64, Ordering::Relaxed);
+    }
+    pub(crate) fn used(&self) -> u64 {
+        self.used_bytes.load(Ordering::Relaxed)
+    }
+}
+
+/// Spare chunk buffers handed back by the processing stage: reusing them keeps the drain from allocating
+/// (and faulting in) fresh memory on every pass.
+pub(crate) type ChunkPool = ArrayQueue<Vec<Record>>;
+
+/// How the drain stage runs.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct DrainConfig {
+    pub(crate) poll_interval: Duration,
+    pub(crate) chunk_budget_bytes: u64,
+    pub(crate) cpu_burst_samples: usize,
+    pub(crate) cpu_burst_interval: Duration,
+    pub(crate) gpu: GpuCalibrationConfig,
+}
+
+struct LiveRing {
+    ring: u32,
+    consumer: Consumer<Record>,
+}
+
+/// The drain stage's state. Runs on its own thread; see the module docs.
+pub(crate) struct Drain {
+    config: DrainConfig,
+    control: Receiver<Control>,
+    out: Sender<Input>,
+    rings: Vec<LiveRing>,
+    source: TickSource,
+    next_cpu_burst_ns: u64,
+    budget: Arc<Budget>,
+    pool: Arc<ChunkPool>,
+    gpu: GpuLive,
+    stats: Arc<SharedStats>,
+    /// Drop totals of rings whose threads ended.
+    dropped_of_ended: u64,
+    shared: Arc<Shared>,
+    /// Inputs of the pass being assembled: registrations first, then chunks, then the rest.
+    registrations: Vec<Input>,
+    chunks: Vec<Input>,
+    tail: Vec<Input>,
+}
+
+/// What a pass was asked to end with.
+enum Request {
+    Flush(Reply),
+    Shutdown(Reply),
+}
+
+impl Drain {
+    pub(crate) fn new(
+        config: DrainConfig,
+        shared: Arc<Shared>,
+        control: Receiver<Control>,
+        out: Sender<Input>,
+        budget: Arc<Budget>,
+        pool: Arc<ChunkPool>,
+        stats: Arc<SharedStats>,
+    ) -> Self {
+        Drain {
+            source: shared.source,
+            shared,
+            dropped_of_ended: 0,
+            gpu: GpuLive::new(config.gpu),
+            config,
+            control,
+            out,
+            rings: Vec::new(),
+            next_cpu_burst_ns: 0,
+            budget,
+            pool,
+            stats,
+            registrations: Vec::new(),
+            chunks: Vec::new(),
+            tail: Vec::new(),
+        }
+    }
+
+    /// The thread's loop: a pass every poll interval or when woken, until shutdown.
+    pub(crate) fn run(mut self) {
+        loop {
+            let requests = self.pass(false);
+            for request in requests {
+                match request {
+                    Request::Flush(reply) => {
+                        // Everything recorded before the flush was pushed before its message was sent, and
+                        // the message was read after this pass's drain: drain once more to take it all.
+                        self.pass(true);
+                        self.send(Input::Flush(reply));
+                    }
+                    Request::Shutdown(reply) => {
+                        self.finish();
+                        self.send(Input::Shutdown(reply));
+                        return;
+                    }
+                }
+            }
+            std::thread::park_timeout(self.config.poll_interval);
+        }
+    }
+
+    fn send(&self, input: Input) {
+        self.budget.add(input.buffered_bytes());
+        // The processing stage outlives this thread (it stops after the Shutdown input); if it panicked,
+        // there is nobody to give the input to.
+        let _ = self.out.send(input);
+    }
+
+    /// One pass: drain the rings, read the control channel, calibrate, poll GPUs, send it all in order.
+    /// `force`: a flush or shutdown pass, which drains whatever the budget says and calibrates GPUs now.
+    fn pass(&mut self, force: bool) -> Vec<Request> {
+        let over_budget = !force && self.budget.used() >= self.config.chunk_budget_bytes;
+        if over_budget {
+            self.stats.budget_full_passes.fetch_add(1, Ordering::Relaxed);
+        }
+        let paused = !force && self.shared.drain_paused.load(Ordering::Relaxed);
+        let mut ended = Vec::new();
+        let mut taken = 0;
+        for (index, ring) in self.rings.iter_mut().enumerate() {
+            // Read before draining: a ring closed now is drained to its end below.
+            let closed = ring.consumer.is_closed();
+            if !(over_budget || paused) || closed {
+                taken += drain_ring(ring, &self.pool, self.source, &mut self.chunks);
+            }
+            if closed {
+                ended.push(index);
+            }
+        }
+        self.stats.records.fetch_add(taken as u64, Ordering::Relaxed);
+        for &index in ended.iter().rev() {
+            let ring = self.rings.swap_remove(index);
+            self.dropped_of_ended += ring.consumer.dropped_records();
+            self.tail.push(Input::ThreadEnd { ring: ring.ring });
+            // Dropping the consumer frees the ring (the producer is gone).
+        }
+        let dropped = self.dropped_of_ended + self.rings.iter().map(|r| r.consumer.dropped_records()).sum::<u64>();
+        self.stats.dropped_records.store(dropped, Ordering::Relaxed);
+        let mut requests = Vec::new();
+        while let Ok(message) = self.control.try_recv() {
+            match message {
+                Control::NewRing {
+                    consumer,
+                    ring,
+                    tid,
+                    name,
+                } => {
+                    self.registrations.push(Input::Thread { ring, tid, name });
+                    self.rings.push(LiveRing { ring, consumer });
+                    self.stats.threads.fetch_add(1, Ordering::Relaxed);
+                }
+                Control::TracingCallsite(meta) => {
+                    self.registrations.push(Input::Callsite(CallsiteDef::tracing(meta)));
+                }
+                Control::NativeCallsite(callsite) => {
+                    self.registrations.push(Input::Callsite(CallsiteDef::native(callsite)));
+                }
+                Control::Gpu(message) => {
+                    let input = self.gpu.register(message);
+                    self.registrations.extend(input.map(Input::Gpu));
+                }
+                Control::Flush(reply) => requests.push(Request::Flush(reply)),
+                Control::Shutdown(reply) => requests.push(Request::Shutdown(reply)),
+            }
+        }
+        let now_ns = monotonic_ns().0;
+        if force || now_ns >= self.next_cpu_burst_ns {
+            self.next_cpu_burst_ns = now_ns + self.config.cpu_burst_interval.as_nanos() as u64;
+            let samples = cpu_burst(self.source, self.config.cpu_burst_samples);
+            self.tail.push(Input::CpuCalibration(samples));
+        }
+        self.gpu.poll(now_ns, force, &mut self.tail);
+        self.end_pass();
+        requests
+    }
+
+    /// Sends the pass's inputs in order and its end.
+    fn end_pass(&mut self) {
+        let drain_ticks = self.source.read().0;
+        let drain_ns = monotonic_ns().0;
+        let registrations = std::mem::take(&mut self.registrations);
+        let chunks = std::mem::take(&mut self.chunks);
+        let tail = std::mem::take(&mut self.tail);
+        for input in registrations.into_iter().chain(chunks).chain(tail) {
+            self.send(input);
+        }
+        self.send(Input::PassEnd {
+            drain_ns,
+            drain_ticks,
+            buffered_bytes: self.budget.used(),
+        });
+    }
+
+    /// Shutdown: a last pass over every ring, GPU scopes in flight waited for (bounded), a last pass.
+    fn finish(&mut self) {
+        self.pass(true);
+        let deadline = monotonic_ns().0 + GPU_SHUTDOWN_WAIT.as_nanos() as u64;
+        while self.gpu.busy() && monotonic_ns().0 < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+            self.gpu.poll(monotonic_ns().0, false, &mut self.tail);
+            let tail = std::mem::take(&mut self.tail);
+            for input in tail {
+                self.send(input);
+            }
+        }
+        self.gpu.retire_in_flight(&mut self.tail);
+        self.pass(true);
+    }
+}
+
+/// Longest a shutdown waits for GPU scopes still in flight (the program should wait for its GPU work
+/// before it shuts the timeline down).
+const GPU_SHUTDOWN_WAIT: Duration = Duration::from_secs(1);
+
+/// Moves everything in `ring` into a chunk; returns how many records. Whole groups only: producers publish a
+/// group with one store of the ring's tail, and a drain takes everything up to the tail it reads.
+fn drain_ring(ring: &mut LiveRing, pool: &ChunkPool, source: TickSource, out: &mut Vec<Input>) -> usize {
+    if ring.consumer.len() == 0 {
+        return 0;
+    }
+    let mut records = pool.pop().unwrap_or_default();
+    records.clear();
+    ring.consumer
+        .drain(usize::MAX, |run| records.extend_from_slice(run));
+    if records.is_empty() {
+        let _ = pool.push(records);
+        return 0;
+    }
+    let taken = records.len();
+    // Read after the copy: every record drained is older (up to cross-CPU skew, which
+    // `restore_ticks` allows for).
+    let now_ticks = source.read().0;
+    out.push(Input::Chunk(Chunk {
+        ring: ring.ring,
+        now_ticks,
+        dropped_total: ring.consumer.dropped_records(),
+        records,
+    }));
+    taken
+}
+
+/// A burst of bracketed CPU clock samples against CLOCK_MONOTONIC.
+pub(crate) fn cpu_burst(source: TickSource, samples: usize) -> Vec<CalibrationSample> {
+    (0..samples.max(1))
+        .map(|_| bracketed_sample(source, monotonic_ns))
+        .collect()
+}
+
+/// The drain stage's speed alone, for `benches/`: moves `records` out of a full ring into a chunk.
+#[doc(hidden)]
+pub fn drain_bench(capacity: usize, rounds: usize) -> (u64, std::time::Duration) {
+    let (mut producer, consumer) = crate::ring::channel::<Record>(capacity);
+    let mut ring = LiveRing { ring: 1, consumer };
+    let pool = ChunkPool::new(4);
+    let mut out = Vec::new();
+    let record = Record::timed(crate::codec::Kind::Instant, 1, 2);
+    let mut moved = 0u64;
+    let mut elapsed = Duration::ZERO;
+    for _ in 0..rounds {
+        while producer.try_push_all_keeping(&[record], 0) {}
+        let start = std::time::Instant::now();
+        drain_ring(&mut ring, &pool, TickSource::Monotonic, &mut out);
+        elapsed += start.elapsed();
+        for input in out.drain(..) {
+            if let Input::Chunk(chunk) = input {
+                moved += chunk.records.len() as u64;
+                let _ = pool.push(chunk.records);
+            }
+        }
+    }
+    (moved, elapsed)
+}

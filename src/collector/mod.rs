@@ -1,0 +1,232 @@
+//! The collector: two background threads per timeline, one per stage of the flow.
+//!
+//! ```text
+//!  rings ──drain (copy, bounded budget)──▶ input log ──process──▶ batches ──▶ exporters
+//!  control channel, CPU/GPU clocks ──┘          └──▶ raw capture file (.tickline), converted later
+//! ```
+//!
+//! - `drain.rs` (thread `tickline-drain`): the live side. Moves raw records out of the rings into chunks,
+//!   reads registrations, takes calibration bursts of every clock, polls GPUs. Cheap and bounded, so an
+//!   ordinary burst never fills a ring.
+//! - `input.rs`: the log between the stages; `capture.rs` writes it to a file and reads it back.
+//! - `process.rs` (thread `tickline-collector`): decode, name, order, convert; `spans.rs` its span table.
+//! - `output.rs`: tracks, names, batches and the exporters.
+//! - `stats.rs`: [`TimelineStats`].
+
+pub(crate) mod capture;
+pub(crate) mod drain;
+pub(crate) mod input;
+pub(crate) mod output;
+mod process;
+mod spans;
+pub(crate) mod stats;
+
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use crossbeam_channel::Receiver;
+
+pub(crate) use process::{CpuTime, Processor, Recycler};
+pub use stats::TimelineStats;
+
+use crate::calibration::{ClockDomain, HistoryConfig};
+use crate::clock::TickSource;
+use crate::control::Control;
+use crate::export::Exporter;
+use crate::recorder::Shared;
+use capture::CaptureWriter;
+use drain::{Budget, ChunkPool, Drain, DrainConfig};
+use input::Input;
+use output::Output;
+use stats::SharedStats;
+
+/// Spare chunk buffers kept for reuse.
+const POOL_BUFFERS: usize = 64;
+
+/// Everything the collector threads need to start.
+pub(crate) struct CollectorSetup {
+    pub(crate) drain: DrainConfig,
+    pub(crate) process_name: String,
+    pub(crate) cpu_domain: ClockDomain,
+    pub(crate) cpu_history: HistoryConfig,
+    pub(crate) exporters: Vec<Box<dyn Exporter>>,
+    pub(crate) capture: Option<CaptureWriter>,
+}
+
+/// The collector's two threads.
+pub(crate) struct Collector {
+    pub(crate) drain: JoinHandle<()>,
+    pub(crate) process: JoinHandle<()>,
+}
+
+/// Starts the drain and processing threads of the timeline `shared`.
+pub(crate) fn spawn(
+    shared: &Arc<Shared>,
+    control: Receiver<Control>,
+    setup: CollectorSetup,
+    stats: Arc<SharedStats>,
+) -> std::io::Result<Collector> {
+    let (tx, rx) = crossbeam_channel::unbounded::<Input>();
+    let budget = Arc::new(Budget::default());
+    let pool = Arc::new(ChunkPool::new(POOL_BUFFERS));
+    let source = shared.source;
+    let pid = std::process::id();
+
+    let mut capture = setup.capture;
+    if let Some(capture) = &mut capture {
+        capture.write_header(pid, &setup.process_name, source, setup.cpu_domain);
+    }
+    // Without exporters a capture alone is kept: nothing needs converting now.
+    let processor = (capture.is_none() || !setup.exporters.is_empty()).then(|| {
+        let out = Output::new(pid, setup.process_name.clone(), setup.exporters);
+        let recycler = Recycler {
+            pool: pool.clone(),
+            budget: budget.clone(),
+        };
+        let mut processor = Processor::new(out, setup.drain.gpu, Some(recycler), stats.clone());
+        processor.live_cpu_clock(source, setup.cpu_domain, setup.cpu_history);
+        processor
+    });
+    let process = {
+        let stats = stats.clone();
+        let (budget, pool) = (budget.clone(), pool.clone());
+        std::thread::Builder::new()
+            .name("tickline-collector".into())
+            .spawn(move || run_processing(rx, processor, capture, &budget, &pool, &stats))?
+    };
+    let drain = Drain::new(setup.drain, shared.clone(), control, tx, budget, pool, stats);
+    let drain = std::thread::Builder::new()
+        .name("tickline-drain".into())
+        .spawn(move || drain.run())?;
+    let _ = shared.drain_thread.set(drain.thread().clone());
+    Ok(Collector { drain, process })
+}
+
+/// The processing thread: every input goes to the raw capture (if any) and to the processor (if any).
+fn run_processing(
+    rx: Receiver<Input>,
+    mut processor: Option<Processor>,
+    mut capture: Option<CaptureWriter>,
+    budget: &Budget,
+    pool: &ChunkPool,
+    stats: &SharedStats,
+) {
+    for input in rx.iter() {
+        if let Some(writer) = &mut capture {
+            writer.write(&input, stats);
+        }
+        match &mut processor {
+            Some(p) => {
+                if let (Some(writer), Input::Shutdown(_)) = (&mut capture, &input) {
+                    // A failure is recorded in `stats` and reported by the processor's answer.
+                    let _ = writer.finish(stats);
+                } else if let (Some(writer), Input::Flush(_)) = (&mut capture, &input) {
+                    let _ = writer.flush(stats);
+                }
+                p.input(input);
+                if p.is_finished() {
+                    return;
+                }
+            }
+            None => match input {
+                Input::Chunk(chunk) => {
+                    budget.release(chunk.records.len() * std::mem::size_of::<crate::codec::Record>());
+                    let mut records = chunk.records;
+                    records.clear();
+                    let _ = pool.push(records);
+                }
+                Input::Flush(reply) => {
+                    let result = capture.as_mut().map_or(Ok(()), |w| w.flush(stats));
+                    let _ = reply.send(result);
+                }
+                Input::Shutdown(reply) => {
+                    let result = capture.as_mut().map_or(Ok(()), |w| w.finish(stats));
+                    let _ = reply.send(result);
+                    return;
+                }
+                _ => {}
+            },
+        }
+    }
+}
+
+/// Support for `benches/`: the processing stage's per-record work and the drain stage's copy, on synthetic
+/// records, without threads in the way.
+#[doc(hidden)]
+pub mod bench_support {
+    pub use super::drain::drain_bench;
+    use super::*;
+    use crate::calibration::{CalibrationHistory, ClockCalibration, ClockDomain};
+    use crate::clock::FastConverter;
+    use crate::codec::{Kind, Record};
+    use crate::export::Batch;
+    use input::{CallsiteDef, CallsiteKind, Chunk};
+
+    /// The processing stage fed with `spans` begin/end pairs of one native scope per load.
+    pub struct ConvertBench {
+        processor: Processor,
+        records: Vec<Record>,
+        now_ticks: u64,
+    }
+
+    impl ConvertBench {
+        /// `spans` scope begin/end pairs, 100 ticks apart, on one thread track; a 2.5 GHz TSC calibration.
+        pub fn new(spans: usize) -> Self {
+            const KEY: u64 = 0x1000;
+            let base = 1u64 << 44;
+            let records: Vec<Record> = (0..spans as u64 * 2)
+                .map(|i| {
+                    let kind = if i % 2 == 0 { Kind::ScopeBegin } else { Kind::ScopeEnd };
+                    Record::timed(kind, base + i * 100, KEY)
+                })
+                .collect();
+            let now_ticks = base + spans as u64 * 200 + 1_000;
+            let domain = ClockDomain::new(64, 0.4).expect("valid domain");
+            let cal = ClockCalibration::from_anchor(domain, base, 1_000_000_000, 0.4).expect("valid calibration");
+            let out = Output::new(1, "bench".into(), Vec::new());
+            let stats = Arc::new(SharedStats::default());
+            let mut processor = Processor::new(out, Default::default(), None, stats);
+            processor.set_cpu_clock(CpuTime::Live {
+                source: TickSource::Tsc,
+                history: CalibrationHistory::new(domain, HistoryConfig::default()),
+                fast: Some(FastConverter::new(&cal)),
+            });
+            processor.input(Input::Callsite(CallsiteDef {
+                key: KEY,
+                kind: CallsiteKind::Native,
+                name: "bench scope".into(),
+                target: String::new(),
+                level: 0,
+                file: String::new(),
+                line: 0,
+                fields: Vec::new(),
+            }));
+            processor.input(Input::Thread {
+                ring: 1,
+                tid: 1,
+                name: "bench".into(),
+            });
+            ConvertBench {
+                processor,
+                records,
+                now_ticks,
+            }
+        }
+
+        /// Queues the records as a drain would, and empties the previous batch.
+        pub fn load(&mut self) {
+            self.processor.clear_batch();
+            self.processor.input(Input::Chunk(Chunk {
+                ring: 1,
+                now_ticks: self.now_ticks,
+                dropped_total: 0,
+                records: self.records.clone(),
+            }));
+        }
+
+        /// Processes the queued records into the batch and returns it.
+        pub fn convert(&mut self) -> &Batch {
+            self.processor.process_for_bench()
+        }
+    }
+}

@@ -1,0 +1,265 @@
+//! The processing stage's output side: tracks, interned names and events assembled into [`Batch`]es, and
+//! the exporters those batches go to.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+
+use super::stats::SharedStats;
+use crate::export::{Batch, Event, EventKind, ExportError, Exporter, Field, NameId, TrackDescriptor, TrackId, TrackKind};
+
+/// A track shared by threads (a counter): its events are ordered before they join the batch.
+#[derive(Default)]
+struct SharedTrackOrder {
+    pending: Vec<Event>,
+    last_ns: HashMap<TrackId, u64>,
+}
+
+struct ExporterSlot {
+    exporter: Box<dyn Exporter>,
+    failed: bool,
+}
+
+/// Tracks, names, the batch being built, and the exporters.
+pub(crate) struct Output {
+    pub(crate) batch: Batch,
+    names: HashMap<Box<str>, NameId>,
+    /// `names` by id (id `k` at `k - 1`).
+    names_by_id: Vec<Box<str>>,
+    next_track: u64,
+    pid: u32,
+    process_track: TrackId,
+    value_name: NameId,
+    counters: SharedTrackOrder,
+    exporters: Vec<ExporterSlot>,
+    /// Timestamps held back on counter tracks to keep them monotonic.
+    pub(crate) monotonic_clamps: u64,
+}
+
+impl Output {
+    pub(crate) fn new(pid: u32, process_name: String, exporters: Vec<Box<dyn Exporter>>) -> Self {
+        let mut out = Output {
+            batch: Batch::default(),
+            names: HashMap::new(),
+            names_by_id: Vec::new(),
+            next_track: 1,
+            pid,
+            process_track: TrackId(0),
+            value_name: NameId(0),
+            counters: SharedTrackOrder::default(),
+            exporters: exporters
+                .into_iter()
+                .map(|exporter| ExporterSlot {
+                    exporter,
+                    failed: false,
+                })
+                .collect(),
+            monotonic_clamps: 0,
+        };
+        out.process_track = out.new_track(
+            None,
+            TrackKind::Process {
+                pid,
+                name: process_name,
+            },
+        );
+        out.value_name = out.intern("value");
+        out
+    }
+
+    pub(crate) fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    pub(crate) fn new_track(&mut self, parent: Option<TrackId>, kind: TrackKind) -> TrackId {
+        let id = TrackId(self.next_track);
+        self.next_track += 1;
+        self.batch.new_tracks.push(TrackDescriptor { id, parent, kind });
+        id
+    }
+
+    /// A counter track under the process track.
+    pub(crate) fn new_counter_track(&mut self, name: &str, unit: &str) -> TrackId {
+        let parent = Some(self.process_track);
+        self.new_track(
+            parent,
+            TrackKind::Counter {
+                name: name.to_owned(),
+                unit: unit.to_owned(),
+            },
+        )
+    }
+
+    /// The process track (the root).
+    pub(crate) fn process_track(&self) -> TrackId {
+        self.process_track
+    }
+
+    /// The name of counter values ("value").
+    pub(crate) fn value_name(&self) -> NameId {
+        self.value_name
+    }
+
+    pub(crate) fn intern(&mut self, s: &str) -> NameId {
+        if let Some(&id) = self.names.get(s) {
+            return id;
+        }
+        let id = NameId(self.names.len() as u32 + 1);
+        self.names.insert(s.into(), id);
+        self.names_by_id.push(s.into());
+        self.batch.new_names.push((id, s.to_owned()));
+        id
+    }
+
+    /// The string of an interned name ("" for an id never handed out).
+    pub(crate) fn name_of(&self, id: NameId) -> &str {
+        (id.0 as usize)
+            .checked_sub(1)
+            .and_then(|k| self.names_by_id.get(k))
+            .map_or("", |s| s)
+    }
+
+    /// Appends an event to the batch (`fields` are copied into the batch's arena).
+    #[inline]
+    pub(crate) fn push_event(&mut self, ts_ns: u64, track: TrackId, kind: EventKind, name: NameId, fields: &[Field]) {
+        let start = self.batch.fields.len() as u32;
+        self.batch.fields.extend_from_slice(fields);
+        let end = self.batch.fields.len() as u32;
+        self.batch.events.push(Event {
+            ts_ns,
+            track,
+            kind,
+            name,
+            fields: start..end,
+            flow_out: None,
+            flow_in: None,
+        });
+    }
+
+    /// Appends an event whose fields the caller gives up (no copy of the values).
+    #[inline]
+    pub(crate) fn push_event_owned(
+        &mut self,
+        ts_ns: u64,
+        track: TrackId,
+        kind: EventKind,
+        name: NameId,
+        fields: &mut Vec<Field>,
+    ) -> &mut Event {
+        let start = self.batch.fields.len() as u32;
+        self.batch.fields.append(fields);
+        let end = self.batch.fields.len() as u32;
+        self.batch.events.push(Event {
+            ts_ns,
+            track,
+            kind,
+            name,
+            fields: start..end,
+            flow_out: None,
+            flow_in: None,
+        });
+        self.batch.events.last_mut().expect("just pushed")
+    }
+
+    /// Appends a GPU slice event (a flow ends at its begin).
+    pub(crate) fn push_gpu_event(
+        &mut self,
+        ts_ns: u64,
+        track: TrackId,
+        kind: EventKind,
+        name: NameId,
+        fields: &[Field],
+        flow_in: Option<u64>,
+    ) {
+        self.push_event(ts_ns, track, kind, name, fields);
+        self.batch.events.last_mut().expect("just pushed").flow_in = flow_in;
+    }
+
+    /// Queues a counter value; counter tracks are shared by threads, so their values are ordered per track
+    /// before they join the batch ([`flush_counters`](Self::flush_counters)).
+    pub(crate) fn push_counter(&mut self, track: TrackId, ts_ns: u64, name: NameId, value: f64) {
+        self.counters.pending.push(Event {
+            ts_ns,
+            track,
+            kind: EventKind::Counter(value),
+            name,
+            fields: 0..0,
+            flow_out: None,
+            flow_in: None,
+        });
+    }
+
+    /// Moves queued counter values into the batch, in order and monotonic per track.
+    pub(crate) fn flush_counters(&mut self) {
+        let counters = &mut self.counters;
+        counters.pending.sort_by_key(|e| e.ts_ns);
+        for mut e in counters.pending.drain(..) {
+            let last = counters.last_ns.entry(e.track).or_insert(0);
+            if e.ts_ns < *last {
+                e.ts_ns = *last;
+                self.monotonic_clamps += 1;
+            }
+            *last = e.ts_ns;
+            self.batch.events.push(e);
+        }
+    }
+
+    /// Hands the batch to every exporter that has not failed, then empties it. An empty batch is handed over
+    /// too when `always` (exporters that write on a clock get their chance).
+    pub(crate) fn export(&mut self, stats: &SharedStats, always: bool) {
+        self.flush_counters();
+        if self.batch.is_empty() && !always {
+            return;
+        }
+        stats
+            .events
+            .fetch_add(self.batch.events.len() as u64, Ordering::Relaxed);
+        for slot in &mut self.exporters {
+            if slot.failed {
+                continue;
+            }
+            if let Err(e) = slot.exporter.export(&self.batch) {
+                record_failure(stats, slot, e);
+            }
+        }
+        self.batch.clear();
+    }
+
+    /// Flushes (or, `finishing`, finishes) every exporter; the first failure so far, in words.
+    pub(crate) fn flush_exporters(&mut self, stats: &SharedStats, finishing: bool) -> Result<(), String> {
+        for slot in &mut self.exporters {
+            if slot.failed {
+                continue;
+            }
+            let result = if finishing {
+                slot.exporter.finish()
+            } else {
+                slot.exporter.flush()
+            };
+            if let Err(e) = result {
+                record_failure(stats, slot, e);
+            }
+        }
+        match stats
+            .first_export_error
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+        {
+            Some((_, message)) => Err(message.clone()),
+            None => Ok(()),
+        }
+    }
+}
+
+fn record_failure(stats: &SharedStats, slot: &mut ExporterSlot, e: ExportError) {
+    slot.failed = true;
+    stats.export_failures.fetch_add(1, Ordering::Relaxed);
+    let mut first = stats.first_export_error.lock().unwrap_or_else(|e| e.into_inner());
+    if first.is_none() {
+        let kind = match &e {
+            ExportError::Io(io) => io.kind(),
+            _ => std::io::ErrorKind::Other,
+        };
+        *first = Some((kind, e.to_string()));
+    }
+}

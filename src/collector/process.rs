@@ -1,0 +1,1050 @@
+//! The processing stage: the input log in, the timeline out. A function of the log alone (see `input.rs`),
+//! so the same code runs live, behind the drain stage, and when a raw capture is converted later.
+//!
+//! # Order and identity
+//!
+//! Each ring's records are processed in the order they were written: span creation, `record`, enter, exit
+//! and close interleave as they happened. A record that names a span created on another thread whose
+//! creation has not been processed yet stalls its ring until it is (the creation was pushed before the
+//! record, so it is in the same drain pass or the next), then processing resumes where it stopped. Spans are
+//! known by their serial (see [`TicklineLayer`](crate::TicklineLayer)), never by `tracing`'s reusable id.
+//!
+//! # Fields at the end of a slice
+//!
+//! A slice shows the values its span had when the slice ended. A span slice's begin is therefore *held*,
+//! with everything after it on the same thread track (which must follow it in order), until the slice has
+//! ended and one more drain pass has been processed (so values recorded on other threads before the end
+//! have arrived), then the span's values as of the end go on the begin and the held events go out. A slice
+//! still open after [`HOLD_LIMIT_NS`] (or a flush) is released with the values it has then; values changed
+//! later go on its end event.
+//!
+//! # Losses
+//!
+//! A `Gap` record (records dropped right there) becomes an instant named `tickline: records dropped` with the
+//! count, and every slice open around it carries `tickline.dropped_inside`. A slice that cannot end where
+//! the program ended it (its thread exited with it open, the timeline shut down inside it) ends at the last
+//! time known and carries `tickline.truncated = true`; it is counted in
+//! [`TimelineStats::truncated_slices`](crate::TimelineStats::truncated_slices). No slice is ever ended by an
+//! unrelated end, and none lasts longer than it did.
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use super::drain::{Budget, ChunkPool};
+use super::input::{CallsiteDef, Chunk, Input};
+use super::output::Output;
+use super::spans::{set_field, IdMap, SpanState, Spans};
+use super::stats::SharedStats;
+use crate::calibration::{CalibrationHistory, ClockDomain, HistoryConfig};
+use crate::clock::{FastConverter, TickSource};
+use crate::codec::{decode_fields, restore_ticks, Decoder, Item, Parent, Payload, RawValue, META_INDEX};
+use crate::export::{CpuClock, EventKind, Field, FieldValue, NameId, TrackId, TrackKind};
+use crate::gpu::{GpuCalibrationConfig, GpuCollector};
+
+/// Longest a span slice's begin (and what follows it on its track) is held for its final field values.
+pub(crate) const HOLD_LIMIT_NS: u64 = 200_000_000;
+/// Most events held on one track; beyond, the track is released as if the hold limit had passed.
+const HOLD_MAX_EVENTS: usize = 1 << 16;
+/// Passes a record waits for the creation of the span it names before that span counts as unknown.
+const MAX_WAIT_PASSES: u32 = 2;
+
+/// How the processing stage converts CPU ticks.
+pub(crate) enum CpuTime {
+    /// Live: the newest fit, extrapolated forwards from the newest calibration point.
+    Live {
+        source: TickSource,
+        history: CalibrationHistory,
+        fast: Option<FastConverter>,
+    },
+    /// Converting a capture: the whole history is known, so every tick is placed between calibration points
+    /// on both sides.
+    Complete { history: CalibrationHistory },
+}
+
+impl CpuTime {
+    fn to_ns(&self, ticks: u64) -> Option<u64> {
+        match self {
+            CpuTime::Live { fast, .. } => fast.as_ref().map(|f| f.to_ns(ticks)),
+            CpuTime::Complete { history } => history.peek(ticks).map(|c| c.ns),
+        }
+    }
+
+    fn history(&self) -> &CalibrationHistory {
+        match self {
+            CpuTime::Live { history, .. } | CpuTime::Complete { history } => history,
+        }
+    }
+}
+
+/// What the processing stage knows about a call site.
+struct CallsiteInfo {
+    name: NameId,
+    fields: Vec<NameId>,
+    counter_track: Option<TrackId>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum OpenKind {
+    Span(u64),
+    Scope(u64),
+}
+
+/// A slice open on a thread track.
+struct OpenSlice {
+    kind: OpenKind,
+    name: NameId,
+    /// The sequence number of its begin in the track's held queue, while it is held.
+    held: Option<u64>,
+    /// The values its begin carried when it was released before the slice ended.
+    released_values: Option<Vec<Field>>,
+    /// Records dropped while it was open.
+    dropped_inside: u64,
+}
+
+/// A span slice's begin, held for its values.
+struct HeldSpan {
+    serial: u64,
+    /// `(end ns, pass its end was processed in)` once the slice ended.
+    end: Option<(u64, u64)>,
+}
+
+struct HeldEvent {
+    ts_ns: u64,
+    kind: EventKind,
+    name: NameId,
+    fields: Vec<Field>,
+    flow_out: Option<u64>,
+    span: Option<HeldSpan>,
+}
+
+/// A thread track's state.
+struct Track {
+    id: TrackId,
+    open: Vec<OpenSlice>,
+    held: VecDeque<HeldEvent>,
+    /// Sequence number of `held[0]`.
+    held_base: u64,
+    last_ns: u64,
+    /// The last exit: `(serial, ns)`, for a close right after it.
+    last_exit: Option<(u64, u64)>,
+}
+
+/// A ring's records waiting to be processed.
+struct RingInput {
+    pending: VecDeque<Chunk>,
+    /// Records of `pending[0]` already processed.
+    cursor: usize,
+    /// Passes the ring has been stalled on its current record.
+    stalled_passes: u32,
+    /// The thread exited and its ring was drained to the end.
+    ended: bool,
+}
+
+struct Ring {
+    input: RingInput,
+    track: Track,
+    dropped_total: u64,
+}
+
+/// Names the processing stage uses for what it adds.
+struct OwnNames {
+    unknown_span: NameId,
+    unknown_callsite: NameId,
+    gap: NameId,
+    records: NameId,
+    truncated: NameId,
+    fields_truncated: NameId,
+    dropped_inside: NameId,
+}
+
+/// Counter tracks of the timeline's own state.
+struct OwnTracks {
+    dropped: TrackId,
+    truncated: TrackId,
+    buffered: TrackId,
+    cpu_drift: TrackId,
+    cpu_error: TrackId,
+}
+
+/// Counts that end up in [`crate::TimelineStats`].
+#[derive(Default)]
+struct Counts {
+    truncated_slices: u64,
+    fields_truncated: u64,
+    unmatched_ends: u64,
+    unknown_spans: u64,
+    unknown_callsites: u64,
+    framing_errors: u64,
+    monotonic_clamps: u64,
+}
+
+/// Where processed chunk memory goes back to (live only).
+pub(crate) struct Recycler {
+    pub(crate) pool: Arc<ChunkPool>,
+    pub(crate) budget: Arc<Budget>,
+}
+
+/// The processing stage. Feed it the input log with [`input`](Self::input).
+pub(crate) struct Processor {
+    out: Output,
+    callsites: IdMap<CallsiteInfo>,
+    rings: Vec<Option<Ring>>,
+    active: Vec<u32>,
+    spans: Spans,
+    cpu: Option<CpuTime>,
+    gpu: GpuCollector,
+    pass: u64,
+    counts: Counts,
+    names: OwnNames,
+    tracks: OwnTracks,
+    payload: Vec<u8>,
+    scratch_fields: Vec<Field>,
+    recycler: Option<Recycler>,
+    stats: Arc<SharedStats>,
+    last_export_ns: u64,
+    last_drain_ns: u64,
+    reported_dropped: u64,
+    reported_truncated: u64,
+    reported_fit_ns: u64,
+    /// Dropped-record totals of rings that ended.
+    dropped_of_ended: u64,
+    hold_limit_ns: u64,
+    finished: bool,
+}
+
+/// What happened to a record.
+enum Step {
+    Done,
+    /// It names a span not known yet: try again later.
+    Stall,
+}
+
+impl Processor {
+    pub(crate) fn new(
+        out: Output,
+        gpu: GpuCalibrationConfig,
+        recycler: Option<Recycler>,
+        stats: Arc<SharedStats>,
+    ) -> Self {
+        let mut out = out;
+        let names = OwnNames {
+            unknown_span: out.intern("unknown span"),
+            unknown_callsite: out.intern("unknown callsite"),
+            gap: out.intern("tickline: records dropped"),
+            records: out.intern("records"),
+            truncated: out.intern("tickline.truncated"),
+            fields_truncated: out.intern("tickline.fields_truncated"),
+            dropped_inside: out.intern("tickline.dropped_inside"),
+        };
+        let tracks = OwnTracks {
+            dropped: out.new_counter_track("tickline dropped records", "records"),
+            truncated: out.new_counter_track("tickline truncated slices", "slices"),
+            buffered: out.new_counter_track("tickline buffered records", "bytes"),
+            cpu_drift: out.new_counter_track("tickline TSC drift", "ppm"),
+            cpu_error: out.new_counter_track("tickline TSC error bound", "ns"),
+        };
+        Processor {
+            out,
+            callsites: IdMap::default(),
+            rings: Vec::new(),
+            active: Vec::new(),
+            spans: Spans::default(),
+            cpu: None,
+            gpu: GpuCollector::new(gpu),
+            pass: 0,
+            counts: Counts::default(),
+            names,
+            tracks,
+            payload: Vec::new(),
+            scratch_fields: Vec::new(),
+            recycler,
+            stats,
+            last_export_ns: 0,
+            last_drain_ns: 0,
+            reported_dropped: 0,
+            reported_truncated: 0,
+            reported_fit_ns: 0,
+            dropped_of_ended: 0,
+            hold_limit_ns: HOLD_LIMIT_NS,
+            finished: false,
+        }
+    }
+
+    /// Sets how CPU ticks are converted: live (the newest fit) or from a complete history (a capture).
+    pub(crate) fn set_cpu_clock(&mut self, cpu: CpuTime) {
+        self.cpu = Some(cpu);
+    }
+
+    /// Starts the live CPU clock of `source` (its calibration samples come as inputs).
+    pub(crate) fn live_cpu_clock(&mut self, source: TickSource, domain: ClockDomain, history: HistoryConfig) {
+        self.cpu = Some(CpuTime::Live {
+            source,
+            history: CalibrationHistory::new(domain, history),
+            fast: None,
+        });
+    }
+
+    /// Whether the Shutdown input has been processed.
+    pub(crate) fn is_finished(&self) -> bool {
+        self.finished
+    }
+
+    /// Empties the batch being built (benches).
+    pub(crate) fn clear_batch(&mut self) {
+        self.out.batch.clear();
+    }
+
+    /// Processes what is queued and returns the batch, without releasing, reporting or exporting (benches).
+    pub(crate) fn process_for_bench(&mut self) -> &crate::export::Batch {
+        let drain = self.last_drain_ns;
+        self.process_rings(drain, false);
+        &self.out.batch
+    }
+
+    /// Takes one input.
+    pub(crate) fn input(&mut self, input: Input) {
+        match input {
+            Input::Thread { ring, tid, name } => self.add_ring(ring, tid, name),
+            Input::Callsite(def) => self.add_callsite(def),
+            Input::Chunk(chunk) => self.add_chunk(chunk),
+            Input::ThreadEnd { ring } => {
+                if let Some(Some(r)) = self.rings.get_mut(ring as usize) {
+                    r.input.ended = true;
+                }
+            }
+            Input::CpuCalibration(samples) => self.cpu_burst(&samples),
+            Input::Gpu(gpu) => self.gpu.input(&mut self.out, gpu),
+            Input::PassEnd {
+                drain_ns,
+                buffered_bytes,
+                ..
+            } => {
+                self.pass_end(drain_ns, false);
+                let value = self.out.value_name();
+                self.out
+                    .push_counter(self.tracks.buffered, drain_ns, value, buffered_bytes as f64);
+                self.export(drain_ns, false);
+            }
+            Input::Flush(reply) => {
+                let drain_ns = self.last_drain_ns;
+                self.pass_end(drain_ns, true);
+                self.export(drain_ns, true);
+                let result = self.out.flush_exporters(&self.stats, false);
+                let _ = reply.send(result);
+            }
+            Input::Shutdown(reply) => {
+                let result = self.shutdown();
+                let _ = reply.send(result);
+            }
+        }
+    }
+
+    fn add_ring(&mut self, ring: u32, tid: u32, name: String) {
+        let pid = self.out.pid();
+        let parent = Some(self.out.process_track());
+        let track = self.out.new_track(parent, TrackKind::Thread { pid, tid, name });
+        let index = ring as usize;
+        if self.rings.len() <= index {
+            self.rings.resize_with(index + 1, || None);
+        }
+        self.rings[index] = Some(Ring {
+            input: RingInput {
+                pending: VecDeque::new(),
+                cursor: 0,
+                stalled_passes: 0,
+                ended: false,
+            },
+            track: Track {
+                id: track,
+                open: Vec::new(),
+                held: VecDeque::new(),
+                held_base: 0,
+                last_ns: 0,
+                last_exit: None,
+            },
+            dropped_total: 0,
+        });
+        self.active.push(ring);
+    }
+
+    fn add_callsite(&mut self, def: CallsiteDef) {
+        if self.callsites.contains_key(&def.key) {
+            return;
+        }
+        let name = self.out.intern(&def.name);
+        let fields = def.fields.iter().map(|f| self.out.intern(f)).collect();
+        self.callsites.insert(
+            def.key,
+            CallsiteInfo {
+                name,
+                fields,
+                counter_track: None,
+            },
+        );
+    }
+
+    fn add_chunk(&mut self, chunk: Chunk) {
+        match self.rings.get_mut(chunk.ring as usize) {
+            Some(Some(ring)) => ring.input.pending.push_back(chunk),
+            _ => {
+                // A chunk of a ring never registered: corrupt input. Every record is a framing error.
+                self.counts.framing_errors += chunk.records.len() as u64;
+                self.recycle(chunk);
+            }
+        }
+    }
+
+    fn recycle(&mut self, chunk: Chunk) {
+        if let Some(r) = &self.recycler {
+            r.budget
+                .release(chunk.records.len() * std::mem::size_of::<crate::codec::Record>());
+            let mut records = chunk.records;
+            records.clear();
+            let _ = r.pool.push(records);
+        }
+    }
+
+    fn cpu_burst(&mut self, samples: &[crate::calibration::CalibrationSample]) {
+        let Some(CpuTime::Live { history, fast, .. }) = &mut self.cpu else {
+            return;
+        };
+        if history.add_burst(samples).is_ok() {
+            *fast = history.latest().map(FastConverter::new);
+        }
+    }
+
+    /// Processes every ring as far as it can go, then releases holds, converts GPU slices and reports.
+    fn pass_end(&mut self, drain_ns: u64, force: bool) {
+        self.process_rings(drain_ns, force);
+        self.finish_pass(force);
+    }
+
+    /// Processes every ring as far as it can go (`force`: past records that name unknown spans).
+    fn process_rings(&mut self, drain_ns: u64, force: bool) {
+        self.pass += 1;
+        self.last_drain_ns = self.last_drain_ns.max(drain_ns);
+        // Rings wait on each other (a span created on one, entered on another): go round until nothing moves.
+        loop {
+            let mut progress = false;
+            for k in 0..self.active.len() {
+                progress |= self.process_ring(self.active[k], false);
+            }
+            if !progress {
+                break;
+            }
+        }
+        // Rings stalled too long: the span they wait for was never announced. Go on without it.
+        for k in 0..self.active.len() {
+            let ring = self.active[k];
+            let stalled = self.rings[ring as usize].as_ref().is_some_and(|r| {
+                !r.input.pending.is_empty() && (force || r.input.stalled_passes >= MAX_WAIT_PASSES)
+            });
+            if stalled {
+                self.process_ring(ring, true);
+            } else if let Some(r) = self.rings[ring as usize].as_mut() {
+                if !r.input.pending.is_empty() {
+                    r.input.stalled_passes += 1;
+                }
+            }
+        }
+        self.finish_ended_rings();
+    }
+
+    /// Releases what the holds allow (`force`: everything), converts GPU slices, reports.
+    fn finish_pass(&mut self, force: bool) {
+        let drain = self.last_drain_ns;
+        for k in 0..self.active.len() {
+            let ring = self.active[k];
+            if let Some(mut r) = self.rings[ring as usize].take() {
+                let expired = r
+                    .track
+                    .held
+                    .front()
+                    .is_some_and(|e| drain.saturating_sub(e.ts_ns) > self.hold_limit_ns)
+                    || r.track.held.len() > HOLD_MAX_EVENTS;
+                self.release(&mut r.track, force || expired, drain);
+                self.rings[ring as usize] = Some(r);
+            }
+        }
+        self.gpu.pass_end(&mut self.out, drain, force);
+        self.report(drain);
+        self.spans.sweep(self.pass);
+    }
+
+    /// Processes ring `ring`'s pending records until one stalls. `force`: a record naming an unknown span is
+    /// processed as unknown instead of stalling. Returns whether any record was processed.
+    fn process_ring(&mut self, ring: u32, force: bool) -> bool {
+        let Some(mut r) = self.rings.get_mut(ring as usize).and_then(Option::take) else {
+            return false;
+        };
+        let mut progress = false;
+        'chunks: while let Some(chunk) = r.input.pending.pop_front() {
+            r.dropped_total = r.dropped_total.max(chunk.dropped_total);
+            let mut decoder = Decoder::new(&chunk.records[r.input.cursor..]);
+            let mut processed = 0;
+            while let Some((item, len)) = decoder.next_with_len() {
+                match item {
+                    Err(_) => {
+                        self.counts.framing_errors += len as u64;
+                    }
+                    Ok(item) => match self.item(&mut r.track, item, chunk.now_ticks, force) {
+                        Step::Done => {}
+                        Step::Stall => {
+                            r.input.cursor += processed;
+                            r.input.pending.push_front(chunk);
+                            break 'chunks;
+                        }
+                    },
+                }
+                processed += len;
+                progress = true;
+                r.input.stalled_passes = 0;
+            }
+            r.input.cursor = 0;
+            self.recycle(chunk);
+        }
+        self.rings[ring as usize] = Some(r);
+        progress
+    }
+
+    /// Rings whose thread exited and whose records are all processed: their open slices end at their last
+    /// time, marked truncated; their held events go out.
+    fn finish_ended_rings(&mut self) {
+        let mut k = 0;
+        while k < self.active.len() {
+            let ring = self.active[k];
+            let done = self.rings[ring as usize]
+                .as_ref()
+                .is_some_and(|r| r.input.ended && r.input.pending.is_empty());
+            if !done {
+                k += 1;
+                continue;
+            }
+            let mut r = self.rings[ring as usize].take().expect("checked above");
+            let end = r.track.last_ns;
+            self.truncate_open(&mut r.track, end);
+            self.release(&mut r.track, true, end);
+            self.dropped_of_ended += r.dropped_total;
+            self.active.swap_remove(k);
+        }
+    }
+
+    /// Ends every open slice of `track` at `end_ns`, marked truncated.
+    fn truncate_open(&mut self, track: &mut Track, end_ns: u64) {
+        let end_ns = end_ns.max(track.last_ns);
+        while let Some(slice) = track.open.pop() {
+            self.counts.truncated_slices += 1;
+            self.end_slice(track, slice, end_ns, true);
+        }
+    }
+
+    fn ticks_to_ns(&mut self, track: &mut Track, low: u64, now_ticks: u64) -> u64 {
+        let ticks = restore_ticks(low, now_ticks);
+        let ns = self.cpu.as_ref().and_then(|c| c.to_ns(ticks)).unwrap_or(track.last_ns);
+        if ns < track.last_ns {
+            self.counts.monotonic_clamps += 1;
+            return track.last_ns;
+        }
+        track.last_ns = ns;
+        ns
+    }
+
+    fn callsite_name(&mut self, key: u64) -> NameId {
+        match self.callsites.get(&key) {
+            Some(c) => c.name,
+            None => {
+                self.counts.unknown_callsites += 1;
+                self.names.unknown_callsite
+            }
+        }
+    }
+
+    /// Decodes a field payload of callsite `key` into `out` (appending); a truncation marker becomes the
+    /// `tickline.fields_truncated` field. Returns how many fields were cut.
+    fn decode_payload(&mut self, key: u64, payload: Payload<'_>, out: &mut Vec<Field>) -> u64 {
+        if payload.len() == 0 {
+            return 0;
+        }
+        payload.bytes_into(&mut self.payload);
+        let Some(callsite) = self.callsites.get(&key) else {
+            return 0;
+        };
+        let mut truncated = 0;
+        for (index, value) in decode_fields(&self.payload) {
+            let (name, value) = match value {
+                RawValue::Truncated(n) if index == META_INDEX => {
+                    truncated = u64::from(n);
+                    (self.names.fields_truncated, FieldValue::U64(u64::from(n)))
+                }
+                RawValue::Truncated(_) => continue,
+                RawValue::I64(v) => (field_name(&callsite.fields, index), FieldValue::I64(v)),
+                RawValue::U64(v) => (field_name(&callsite.fields, index), FieldValue::U64(v)),
+                RawValue::F64(v) => (field_name(&callsite.fields, index), FieldValue::F64(v)),
+                RawValue::Bool(v) => (field_name(&callsite.fields, index), FieldValue::Bool(v)),
+                RawValue::Str(s) => (field_name(&callsite.fields, index), FieldValue::Str(s.to_owned())),
+            };
+            if name == NameId(0) {
+                continue;
+            }
+            set_field(out, Field { name, value });
+        }
+        if truncated > 0 {
+            self.counts.fields_truncated += 1;
+        }
+        truncated
+    }
+
+    /// Emits an event on `track`: held behind a held span begin, or straight into the batch.
+    fn emit(&mut self, track: &mut Track, ts_ns: u64, kind: EventKind, name: NameId, fields: Vec<Field>, flow_out: Option<u64>) {
+        if track.held.is_empty() {
+            let mut fields = fields;
+            let event = self.out.push_event_owned(ts_ns, track.id, kind, name, &mut fields);
+            event.flow_out = flow_out;
+        } else {
+            track.held.push_back(HeldEvent {
+                ts_ns,
+                kind,
+                name,
+                fields,
+                flow_out,
+                span: None,
+            });
+        }
+    }
+
+    fn span_serial(&self, serial: u64) -> Option<&SpanState> {
+        self.spans.get(serial)
+    }
+
+    /// One decoded record of a ring.
+    fn item(&mut self, track: &mut Track, item: Item<'_>, now_ticks: u64, force: bool) -> Step {
+        match item {
+            Item::SpanNew {
+                ticks,
+                serial,
+                callsite,
+                parent,
+                fields,
+            } => {
+                let ts = self.ticks_to_ns(track, ticks, now_ticks);
+                let name = self.callsite_name(callsite);
+                let mut values = Vec::new();
+                let truncated = self.decode_payload(callsite, fields, &mut values);
+                let parent = match parent {
+                    Parent::Explicit(serial) => Some(serial),
+                    Parent::Root => None,
+                    // The span current on this thread when it was created: the innermost open span slice.
+                    Parent::Contextual => track.open.iter().rev().find_map(|o| match o.kind {
+                        OpenKind::Span(serial) => Some(serial),
+                        OpenKind::Scope(_) => None,
+                    }),
+                };
+                let mut span = SpanState::new(name, callsite, ts, parent, values);
+                span.fields_truncated = truncated;
+                self.spans.insert(serial, span);
+            }
+            Item::SpanRecord { ticks, serial, fields } => {
+                let Some(span) = self.span_serial(serial) else {
+                    if !force {
+                        return Step::Stall;
+                    }
+                    self.counts.unknown_spans += 1;
+                    return Step::Done;
+                };
+                let callsite = span.callsite;
+                let ts = self.ticks_to_ns(track, ticks, now_ticks);
+                let mut values = std::mem::take(&mut self.scratch_fields);
+                values.clear();
+                let truncated = self.decode_payload(callsite, fields, &mut values);
+                if let Some(span) = self.spans.get_mut(serial) {
+                    span.fields_truncated = span.fields_truncated.max(truncated);
+                    span.update(ts, values.drain(..));
+                }
+                self.scratch_fields = values;
+            }
+            Item::SpanEnter { ticks, serial } => {
+                let name = match self.span_serial(serial) {
+                    Some(span) => span.name,
+                    None if !force => return Step::Stall,
+                    None => {
+                        self.counts.unknown_spans += 1;
+                        self.names.unknown_span
+                    }
+                };
+                let ts = self.ticks_to_ns(track, ticks, now_ticks);
+                if let Some(span) = self.spans.get_mut(serial) {
+                    span.open_slices += 1;
+                    span.enters += 1;
+                }
+                // Held until the slice ends: it shows the values the span had then.
+                let seq = track.held_base + track.held.len() as u64;
+                track.held.push_back(HeldEvent {
+                    ts_ns: ts,
+                    kind: EventKind::SliceBegin,
+                    name,
+                    fields: Vec::new(),
+                    flow_out: None,
+                    span: Some(HeldSpan { serial, end: None }),
+                });
+                track.open.push(OpenSlice {
+                    kind: OpenKind::Span(serial),
+                    name,
+                    held: Some(seq),
+                    released_values: None,
+                    dropped_inside: 0,
+                });
+            }
+            Item::SpanExit { ticks, serial } => {
+                let ts = self.ticks_to_ns(track, ticks, now_ticks);
+                track.last_exit = Some((serial, ts));
+                self.close_slice(track, OpenKind::Span(serial), ts);
+            }
+            Item::SpanClose { ticks, serial } => {
+                if self.span_serial(serial).is_none() {
+                    if !force {
+                        return Step::Stall;
+                    }
+                    self.counts.unknown_spans += 1;
+                    return Step::Done;
+                }
+                let ts = match ticks {
+                    Some(ticks) => self.ticks_to_ns(track, ticks, now_ticks),
+                    None => match track.last_exit {
+                        Some((s, ns)) if s == serial => ns,
+                        _ => track.last_ns,
+                    },
+                };
+                self.spans.close(serial, self.pass, ts);
+            }
+            Item::Event {
+                ticks,
+                callsite,
+                parent: _,
+                fields,
+            } => {
+                let ts = self.ticks_to_ns(track, ticks, now_ticks);
+                let name = self.callsite_name(callsite);
+                let mut values = Vec::new();
+                self.decode_payload(callsite, fields, &mut values);
+                self.emit(track, ts, EventKind::Instant, name, values, None);
+            }
+            Item::ScopeBegin { ticks, callsite } => {
+                let ts = self.ticks_to_ns(track, ticks, now_ticks);
+                let name = self.callsite_name(callsite);
+                let held = (!track.held.is_empty()).then(|| track.held_base + track.held.len() as u64);
+                self.emit(track, ts, EventKind::SliceBegin, name, Vec::new(), None);
+                track.open.push(OpenSlice {
+                    kind: OpenKind::Scope(callsite),
+                    name,
+                    held,
+                    released_values: None,
+                    dropped_inside: 0,
+                });
+            }
+            Item::ScopeEnd { ticks, callsite } => {
+                let ts = self.ticks_to_ns(track, ticks, now_ticks);
+                self.close_slice(track, OpenKind::Scope(callsite), ts);
+            }
+            Item::Instant { ticks, callsite } => {
+                let ts = self.ticks_to_ns(track, ticks, now_ticks);
+                let name = self.callsite_name(callsite);
+                self.emit(track, ts, EventKind::Instant, name, Vec::new(), None);
+            }
+            Item::Counter { ticks, callsite, value } => {
+                let ts = self.ticks_to_ns(track, ticks, now_ticks);
+                let (name, counter_track) = self.counter_track(callsite);
+                self.out.push_counter(counter_track, ts, name, value);
+            }
+            Item::GpuBegin {
+                ticks,
+                callsite,
+                key,
+                fields,
+            } => {
+                let ts = self.ticks_to_ns(track, ticks, now_ticks);
+                let name = self.callsite_name(callsite);
+                let mut values = Vec::new();
+                self.decode_payload(callsite, fields, &mut values);
+                let flow = self.gpu.next_flow();
+                // Where this thread recorded the GPU work: the flow's start.
+                self.emit(track, ts, EventKind::Instant, name, Vec::new(), Some(flow));
+                self.gpu.begin(key, name, values, ts, flow);
+            }
+            Item::Gap { ticks, dropped } => {
+                let ts = self.ticks_to_ns(track, ticks, now_ticks);
+                for slice in &mut track.open {
+                    slice.dropped_inside += dropped;
+                }
+                let fields = vec![Field {
+                    name: self.names.records,
+                    value: FieldValue::U64(dropped),
+                }];
+                self.emit(track, ts, EventKind::Instant, self.names.gap, fields, None);
+            }
+        }
+        Step::Done
+    }
+
+    fn counter_track(&mut self, key: u64) -> (NameId, TrackId) {
+        if let Some(c) = self.callsites.get(&key) {
+            if let Some(track) = c.counter_track {
+                return (c.name, track);
+            }
+        }
+        let name = self.callsite_name(key);
+        let label = self.out.name_of(name).to_owned();
+        let track = self.out.new_counter_track(&label, "");
+        if let Some(c) = self.callsites.get_mut(&key) {
+            c.counter_track = Some(track);
+        }
+        (name, track)
+    }
+
+    /// Ends the innermost open slice of `kind` on `track` at `ts_ns`. Slices opened inside it and still open
+    /// (ends out of stack order, which `tracing` allows) end there too and open again right after, so every
+    /// track nests; an end with no open slice is counted and dropped.
+    fn close_slice(&mut self, track: &mut Track, kind: OpenKind, ts_ns: u64) {
+        let Some(pos) = track.open.iter().rposition(|o| o.kind == kind) else {
+            self.counts.unmatched_ends += 1;
+            return;
+        };
+        let inner: Vec<OpenSlice> = track.open.drain(pos + 1..).collect();
+        let mut reopen = Vec::new();
+        for slice in inner.into_iter().rev() {
+            reopen.push((slice.kind, slice.name));
+            self.end_slice(track, slice, ts_ns, false);
+        }
+        let slice = track.open.pop().expect("pos exists");
+        self.end_slice(track, slice, ts_ns, false);
+        for (kind, name) in reopen.into_iter().rev() {
+            self.reopen(track, kind, name, ts_ns);
+        }
+    }
+
+    /// Opens again a slice ended only to keep nesting (see [`close_slice`](Self::close_slice)).
+    fn reopen(&mut self, track: &mut Track, kind: OpenKind, name: NameId, ts_ns: u64) {
+        match kind {
+            OpenKind::Span(serial) => {
+                if let Some(span) = self.spans.get_mut(serial) {
+                    span.open_slices += 1;
+                }
+                let seq = track.held_base + track.held.len() as u64;
+                track.held.push_back(HeldEvent {
+                    ts_ns,
+                    kind: EventKind::SliceBegin,
+                    name,
+                    fields: Vec::new(),
+                    flow_out: None,
+                    span: Some(HeldSpan { serial, end: None }),
+                });
+                track.open.push(OpenSlice {
+                    kind,
+                    name,
+                    held: Some(seq),
+                    released_values: None,
+                    dropped_inside: 0,
+                });
+            }
+            OpenKind::Scope(_) => {
+                let held = (!track.held.is_empty()).then(|| track.held_base + track.held.len() as u64);
+                self.emit(track, ts_ns, EventKind::SliceBegin, name, Vec::new(), None);
+                track.open.push(OpenSlice {
+                    kind,
+                    name,
+                    held,
+                    released_values: None,
+                    dropped_inside: 0,
+                });
+            }
+        }
+    }
+
+    /// Emits `slice`'s end at `ts_ns` (`truncated`: the slice really ended later) with its markers: on its
+    /// begin while that is held, else on the end.
+    fn end_slice(&mut self, track: &mut Track, slice: OpenSlice, ts_ns: u64, truncated: bool) {
+        let mut markers = Vec::new();
+        if truncated {
+            markers.push(Field {
+                name: self.names.truncated,
+                value: FieldValue::Bool(true),
+            });
+        }
+        if slice.dropped_inside > 0 {
+            markers.push(Field {
+                name: self.names.dropped_inside,
+                value: FieldValue::U64(slice.dropped_inside),
+            });
+        }
+        let mut end_fields = Vec::new();
+        match slice.held.and_then(|seq| held_at(track, seq)) {
+            Some(begin) => {
+                begin.fields.extend(markers);
+                if let Some(span) = &mut begin.span {
+                    span.end = Some((ts_ns, self.pass));
+                }
+            }
+            None => {
+                end_fields = markers;
+                if let (OpenKind::Span(serial), Some(released)) = (slice.kind, &slice.released_values) {
+                    // Released before it ended: the values that changed since go on its end.
+                    if let Some(span) = self.spans.get(serial) {
+                        let mut now = Vec::new();
+                        span.values_at(ts_ns, &mut now);
+                        for field in now {
+                            if !released.contains(&field) {
+                                end_fields.push(field);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        if let OpenKind::Span(serial) = slice.kind {
+            if let Some(span) = self.spans.get_mut(serial) {
+                span.open_slices = span.open_slices.saturating_sub(1);
+            }
+        }
+        self.emit(track, ts_ns, EventKind::SliceEnd, slice.name, end_fields, None);
+    }
+
+    /// Sends out `track`'s held events up to the first span begin that must wait longer: still open, or
+    /// ended in this pass (values recorded on other threads before its end may come next pass). With
+    /// `force`, everything goes out; a span slice still open goes with its current values.
+    fn release(&mut self, track: &mut Track, force: bool, now_ns: u64) {
+        while let Some(front) = track.held.front() {
+            if let Some(span) = &front.span {
+                match span.end {
+                    Some((_, end_pass)) if end_pass < self.pass || force => {}
+                    None if force => {}
+                    _ => break,
+                }
+            }
+            let mut event = track.held.pop_front().expect("front exists");
+            let seq = track.held_base;
+            track.held_base += 1;
+            if let Some(span) = event.span.take() {
+                let at = span.end.map_or(now_ns, |(end, _)| end);
+                let mut values = Vec::new();
+                if let Some(state) = self.spans.get(span.serial) {
+                    state.values_at(at, &mut values);
+                }
+                if span.end.is_none() {
+                    // Released before it ended: remember what went out, for its end.
+                    if let Some(open) = track.open.iter_mut().find(|o| o.held == Some(seq)) {
+                        open.released_values = Some(values.clone());
+                    }
+                }
+                let markers = std::mem::take(&mut event.fields);
+                values.extend(markers);
+                event.fields = values;
+            }
+            let event_out = self
+                .out
+                .push_event_owned(event.ts_ns, track.id, event.kind, event.name, &mut event.fields);
+            event_out.flow_out = event.flow_out;
+        }
+        for open in &mut track.open {
+            if open.held.is_some_and(|seq| seq < track.held_base) {
+                open.held = None;
+            }
+        }
+    }
+
+    /// Counter tracks of the timeline's own state, and the stats.
+    fn report(&mut self, drain_ns: u64) {
+        let value = self.out.value_name();
+        let dropped = self.dropped_of_ended
+            + self
+                .active
+                .iter()
+                .filter_map(|&r| self.rings[r as usize].as_ref())
+                .map(|r| r.dropped_total)
+                .sum::<u64>();
+        if dropped != self.reported_dropped {
+            self.reported_dropped = dropped;
+            self.out.push_counter(self.tracks.dropped, drain_ns, value, dropped as f64);
+        }
+        if self.counts.truncated_slices != self.reported_truncated {
+            self.reported_truncated = self.counts.truncated_slices;
+            self.out
+                .push_counter(self.tracks.truncated, drain_ns, value, self.counts.truncated_slices as f64);
+        }
+        if let Some(fit) = self.cpu.as_ref().and_then(|c| c.history().latest().copied()) {
+            if fit.calibrated_at_ns() != self.reported_fit_ns {
+                self.reported_fit_ns = fit.calibrated_at_ns();
+                self.out.push_counter(self.tracks.cpu_drift, drain_ns, value, fit.drift_ppm());
+                self.out
+                    .push_counter(self.tracks.cpu_error, drain_ns, value, fit.error_bound_ns());
+            }
+        }
+        self.publish_stats();
+    }
+
+    fn publish_stats(&self) {
+        let (c, s) = (&self.counts, &self.stats);
+        s.truncated_slices.store(c.truncated_slices, Ordering::Relaxed);
+        s.fields_truncated.store(c.fields_truncated, Ordering::Relaxed);
+        s.unmatched_ends.store(c.unmatched_ends, Ordering::Relaxed);
+        s.unknown_spans.store(c.unknown_spans, Ordering::Relaxed);
+        s.unknown_callsites.store(c.unknown_callsites, Ordering::Relaxed);
+        s.framing_errors.store(c.framing_errors, Ordering::Relaxed);
+        s.monotonic_clamps
+            .store(c.monotonic_clamps + self.out.monotonic_clamps, Ordering::Relaxed);
+        let g = self.gpu.stats;
+        s.gpu_scopes.store(g.scopes, Ordering::Relaxed);
+        s.gpu_lost_scopes.store(g.lost_scopes, Ordering::Relaxed);
+        s.gpu_causality_violations
+            .store(g.causality_violations, Ordering::Relaxed);
+        s.gpu_failed_calibrations
+            .store(g.failed_calibrations, Ordering::Relaxed);
+        s.gpu_read_failures.store(g.read_failures, Ordering::Relaxed);
+    }
+
+    /// Hands the batch to the exporters: after every pass that made events, and at least every 100 ms (an
+    /// empty batch then), so exporters that write on a clock can.
+    fn export(&mut self, now_ns: u64, always: bool) {
+        const EXPORT_AT_LEAST_EVERY_NS: u64 = 100_000_000;
+        let due = always || now_ns.saturating_sub(self.last_export_ns) >= EXPORT_AT_LEAST_EVERY_NS;
+        self.out.batch.cpu_clock = match &self.cpu {
+            Some(CpuTime::Live { source, history, .. }) => history.latest().map(|&calibration| CpuClock {
+                source: *source,
+                calibration,
+            }),
+            _ => None,
+        };
+        if due || !self.out.batch.is_empty() {
+            self.last_export_ns = now_ns;
+            self.out.export(&self.stats, due);
+        }
+    }
+
+    fn shutdown(&mut self) -> Result<(), String> {
+        let end = self.last_drain_ns;
+        self.process_rings(end, true);
+        // Threads still running: their open slices go on past the end of the trace.
+        for k in 0..self.active.len() {
+            let ring = self.active[k];
+            if let Some(mut r) = self.rings[ring as usize].take() {
+                self.truncate_open(&mut r.track, end);
+                self.rings[ring as usize] = Some(r);
+            }
+        }
+        self.finish_pass(true);
+        self.gpu.abandon();
+        self.report(end);
+        self.export(end, true);
+        self.finished = true;
+        self.out.flush_exporters(&self.stats, true)
+    }
+}
+
+fn field_name(names: &[NameId], index: u8) -> NameId {
+    names.get(index as usize).copied().unwrap_or(NameId(0))
+}
+
+/// The held event with sequence number `seq`, if still held.
+fn held_at(track: &mut Track, seq: u64) -> Option<&mut HeldEvent> {
+    let index = seq.checked_sub(track.held_base)?;
+    track.held.get_mut(index as usize)
+}

@@ -1,0 +1,94 @@
+//! [`TimelineStats`]: the counters a running timeline keeps, and their shared, atomic form.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+/// Counters of a running timeline. Every record is accounted for: the records the program's threads made
+/// are `records + dropped_records`, and every slice they began is exported, dropped whole (its records are
+/// among `dropped_records`) or cut short (`truncated_slices`, marked `tickline.truncated` in the trace).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TimelineStats {
+    /// Records taken from the rings.
+    pub records: u64,
+    /// Records dropped because a ring was full (drop mode). A slice is never half-dropped: a begin that could
+    /// not leave room for its end is dropped with its end.
+    pub dropped_records: u64,
+    /// Slices the trace had to end before their real end (the thread exited with them open, or the timeline
+    /// shut down while they were open): ended at the last moment known, marked `tickline.truncated`.
+    pub truncated_slices: u64,
+    /// Spans and events whose fields were cut or left out at a payload limit (marked
+    /// `tickline.fields_truncated`).
+    pub fields_truncated: u64,
+    /// Events handed to the exporters.
+    pub events: u64,
+    /// Thread rings registered so far.
+    pub threads: u64,
+    /// Exits or scope ends with no matching open slice on their thread (dropped from the output).
+    pub unmatched_ends: u64,
+    /// Records naming a span the collector never learned about (shown as "unknown span").
+    pub unknown_spans: u64,
+    /// Records naming a call site that was never registered (shown as "unknown callsite").
+    pub unknown_callsites: u64,
+    /// Records the decoder could not frame (corrupt input; never expected from a live ring). Counted and
+    /// skipped.
+    pub framing_errors: u64,
+    /// Timestamps held back to keep a track's time from going backwards across a recalibration.
+    pub monotonic_clamps: u64,
+    /// Drain passes that left the rings alone because the chunk budget was full (the processing stage
+    /// was that far behind).
+    pub budget_full_passes: u64,
+    /// Exporter failures (each failed exporter is counted once and then skipped).
+    pub export_failures: u64,
+    /// GPU scopes whose begin reached the collector.
+    pub gpu_scopes: u64,
+    /// GPU scopes never finished by the GPU within the loss bound (their commands were not submitted), or whose
+    /// device was unknown. Their flows have no GPU end.
+    pub gpu_lost_scopes: u64,
+    /// GPU slices that converted to before the CPU recorded them: calibration failures (clamped for display).
+    pub gpu_causality_violations: u64,
+    /// GPU calibration bursts that failed or gave no usable sample.
+    pub gpu_failed_calibrations: u64,
+    /// GPU timestamp reads that failed (counted, and retried on the next pass).
+    pub gpu_read_failures: u64,
+}
+
+macro_rules! shared_stats {
+    ($($field:ident),* $(,)?) => {
+        /// [`TimelineStats`] as atomics, written by the collector's threads and read by the handle.
+        #[derive(Default)]
+        pub(crate) struct SharedStats {
+            $(pub(crate) $field: AtomicU64,)*
+            pub(crate) first_export_error: Mutex<Option<(std::io::ErrorKind, String)>>,
+        }
+
+        impl SharedStats {
+            pub(crate) fn snapshot(&self) -> TimelineStats {
+                TimelineStats {
+                    $($field: self.$field.load(Ordering::Relaxed),)*
+                }
+            }
+        }
+    };
+}
+
+shared_stats!(
+    records,
+    dropped_records,
+    truncated_slices,
+    fields_truncated,
+    events,
+    threads,
+    unmatched_ends,
+    unknown_spans,
+    unknown_callsites,
+    framing_errors,
+    monotonic_clamps,
+    budget_full_passes,
+    export_failures,
+    gpu_scopes,
+    gpu_lost_scopes,
+    gpu_causality_violations,
+    gpu_failed_calibrations,
+    gpu_read_failures,
+);

@@ -1,0 +1,214 @@
+//! The GPU's live side, run by the collector's drain stage: calibration bursts on schedule (or when the
+//! processing stage asks for one), non-blocking reads of every timestamp pair a scope holds, release of a
+//! pair's slots as soon as both of its ticks are read, and retirement of pairs never written. What it reads
+//! goes into the input log; conversion happens later, in the processing stage (`collect.rs`).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use super::{pair_state, DeviceLink, GpuCalibrationConfig, GpuControl, GpuTicks};
+use crate::calibration::CalibrationSample;
+use crate::clock::monotonic_ns;
+use crate::collector::input::{GpuInput, Input, LiveLink, PairRead};
+
+/// Most pairs read back in one backend call.
+const MAX_READ_RUN: usize = 256;
+
+struct LiveDevice {
+    device: u16,
+    link: Arc<dyn DeviceLink>,
+    last_burst_ns: Option<u64>,
+    /// Pairs seen allocated and not finished yet: `pair -> (generation, first seen ns)`.
+    pending: HashMap<u32, (u32, u64)>,
+}
+
+/// Every GPU device of one timeline, as the drain stage polls them.
+pub(crate) struct GpuLive {
+    config: GpuCalibrationConfig,
+    devices: Vec<LiveDevice>,
+    samples: Vec<CalibrationSample>,
+    reads: Vec<Option<GpuTicks>>,
+}
+
+impl GpuLive {
+    pub(crate) fn new(config: GpuCalibrationConfig) -> Self {
+        GpuLive {
+            config,
+            devices: Vec::new(),
+            samples: Vec::new(),
+            reads: Vec::new(),
+        }
+    }
+
+    /// A device or queue registration: kept for polling, and passed on to the processing stage.
+    pub(crate) fn register(&mut self, message: GpuControl) -> Option<GpuInput> {
+        match message {
+            GpuControl::Device { device, info, link } => {
+                self.devices.push(LiveDevice {
+                    device,
+                    link: link.clone(),
+                    last_burst_ns: None,
+                    pending: HashMap::new(),
+                });
+                Some(GpuInput::Device {
+                    device,
+                    info,
+                    link: LiveLink(Some(link)),
+                })
+            }
+            GpuControl::Queue { device, queue, name } => Some(GpuInput::Queue { device, queue, name }),
+        }
+    }
+
+    /// Whether any pair is still held by a scope.
+    pub(crate) fn busy(&self) -> bool {
+        self.devices.iter().any(|d| {
+            d.link
+                .pair_states()
+                .iter()
+                .any(|s| pair_state::is_allocated(s.load(std::sync::atomic::Ordering::Acquire)))
+        })
+    }
+
+    /// One pass: calibrate where due (`force`: a flush or shutdown, unless a burst was just taken), read
+    /// pairs, release what is finished, retire what is lost.
+    pub(crate) fn poll(&mut self, now_ns: u64, force: bool, out: &mut Vec<Input>) {
+        let config = self.config;
+        for d in &mut self.devices {
+            let since = d.last_burst_ns.map(|t| now_ns.saturating_sub(t));
+            let gap = config.min_burst_gap.as_nanos() as u64;
+            let due = match since {
+                None => true,
+                Some(since) => {
+                    since >= config.burst_period.as_nanos() as u64
+                        || (since >= gap && (force || d.link.take_burst_request()))
+                }
+            };
+            if due {
+                self.samples.clear();
+                let result = d
+                    .link
+                    .calibrate(config.burst_samples, config.burst_budget, &mut self.samples);
+                let at_ns = monotonic_ns().0;
+                d.last_burst_ns = Some(at_ns);
+                out.push(Input::Gpu(GpuInput::Calibration {
+                    device: d.device,
+                    at_ns,
+                    samples: self.samples.clone(),
+                    failed: result.is_err(),
+                }));
+            }
+            read_pairs(d, &mut self.reads, now_ns, config, out);
+        }
+    }
+
+    /// Shutdown: every pair still held is retired, its scope lost.
+    pub(crate) fn retire_in_flight(&mut self, out: &mut Vec<Input>) {
+        for d in &mut self.devices {
+            for (pair, state) in d.link.pair_states().iter().enumerate() {
+                let state = state.load(std::sync::atomic::Ordering::Acquire);
+                if pair_state::is_allocated(state) {
+                    d.link.retire_pair(pair as u32);
+                    out.push(Input::Gpu(GpuInput::Lost {
+                        device: d.device,
+                        pair: pair as u32,
+                        generation: pair_state::generation(state),
+                    }));
+                }
+            }
+            d.pending.clear();
+        }
+    }
+}
+
+/// Reads every allocated pair of `d` (runs of consecutive pairs in one call), releases the finished ones
+/// and retires the ones past the loss bound.
+fn read_pairs(
+    d: &mut LiveDevice,
+    reads: &mut Vec<Option<GpuTicks>>,
+    now_ns: u64,
+    config: GpuCalibrationConfig,
+    out: &mut Vec<Input>,
+) {
+    let states = d.link.pair_states();
+    let lost_after = config.lost_after.as_nanos() as u64;
+    let mut finished = Vec::new();
+    let mut failed = false;
+    let mut pair = 0usize;
+    while pair < states.len() {
+        let state = states[pair].load(std::sync::atomic::Ordering::Acquire);
+        if !pair_state::is_allocated(state) {
+            pair += 1;
+            continue;
+        }
+        let first = pair;
+        let mut generations = vec![pair_state::generation(state)];
+        pair += 1;
+        while pair < states.len() && pair - first < MAX_READ_RUN {
+            let state = states[pair].load(std::sync::atomic::Ordering::Acquire);
+            if !pair_state::is_allocated(state) {
+                break;
+            }
+            generations.push(pair_state::generation(state));
+            pair += 1;
+        }
+        reads.clear();
+        reads.resize(2 * generations.len(), None);
+        if d.link.read_timestamps(2 * first as u32, reads).is_err() {
+            failed = true;
+            continue;
+        }
+        for (k, (&generation, ticks)) in generations.iter().zip(reads.chunks_exact(2)).enumerate() {
+            let pair = (first + k) as u32;
+            match (ticks[0], ticks[1]) {
+                (Some(begin), Some(end)) => {
+                    d.pending.remove(&pair);
+                    finished.push(PairRead {
+                        pair,
+                        generation,
+                        begin,
+                        end,
+                    });
+                }
+                _ => {
+                    let seen = d.pending.entry(pair).or_insert((generation, now_ns));
+                    if seen.0 != generation {
+                        *seen = (generation, now_ns);
+                    }
+                    if now_ns.saturating_sub(seen.1) >= lost_after {
+                        // Never written: its commands were not submitted. Retired, not reused (a late write
+                        // would land in another scope).
+                        d.pending.remove(&pair);
+                        d.link.retire_pair(pair);
+                        out.push(Input::Gpu(GpuInput::Lost {
+                            device: d.device,
+                            pair,
+                            generation,
+                        }));
+                    }
+                }
+            }
+        }
+    }
+    if failed {
+        out.push(Input::Gpu(GpuInput::ReadFailed { device: d.device }));
+    }
+    if finished.is_empty() {
+        return;
+    }
+    let read_ns = monotonic_ns().0;
+    for r in &finished {
+        // The ticks are read: the slots can take the next scope at once.
+        if d.link.release_pair(r.pair).is_err() {
+            failed = true;
+        }
+    }
+    out.push(Input::Gpu(GpuInput::Reads {
+        device: d.device,
+        read_ns,
+        reads: finished,
+    }));
+    if failed {
+        out.push(Input::Gpu(GpuInput::ReadFailed { device: d.device }));
+    }
+}

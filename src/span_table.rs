@@ -1,0 +1,252 @@
+//! [`SpanTable`]: which tickline span serial a `tracing` span id stands for, right now.
+//!
+//! `tracing`'s registry hands a span id out again once the span has closed (after about 8,191 spans on one
+//! thread with `tracing-subscriber`'s registry). Records that carried the registry id would be resolved by the
+//! collector to whichever span last had it, so records carry a serial of tickline's own instead, unique for
+//! the life of the timeline, and this table maps the id to it on every enter, exit, `record` and close.
+//!
+//! A layer's table belongs to that layer's subscriber (ids of different registries collide), so each
+//! [`TicklineLayer`](crate::TicklineLayer) clone has its own. The table is set-associative: an id's set has
+//! four ways, each a small seqlock (sequence, id, serial) written only while its way is claimed. A span's
+//! entry is written once at creation (a compare-and-swap claims a free way) and cleared at close (a plain
+//! store: nobody else can touch a way its span still holds). Reads (the hot path: enter and exit) are plain
+//! atomic loads, with no read-modify-write and no lock. A set whose four ways are held by live spans sends
+//! further spans to an overflow map under a mutex; lookups go there only when an id is not in its set and the
+//! overflow map is not empty.
+//!
+//! Why a span's entry cannot be mistaken for another's: an id is unique among live spans of one
+//! registry; a way is cleared only by its span's close, which happens before the registry can hand the
+//! id out again; and a reader that races a writer on the same way sees the sequence change and ignores
+//! what it read.
+
+use std::collections::HashMap;
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+/// Ways per set.
+const WAYS: usize = 4;
+/// Sets per table: 1,024 x 4 ways = 4,096 entries (96 KiB) before any span overflows; most programs have
+/// far fewer live spans. More live spans still work, through the overflow map.
+const SETS: usize = 1024;
+
+/// One way: a seqlock over `(id, serial)`. `seq` is odd while a writer fills the way.
+#[derive(Default)]
+struct Way {
+    seq: AtomicU32,
+    /// The registry id held, 0 when free.
+    id: AtomicU64,
+    serial: AtomicU64,
+}
+
+#[derive(Default)]
+#[repr(align(128))]
+struct Set {
+    ways: [Way; WAYS],
+}
+
+/// Registry span id -> tickline serial, for the live spans of one subscriber.
+pub(crate) struct SpanTable {
+    sets: Box<[Set]>,
+    overflow: Mutex<HashMap<u64, u64>>,
+    /// Entries in `overflow`, read without the lock.
+    overflow_len: AtomicUsize,
+}
+
+impl std::fmt::Debug for SpanTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SpanTable")
+            .field("overflow", &self.overflow_len.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for SpanTable {
+    fn default() -> Self {
+        SpanTable {
+            sets: (0..SETS).map(|_| Set::default()).collect(),
+            overflow: Mutex::new(HashMap::new()),
+            overflow_len: AtomicUsize::new(0),
+        }
+    }
+}
+
+#[inline(always)]
+fn set_of(id: u64) -> usize {
+    // Fibonacci hashing: registry ids differ mostly in their low bits.
+    (id.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> (64 - SETS.trailing_zeros())) as usize
+}
+
+impl SpanTable {
+    /// Remembers that span `id` (non-zero, live) is `serial`. `id` must not be in the table already.
+    pub(crate) fn insert(&self, id: u64, serial: u64) {
+        debug_assert_ne!(id, 0);
+        for way in &self.sets[set_of(id)].ways {
+            let seq = way.seq.load(Ordering::Acquire);
+            if seq & 1 != 0 || way.id.load(Ordering::Relaxed) != 0 {
+                continue;
+            }
+            // Claim the way: its sequence goes odd. A writer that claimed it first, or filled and released
+            // it since we looked, changed the sequence, and we try the next way.
+            if way
+                .seq
+                .compare_exchange(seq, seq.wrapping_add(1), Ordering::Acquire, Ordering::Relaxed)
+                .is_err()
+            {
+                continue;
+            }
+            if way.id.load(Ordering::Relaxed) != 0 {
+                // Filled and released between our look and the claim with the same sequence cannot happen
+                // (a fill moves the sequence by 2), but a way is only ever taken when free: give it back.
+                way.seq.store(seq, Ordering::Release);
+                continue;
+            }
+            // Release fence: the odd sequence is visible before the new contents (pairs with the reader's
+            // Acquire fence before its second sequence load).
+            fence(Ordering::Release);
+            way.serial.store(serial, Ordering::Relaxed);
+            way.id.store(id, Ordering::Relaxed);
+            // Release: publishes the contents; pairs with the Acquire load of `seq` in `lookup`.
+            way.seq.store(seq.wrapping_add(2), Ordering::Release);
+            return;
+        }
+        let mut overflow = self.overflow.lock().unwrap_or_else(|e| e.into_inner());
+        overflow.insert(id, serial);
+        self.overflow_len.store(overflow.len(), Ordering::Release);
+    }
+
+    /// The way holding `id`, if its set has it. Id 0 (no span: `tracing` ids are non-zero) marks a free way.
+    #[inline(always)]
+    fn find(&self, id: u64) -> Option<(&Way, u64)> {
+        if id == 0 {
+            return None;
+        }
+        for way in &self.sets[set_of(id)].ways {
+            // Acquire: pairs with the Release store of `seq` in `insert`, so the contents it published are
+            // visible.
+            let seq = way.seq.load(Ordering::Acquire);
+            if seq & 1 != 0 {
+                // Being filled: with a span other than `id`, since `id`'s own entry, once written, is only
+                // ever cleared by its close.
+                continue;
+            }
+            if way.id.load(Ordering::Relaxed) != id {
+                continue;
+            }
+            let serial = way.serial.load(Ordering::Relaxed);
+            // Acquire fence: the loads above complete before the sequence is read again.
+            fence(Ordering::Acquire);
+            if way.seq.load(Ordering::Relaxed) == seq {
+                return Some((way, serial));
+            }
+        }
+        None
+    }
+
+    /// The serial of live span `id`, if the table has it.
+    #[inline(always)]
+    pub(crate) fn get(&self, id: u64) -> Option<u64> {
+        match self.find(id) {
+            Some((_, serial)) => Some(serial),
+            None => self.get_overflow(id),
+        }
+    }
+
+    #[cold]
+    fn get_overflow(&self, id: u64) -> Option<u64> {
+        if self.overflow_len.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        self.overflow
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&id)
+            .copied()
+    }
+
+    /// Forgets span `id` (it closed) and returns its serial.
+    #[inline]
+    pub(crate) fn remove(&self, id: u64) -> Option<u64> {
+        match self.find(id) {
+            Some((way, serial)) => {
+                // A plain store: no writer claims a way whose id is non-zero, and no reader wants this id
+                // any more (the span is closing; its id may be handed out only after this returns).
+                way.id.store(0, Ordering::Release);
+                Some(serial)
+            }
+            None => self.remove_overflow(id),
+        }
+    }
+
+    #[cold]
+    fn remove_overflow(&self, id: u64) -> Option<u64> {
+        if self.overflow_len.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        let mut overflow = self.overflow.lock().unwrap_or_else(|e| e.into_inner());
+        let serial = overflow.remove(&id);
+        self.overflow_len.store(overflow.len(), Ordering::Release);
+        serial
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn ids_map_to_their_serials_until_removed() {
+        let table = SpanTable::default();
+        for id in 1..=10_000u64 {
+            table.insert(id, id * 3);
+        }
+        assert!(table.overflow_len.load(Ordering::Relaxed) > 0, "10,000 live spans overflow 4,096 ways");
+        for id in 1..=10_000u64 {
+            assert_eq!(table.get(id), Some(id * 3));
+        }
+        for id in (1..=10_000u64).step_by(2) {
+            assert_eq!(table.remove(id), Some(id * 3));
+        }
+        for id in 1..=10_000u64 {
+            assert_eq!(table.get(id), (id % 2 == 0).then_some(id * 3), "id {id}");
+        }
+        assert_eq!(table.get(0), None);
+        assert_eq!(table.remove(1), None);
+    }
+
+    #[test]
+    fn a_reused_id_resolves_to_its_new_serial() {
+        let table = SpanTable::default();
+        for serial in 1..=100_000u64 {
+            // The registry's pattern under load: the same id again and again, one live span at a time.
+            table.insert(42, serial);
+            assert_eq!(table.get(42), Some(serial));
+            assert_eq!(table.remove(42), Some(serial));
+        }
+        assert_eq!(table.overflow_len.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn concurrent_writers_and_readers_never_see_another_spans_serial() {
+        const N: u64 = if cfg!(miri) { 200 } else { 200_000 };
+        let table = Arc::new(SpanTable::default());
+        std::thread::scope(|s| {
+            for t in 0..4u64 {
+                let table = table.clone();
+                s.spawn(move || {
+                    // Ids that share sets across threads (same low bits), as registry ids do.
+                    let held = 1_000 + t;
+                    table.insert(held, held << 32);
+                    for i in 0..N {
+                        let id = (t + 1) | ((i % 64) << 8);
+                        let serial = (t << 48) | i;
+                        table.insert(id, serial);
+                        assert_eq!(table.get(id), Some(serial));
+                        assert_eq!(table.get(held), Some(held << 32));
+                        assert_eq!(table.remove(id), Some(serial));
+                    }
+                });
+            }
+        });
+    }
+}

@@ -1,0 +1,431 @@
+//! [`Timeline`] and [`TimelineBuilder`]: the handle an application keeps, and how it is configured.
+
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Once};
+use std::time::Duration;
+
+use crate::clock::{check_tsc_reliability, ReliabilityOptions, TickSource, TscCalibrator, TscCalibratorConfig, TscDecision};
+use crate::collector::capture::CaptureWriter;
+use crate::collector::drain::DrainConfig;
+use crate::collector::stats::SharedStats;
+use crate::collector::{self, Collector, CollectorSetup, TimelineStats};
+use crate::control::Control;
+use crate::error::TicklineError;
+use crate::export::{ExportError, Exporter};
+use crate::gpu::{GpuBackend, GpuCalibrationConfig, GpuDevice};
+use crate::layer::TicklineLayer;
+use crate::live::{self, LiveSink};
+use crate::recorder::{self, Shared};
+
+/// Configures and starts a [`Timeline`].
+///
+/// ```
+/// let timeline = tickline::Timeline::builder()
+///     .lossless(true)
+///     .ring_capacity(1 << 14)
+///     .start()
+///     .unwrap();
+/// timeline.flush().unwrap();
+/// ```
+#[must_use = "a builder does nothing until `start()`"]
+pub struct TimelineBuilder {
+    exporters: Vec<Box<dyn Exporter>>,
+    lossless: bool,
+    ring_capacity: usize,
+    poll_interval: Duration,
+    chunk_budget_bytes: u64,
+    tick_source: Option<TickSource>,
+    calibration: TscCalibratorConfig,
+    gpu_calibration: GpuCalibrationConfig,
+    live: Option<Arc<dyn LiveSink>>,
+    raw_capture: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for TimelineBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TimelineBuilder")
+            .field("exporters", &self.exporters.len())
+            .field("lossless", &self.lossless)
+            .field("ring_capacity", &self.ring_capacity)
+            .field("poll_interval", &self.poll_interval)
+            .field("chunk_budget_bytes", &self.chunk_budget_bytes)
+            .field("tick_source", &self.tick_source)
+            .field("live_sink", &self.live.is_some())
+            .field("raw_capture", &self.raw_capture)
+            .finish()
+    }
+}
+
+/// The default chunk budget: 256 MiB of drained records may wait for the processing stage.
+const DEFAULT_CHUNK_BUDGET: u64 = 256 << 20;
+
+impl Default for TimelineBuilder {
+    fn default() -> Self {
+        TimelineBuilder {
+            exporters: Vec::new(),
+            lossless: false,
+            // 64 Ki records = 1 MiB per thread: several milliseconds of a thread recording flat out, and the
+            // drain stage wakes when a ring passes half full.
+            ring_capacity: 1 << 16,
+            poll_interval: Duration::from_millis(1),
+            chunk_budget_bytes: DEFAULT_CHUNK_BUDGET,
+            tick_source: None,
+            calibration: TscCalibratorConfig::default(),
+            gpu_calibration: GpuCalibrationConfig::default(),
+            live: None,
+            raw_capture: None,
+        }
+    }
+}
+
+impl TimelineBuilder {
+    /// Adds an exporter (Perfetto file, Tracy, memory...). Every exporter gets every batch.
+    pub fn exporter(mut self, exporter: impl Exporter + 'static) -> Self {
+        self.exporters.push(Box::new(exporter));
+        self
+    }
+
+    /// Lossless mode: a thread whose ring is full waits for the collector instead of dropping records.
+    /// For tests and offline captures; the default (drop whole slices and count them) never stalls the
+    /// application.
+    pub fn lossless(mut self, lossless: bool) -> Self {
+        self.lossless = lossless;
+        self
+    }
+
+    /// Records per thread ring (rounded up to a power of two, at least 64). Each record is 16 bytes.
+    pub fn ring_capacity(mut self, records: usize) -> Self {
+        self.ring_capacity = records.max(64);
+        self
+    }
+
+    /// How often the collector drains the rings (it also wakes when a ring passes half full).
+    pub fn poll_interval(mut self, interval: Duration) -> Self {
+        self.poll_interval = interval.max(Duration::from_micros(50));
+        self
+    }
+
+    /// Most memory, in bytes, that drained records may take while they wait to be processed (default 256 MiB).
+    /// Draining stops when it is full, so rings fill and drop (or, lossless, wait) only then. Its use is the
+    /// `tickline buffered records` counter track.
+    pub fn chunk_budget(mut self, bytes: u64) -> Self {
+        self.chunk_budget_bytes = bytes.max(1 << 16);
+        self
+    }
+
+    /// Forces the CPU tick source instead of checking the TSC's reliability at start.
+    pub fn tick_source(mut self, source: TickSource) -> Self {
+        self.tick_source = Some(source);
+        self
+    }
+
+    /// How the CPU clock is calibrated (burst size and interval, history).
+    pub fn calibration(mut self, config: TscCalibratorConfig) -> Self {
+        self.calibration = config;
+        self
+    }
+
+    /// How GPU device clocks are calibrated: burst size, schedule and time budget, and how long a finished
+    /// GPU slice may wait for a calibration point after it.
+    pub fn gpu_calibration(mut self, config: GpuCalibrationConfig) -> Self {
+        self.gpu_calibration = config;
+        self
+    }
+
+    /// Longest time a finished GPU slice is held for a two-sided (interpolated) conversion before it is
+    /// converted with the newest fit and exported. Shorter: less latency (live viewers); longer: more slices
+    /// placed by interpolation.
+    pub fn gpu_latency_bound(mut self, bound: Duration) -> Self {
+        self.gpu_calibration.latency_bound = bound;
+        self
+    }
+
+    /// Writes everything drained, raw, to a `.tickline` file at `path`, to be converted later with
+    /// [`crate::capture::convert`] or `tickline convert`: the cheapest recording. Without exporters nothing is
+    /// converted while the program runs.
+    pub fn raw_capture(mut self, path: impl Into<PathBuf>) -> Self {
+        self.raw_capture = Some(path.into());
+        self
+    }
+
+    /// Installs a [`LiveSink`]: hooks called on the instrumented thread as the layer and the native macros
+    /// record (for live viewers, such as the Tracy exporter, that must emit on the thread itself). The sink
+    /// is kept for the rest of the process (see [`LiveSink`]).
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # struct Nothing;
+    /// # impl tickline::LiveSink for Nothing {
+    /// #     fn span_enter(&self, _: &'static tracing::Metadata<'static>, _: Option<&tickline::LiveSpanData>) {}
+    /// #     fn span_exit(&self) {}
+    /// #     fn scope_begin(&self, _: &'static tickline::Callsite) {}
+    /// #     fn scope_end(&self, _: &'static tickline::Callsite) {}
+    /// # }
+    /// let timeline = tickline::Timeline::builder().live_sink(Arc::new(Nothing)).start().unwrap();
+    /// # drop(timeline);
+    /// ```
+    pub fn live_sink(mut self, sink: Arc<dyn LiveSink>) -> Self {
+        self.live = Some(sink);
+        self
+    }
+
+    /// Checks the tick source, calibrates it, and starts the collector's threads.
+    pub fn start(self) -> Result<Timeline, TicklineError> {
+        let (source, tsc_fallback_reason) = match self.tick_source {
+            Some(source) => (source, None),
+            None => match TickSource::hardware() {
+                Some(hw) => {
+                    let report = check_tsc_reliability(&ReliabilityOptions::quick());
+                    match report.decision {
+                        TscDecision::UseTsc => (hw, None),
+                        TscDecision::FallBack { reason } => (TickSource::Monotonic, Some(reason)),
+                    }
+                }
+                None => (
+                    TickSource::Monotonic,
+                    Some("no hardware tick counter on this architecture".into()),
+                ),
+            },
+        };
+        let calibrator = TscCalibrator::new(source, self.calibration)?;
+        let capture = match &self.raw_capture {
+            Some(path) => Some(CaptureWriter::create(path).map_err(|e| TicklineError::Export(ExportError::Io(e)))?),
+            None => None,
+        };
+        let (control_tx, control_rx) = crossbeam_channel::unbounded();
+        let shared = Arc::new(Shared::new(control_tx, self.lossless, self.ring_capacity, source));
+        let stats = Arc::new(SharedStats::default());
+        let setup = CollectorSetup {
+            drain: DrainConfig {
+                poll_interval: self.poll_interval,
+                chunk_budget_bytes: self.chunk_budget_bytes,
+                cpu_burst_samples: self.calibration.burst_samples,
+                cpu_burst_interval: self.calibration.interval,
+                gpu: self.gpu_calibration,
+            },
+            process_name: process_name(),
+            cpu_domain: calibrator.history().domain(),
+            cpu_history: self.calibration.history,
+            exporters: self.exporters,
+            capture,
+        };
+        let collector = collector::spawn(&shared, control_rx, setup, stats.clone()).map_err(TicklineError::CollectorSpawn)?;
+        let live = self.live.map(live::leak);
+        recorder::started(&shared, live);
+        register_exit_flush();
+        Ok(Timeline {
+            shared,
+            collector: Some(collector),
+            stats,
+            source,
+            tsc_fallback_reason,
+            live,
+        })
+    }
+}
+
+fn process_name() -> String {
+    std::env::args()
+        .next()
+        .and_then(|a| {
+            std::path::Path::new(&a)
+                .file_name()
+                .map(|f| f.to_string_lossy().into_owned())
+        })
+        .unwrap_or_else(|| format!("process {}", std::process::id()))
+}
+
+/// A running timeline: the collector's threads and their exporters. Dropping it drains everything recorded
+/// before the drop, finishes the exporters and joins the threads.
+///
+/// # When the process ends
+///
+/// On a normal exit, `std::process::exit` included, every running timeline is flushed first (an `atexit`
+/// hook), so the trace holds everything recorded before the exit; the exporters are flushed, not finished.
+/// A process killed with `SIGKILL`, or ended by `abort()` (a panic with `panic = "abort"`), runs no code:
+/// the Perfetto exporter writes whole packets at least every `flush_interval` (1 s by default), so such a
+/// trace loses about its last second and still loads.
+///
+/// ```
+/// use tracing_subscriber::layer::SubscriberExt;
+/// let timeline = tickline::Timeline::builder().start().unwrap();
+/// let subscriber = tracing_subscriber::registry().with(timeline.layer());
+/// tracing::subscriber::with_default(subscriber, || {
+///     tracing::info_span!("step").in_scope(|| {});
+/// });
+/// let stats = timeline.shutdown().unwrap();
+/// assert_eq!(stats.dropped_records, 0);
+/// ```
+pub struct Timeline {
+    shared: Arc<Shared>,
+    collector: Option<Collector>,
+    stats: Arc<SharedStats>,
+    source: TickSource,
+    tsc_fallback_reason: Option<String>,
+    live: Option<&'static dyn LiveSink>,
+}
+
+impl std::fmt::Debug for Timeline {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Timeline")
+            .field("id", &self.shared.id)
+            .field("source", &self.source)
+            .finish()
+    }
+}
+
+impl Timeline {
+    /// A builder with the defaults: drop mode, 64 Ki records per thread, 1 ms polling, TSC checked at start.
+    pub fn builder() -> TimelineBuilder {
+        TimelineBuilder::default()
+    }
+
+    /// The `tracing` layer that records into this timeline. Use one per subscriber.
+    pub fn layer(&self) -> TicklineLayer {
+        TicklineLayer::new(self.shared.clone(), self.live)
+    }
+
+    /// The CPU tick source in use.
+    pub fn tick_source(&self) -> TickSource {
+        self.source
+    }
+
+    /// Why the TSC is not used, when it is not.
+    pub fn tsc_fallback_reason(&self) -> Option<&str> {
+        self.tsc_fallback_reason.as_deref()
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> TimelineStats {
+        self.stats.snapshot()
+    }
+
+    /// Adds a GPU device to the timeline: its clock is calibrated live by the collector, and
+    /// [`gpu_scope!`](macro@crate::gpu_scope)s recorded through its queues appear under a "GPU" track.
+    ///
+    /// ```
+    /// use tickline::gpu::sim::{SimGpu, SimGpuConfig};
+    /// let timeline = tickline::Timeline::builder().start().unwrap();
+    /// let gpu = timeline.gpu(SimGpu::new(SimGpuConfig::default()).unwrap()).unwrap();
+    /// let queue = gpu.queue("compute").unwrap();
+    /// # let _ = queue;
+    /// ```
+    pub fn gpu<B: GpuBackend>(&self, backend: B) -> Result<GpuDevice<B>, TicklineError> {
+        GpuDevice::register(&self.shared, backend)
+    }
+
+    /// Drains everything recorded before this call, exports it and flushes the exporters. Slices still open
+    /// go out with the values their spans have now.
+    ///
+    /// Fails if an exporter has failed since the start (the first failure is reported), or if the collector
+    /// is gone.
+    pub fn flush(&self) -> Result<(), TicklineError> {
+        request(&self.shared, Control::Flush, None).map_err(|e| self.error(e))
+    }
+
+    fn error(&self, e: RequestError) -> TicklineError {
+        match e {
+            RequestError::Gone => TicklineError::CollectorGone,
+            RequestError::Export => {
+                let first = self
+                    .stats
+                    .first_export_error
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .clone();
+                match first {
+                    Some((kind, message)) => {
+                        TicklineError::Export(ExportError::Io(std::io::Error::new(kind, message)))
+                    }
+                    None => TicklineError::CollectorGone,
+                }
+            }
+        }
+    }
+
+    /// Test hook: while `paused`, the collector drains the rings only for a flush or shutdown, as a
+    /// collector that cannot keep up would. Lets tests fill rings on purpose.
+    #[doc(hidden)]
+    pub fn pause_drain(&self, paused: bool) {
+        self.shared.drain_paused.store(paused, Ordering::Relaxed);
+    }
+
+    /// Stops recording, drains everything, finishes the exporters and joins the collector. Returns the final
+    /// counters, or the first export failure.
+    pub fn shutdown(mut self) -> Result<TimelineStats, TicklineError> {
+        self.stop()?;
+        Ok(self.stats())
+    }
+
+    fn stop(&mut self) -> Result<(), TicklineError> {
+        let Some(collector) = self.collector.take() else {
+            return Ok(());
+        };
+        self.shared.running.store(false, Ordering::Release);
+        recorder::stopped(self.shared.id);
+        let result = request(&self.shared, Control::Shutdown, None).map_err(|e| self.error(e));
+        let drain = collector.drain.join();
+        let process = collector.process.join();
+        match (result, drain, process) {
+            (Ok(()), Ok(()), Ok(())) => Ok(()),
+            (Err(e), _, _) => Err(e),
+            _ => Err(TicklineError::CollectorGone),
+        }
+    }
+}
+
+impl Drop for Timeline {
+    fn drop(&mut self) {
+        if let Err(e) = self.stop() {
+            eprintln!("tickline: {e}");
+        }
+    }
+}
+
+enum RequestError {
+    Gone,
+    Export,
+}
+
+/// Sends a flush or shutdown request to `shared`'s collector and waits for the answer (at most `timeout`).
+fn request(
+    shared: &Shared,
+    make: fn(crate::control::Reply) -> Control,
+    timeout: Option<Duration>,
+) -> Result<(), RequestError> {
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    shared.control.send(make(tx)).map_err(|_| RequestError::Gone)?;
+    if let Some(drain) = shared.drain_thread.get() {
+        drain.unpark();
+    }
+    let answer = match timeout {
+        Some(timeout) => rx.recv_timeout(timeout).map_err(|_| RequestError::Gone)?,
+        None => rx.recv().map_err(|_| RequestError::Gone)?,
+    };
+    answer.map_err(|_| RequestError::Export)
+}
+
+/// Longest the exit hook waits for one timeline's flush.
+const EXIT_FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Registers, once per process, an `atexit` hook that flushes every running timeline, so a program that
+/// ends with `std::process::exit` (or returns from `main` with a timeline still alive, say in a static)
+/// keeps everything it recorded.
+fn register_exit_flush() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        extern "C" fn flush_running_timelines() {
+            // Never unwind out of an `extern "C"` function.
+            let _ = std::panic::catch_unwind(|| {
+                for shared in recorder::running_timelines() {
+                    let _ = request(&shared, Control::Flush, Some(EXIT_FLUSH_TIMEOUT));
+                }
+            });
+        }
+        // SAFETY: `atexit` takes a function pointer with the C ABI and no arguments, which this is; the
+        // function stays valid for the life of the process (it is a plain `fn`). A non-zero result (no
+        // room for more hooks) only means the exit flush is not installed.
+        let _ = unsafe { libc::atexit(flush_running_timelines) };
+    });
+}
