@@ -275,7 +275,11 @@ pub(crate) fn encode_event(out: &mut Vec<Record>, ticks: u64, callsite: u64, par
         Parent::Explicit(serial) => serial,
         _ => 0,
     };
-    out.push(Record::data(1, payload.len() as u64 | (parent.mode() << 16), parent_serial));
+    out.push(Record::data(
+        1,
+        payload.len() as u64 | (parent.mode() << 16),
+        parent_serial,
+    ));
     push_payload(out, 2, payload);
 }
 
@@ -356,7 +360,10 @@ pub(crate) enum Item<'a> {
     Event {
         ticks: u64,
         callsite: u64,
-        #[allow(dead_code, reason = "events are placed on their thread's track; a parent is for async task tracks")]
+        #[allow(
+            dead_code,
+            reason = "events are placed on their thread's track; a parent is for async task tracks"
+        )]
         parent: Parent,
         fields: Payload<'a>,
     },
@@ -493,13 +500,11 @@ impl<'a> Decoder<'a> {
                     fields,
                 })
             }
-            Kind::SpanRecord if parent_mode == 0 && high_bits_clear => {
-                payload(1).map(|fields| Item::SpanRecord {
-                    ticks,
-                    serial: word1,
-                    fields,
-                })
-            }
+            Kind::SpanRecord if parent_mode == 0 && high_bits_clear => payload(1).map(|fields| Item::SpanRecord {
+                ticks,
+                serial: word1,
+                fields,
+            }),
             Kind::Event if high_bits_clear => {
                 let parent = match parent_mode {
                     PARENT_CONTEXTUAL => Some(Parent::Contextual),
@@ -521,14 +526,12 @@ impl<'a> Decoder<'a> {
                 callsite: word1,
                 value: f64::from_bits(first.word1),
             }),
-            Kind::GpuBegin if parent_mode == 0 && high_bits_clear => {
-                payload(1).map(|fields| Item::GpuBegin {
-                    ticks,
-                    callsite: word1,
-                    key: first.word1,
-                    fields,
-                })
-            }
+            Kind::GpuBegin if parent_mode == 0 && high_bits_clear => payload(1).map(|fields| Item::GpuBegin {
+                ticks,
+                callsite: word1,
+                key: first.word1,
+                fields,
+            }),
             _ => None,
         };
         match item {
@@ -744,9 +747,10 @@ pub(crate) fn decode_fields(mut bytes: &[u8]) -> impl Iterator<Item = (u8, RawVa
                 let s = std::str::from_utf8(rest.get(2..2 + len)?).ok()?;
                 (RawValue::Str(s), 2 + len)
             }
-            TAG_TRUNCATED if index == META_INDEX => {
-                (RawValue::Truncated(u16::from_le_bytes(rest.get(..2)?.try_into().ok()?)), 2)
-            }
+            TAG_TRUNCATED if index == META_INDEX => (
+                RawValue::Truncated(u16::from_le_bytes(rest.get(..2)?.try_into().ok()?)),
+                2,
+            ),
             _ => return None,
         };
         bytes = &rest[used..];
@@ -788,7 +792,13 @@ mod tests {
         assert!(matches!(items[0], Ok(Item::SpanEnter { ticks, serial: 7 }) if ticks == low));
         assert!(matches!(items[1], Ok(Item::SpanExit { serial: 7, .. })));
         assert!(matches!(items[2], Ok(Item::SpanClose { ticks: None, serial: 7 })));
-        assert!(matches!(items[3], Ok(Item::SpanClose { ticks: Some(_), serial: 8 })));
+        assert!(matches!(
+            items[3],
+            Ok(Item::SpanClose {
+                ticks: Some(_),
+                serial: 8
+            })
+        ));
         assert!(matches!(items[4], Ok(Item::ScopeBegin { callsite: 0x1000, .. })));
         assert!(matches!(items[5], Ok(Item::ScopeEnd { callsite: 0x1000, .. })));
         assert!(matches!(items[6], Ok(Item::Instant { callsite: 0x2000, .. })));
@@ -880,7 +890,11 @@ mod tests {
         assert!(items.iter().any(|i| i.is_err()));
         assert!(matches!(items.last(), Some(Ok(Item::Instant { callsite: 0x20, .. }))));
         // Stray data records (a drain that started mid-group) are skipped.
-        let input: Vec<Record> = good[1..].iter().copied().chain([Record::timed(Kind::Instant, 3, 0x30)]).collect();
+        let input: Vec<Record> = good[1..]
+            .iter()
+            .copied()
+            .chain([Record::timed(Kind::Instant, 3, 0x30)])
+            .collect();
         let items = decode_all(&input);
         assert!(matches!(items[0], Err(FrameError::Stray)));
         assert!(matches!(items[1], Ok(Item::Instant { callsite: 0x30, .. })));
@@ -928,7 +942,13 @@ mod tests {
         assert!(buf.len() <= 16 * 1024);
         let fields: Vec<_> = decode_fields(&buf).collect();
         let kept = fields.iter().filter(|(i, _)| *i != META_INDEX).count();
-        assert_eq!(kept + cut as usize, 32 + fields.iter().filter(|(_, v)| matches!(v, RawValue::Str(s) if s.ends_with('…'))).count());
+        assert_eq!(
+            kept + cut as usize,
+            32 + fields
+                .iter()
+                .filter(|(_, v)| matches!(v, RawValue::Str(s) if s.ends_with('…')))
+                .count()
+        );
         assert_eq!(fields.last(), Some(&(META_INDEX, RawValue::Truncated(cut))));
         assert!(cut > 0);
     }
@@ -977,14 +997,22 @@ mod tests {
         assert_eq!(decode_fields(&[0, TAG_I64, 1, 2]).count(), 0);
         assert_eq!(decode_fields(&[0, 99]).count(), 0);
         assert_eq!(decode_fields(&[0, TAG_STR, 10, 0, b'a']).count(), 0);
-        assert_eq!(decode_fields(&[0, TAG_TRUNCATED, 1, 0]).count(), 0, "only under the meta index");
+        assert_eq!(
+            decode_fields(&[0, TAG_TRUNCATED, 1, 0]).count(),
+            0,
+            "only under the meta index"
+        );
     }
 
     fn arbitrary_record() -> impl Strategy<Value = Record> {
         prop_oneof![
             any::<(u64, u64)>().prop_map(|(word0, word1)| Record { word0, word1 }),
-            (0u64..16, 0u64..8, any::<u64>(), any::<u64>())
-                .prop_map(|(kind, aux, t, word1)| Record::head(Kind::from_bits(kind).unwrap_or(Kind::Data), aux, t, word1)),
+            (0u64..16, 0u64..8, any::<u64>(), any::<u64>()).prop_map(|(kind, aux, t, word1)| Record::head(
+                Kind::from_bits(kind).unwrap_or(Kind::Data),
+                aux,
+                t,
+                word1
+            )),
         ]
     }
 

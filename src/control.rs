@@ -7,9 +7,9 @@
 use crossbeam_channel::Sender;
 use tracing::Metadata;
 
+use crate::callsite::Callsite;
 use crate::codec::Record;
 use crate::ring::Consumer;
-use crate::callsite::Callsite;
 
 /// A reply to a flush or shutdown: `Err` carries the first export failure, in words.
 pub(crate) type Reply = Sender<Result<(), String>>;

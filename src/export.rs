@@ -256,6 +256,32 @@ pub struct RecordedEvent {
     pub flow_in: Option<u64>,
 }
 
+/// A complete slice as [`MemoryTrace::slices`] pairs it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RecordedSlice {
+    /// Its track.
+    pub track: TrackId,
+    /// Its name.
+    pub name: String,
+    /// Begin, reference-clock ns.
+    pub begin_ns: u64,
+    /// End, reference-clock ns.
+    pub end_ns: u64,
+    /// Its fields: the begin's, with the end's added or replacing.
+    pub fields: Vec<(String, FieldValue)>,
+    /// How many slices enclose it on its track.
+    pub depth: usize,
+    /// A flow that ends at its begin (a GPU slice's flow from the CPU).
+    pub flow_in: Option<u64>,
+}
+
+impl RecordedSlice {
+    /// The value of field `name`, if it has one.
+    pub fn field(&self, name: &str) -> Option<&FieldValue> {
+        self.fields.iter().find(|(n, _)| n == name).map(|(_, v)| v)
+    }
+}
+
 /// Everything a [`MemoryExporter`] received.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct MemoryTrace {
@@ -288,6 +314,53 @@ impl MemoryTrace {
     /// Events on `track`.
     pub fn events_on(&self, track: TrackId) -> impl Iterator<Item = &RecordedEvent> {
         self.events.iter().filter(move |e| e.track == track)
+    }
+
+    /// Every complete slice, begins paired with their ends per track (as a viewer pairs them), in order
+    /// of their ends. A slice's fields are its begin's, with what its end carries added or replacing (a slice
+    /// exported before it ended carries later values on its end; markers such as `tickline.truncated` may be
+    /// on either), which is what Perfetto shows.
+    ///
+    /// ```
+    /// let memory = tickline::MemoryExporter::default();
+    /// let timeline = tickline::Timeline::builder().exporter(memory.clone()).start().unwrap();
+    /// drop(tickline::scope!("load"));
+    /// timeline.flush().unwrap();
+    /// let slices = memory.snapshot().slices();
+    /// assert_eq!(slices.len(), 1);
+    /// assert!(slices[0].end_ns >= slices[0].begin_ns);
+    /// ```
+    pub fn slices(&self) -> Vec<RecordedSlice> {
+        let mut open: std::collections::HashMap<TrackId, Vec<&RecordedEvent>> = std::collections::HashMap::new();
+        let mut slices = Vec::new();
+        for e in &self.events {
+            match e.kind {
+                EventKind::SliceBegin => open.entry(e.track).or_default().push(e),
+                EventKind::SliceEnd => {
+                    let Some(begin) = open.get_mut(&e.track).and_then(Vec::pop) else {
+                        continue;
+                    };
+                    let mut fields = begin.fields.clone();
+                    for (name, value) in &e.fields {
+                        match fields.iter_mut().find(|(n, _)| n == name) {
+                            Some(f) => f.1 = value.clone(),
+                            None => fields.push((name.clone(), value.clone())),
+                        }
+                    }
+                    slices.push(RecordedSlice {
+                        track: e.track,
+                        name: begin.name.clone(),
+                        begin_ns: begin.ts_ns,
+                        end_ns: e.ts_ns,
+                        fields,
+                        depth: open.get(&e.track).map_or(0, Vec::len),
+                        flow_in: begin.flow_in,
+                    });
+                }
+                _ => {}
+            }
+        }
+        slices
     }
 
     /// How many slices named `name` began.

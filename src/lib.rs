@@ -122,29 +122,29 @@ pub use calibration::{
     CalibrationError, CalibrationHistory, CalibrationSample, ClockCalibration, ClockDomain, Converted, FitOptions,
     FitStrategy, HistoryConfig, HistoryStats,
 };
+pub use callsite::Callsite;
 pub use clock::{
     bracketed_sample, check_tsc_reliability, monotonic_ns, monotonic_raw_ns, read_ticks, CpuRate, CpuShift,
     FastConverter, Nanos, RawTicks, ReliabilityOptions, SkippedCpu, TickSource, TscCalibrator, TscCalibratorConfig,
     TscDecision, TscReport,
 };
-pub use callsite::Callsite;
 #[doc(hidden)]
 pub use collector::bench_support;
 pub use collector::TimelineStats;
-pub use timeline::{Timeline, TimelineBuilder};
 pub use error::TicklineError;
 pub use export::{
     Batch, CpuClock, Event, EventKind, ExportError, Exporter, Field, FieldValue, MemoryExporter, MemoryTrace, NameId,
-    RecordedEvent, TrackDescriptor, TrackId, TrackKind,
+    RecordedEvent, RecordedSlice, TrackDescriptor, TrackId, TrackKind,
 };
 pub use layer::TicklineLayer;
 pub use live::{LiveSink, LiveSpanData};
+pub use scope::ScopeGuard;
 #[doc(hidden)]
 pub use scope::{
     record_counter_value as __record_counter, record_frame_mark as __record_frame_mark,
     record_instant as __record_instant,
 };
-pub use scope::ScopeGuard;
+pub use timeline::{Timeline, TimelineBuilder};
 
 /// Most bytes of fields one span, `record` or event carries (a ring smaller than 8 Ki records allows less);
 /// fields beyond are left out and counted (`tickline.fields_truncated`).

@@ -48,6 +48,8 @@ pub(crate) struct Shared {
     pub(crate) drain_thread: OnceLock<Thread>,
     /// Test hook: while set, the drain stage drains only for a flush or shutdown.
     pub(crate) drain_paused: AtomicBool,
+    /// Test hook: while set, the processing stage takes no input (a collector that lags).
+    pub(crate) processing_paused: AtomicBool,
 }
 
 impl Shared {
@@ -66,6 +68,7 @@ impl Shared {
             next_ring: AtomicU32::new(1),
             drain_thread: OnceLock::new(),
             drain_paused: AtomicBool::new(false),
+            processing_paused: AtomicBool::new(false),
         }
     }
 }
@@ -664,11 +667,13 @@ pub(crate) fn span_enter(shared: &Arc<Shared>, serial: u64) {
         if serial & NOT_ANNOUNCED != 0 {
             ring.drop_records(1);
             ring.refused.push(serial);
+            ring.producer.count_dropped_unit();
             return;
         }
         let record = Record::timed(Kind::SpanEnter, ring.now(), serial);
         if !ring.push_begin(record) && !ring.lossless {
             ring.refused.push(serial);
+            ring.producer.count_dropped_unit();
         }
     });
 }
@@ -715,12 +720,7 @@ pub(crate) fn span_close(shared: &Arc<Shared>, serial: u64) {
 }
 
 /// Records an event at `callsite` with its fields.
-pub(crate) fn event(
-    shared: &Arc<Shared>,
-    callsite: u64,
-    parent: Parent,
-    encode: impl FnOnce(&mut FieldEncoder<'_>),
-) {
+pub(crate) fn event(shared: &Arc<Shared>, callsite: u64, parent: Parent, encode: impl FnOnce(&mut FieldEncoder<'_>)) {
     with_payload(shared, shared.max_payload_bytes, encode, |payload, group| {
         with_ring(shared, |ring| {
             codec::encode_event(group, ring.now(), callsite, parent, payload);
@@ -753,7 +753,11 @@ pub(crate) fn scope_begin(target: &impl Target, callsite: &'static Callsite) -> 
     with_ring(target, |ring| {
         let key = registered(ring, callsite);
         let record = Record::timed(Kind::ScopeBegin, ring.now(), key);
-        ring.push_begin(record)
+        let pushed = ring.push_begin(record);
+        if !pushed {
+            ring.producer.count_dropped_unit();
+        }
+        pushed
     })
     .unwrap_or(false)
 }
@@ -834,6 +838,8 @@ mod tests {
     use crate::codec::{Decoder, Item};
     use crate::ring::Consumer;
 
+    // A `const` to repeat in the array below; each element is its own static call site.
+    #[allow(clippy::declare_interior_mutable_const)]
     const SITE: Callsite = Callsite::new("test", file!(), line!());
     static SITES: [Callsite; 128] = [SITE; 128];
 
@@ -894,7 +900,10 @@ mod tests {
         assert_eq!(payloads(&mut b_ring), [2, 6]);
         assert_eq!(payloads(&mut c_ring), [5, 7]);
         let more_rings = |rx: &Receiver<Control>| rx.try_iter().any(|m| matches!(m, Control::NewRing { .. }));
-        assert!(!more_rings(&a_rx) && !more_rings(&b_rx), "one ring per thread and timeline");
+        assert!(
+            !more_rings(&a_rx) && !more_rings(&b_rx),
+            "one ring per thread and timeline"
+        );
     }
 
     #[test]

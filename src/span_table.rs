@@ -200,7 +200,10 @@ mod tests {
         for id in 1..=10_000u64 {
             table.insert(id, id * 3);
         }
-        assert!(table.overflow_len.load(Ordering::Relaxed) > 0, "10,000 live spans overflow 4,096 ways");
+        assert!(
+            table.overflow_len.load(Ordering::Relaxed) > 0,
+            "10,000 live spans overflow 4,096 ways"
+        );
         for id in 1..=10_000u64 {
             assert_eq!(table.get(id), Some(id * 3));
         }

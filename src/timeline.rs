@@ -5,7 +5,9 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Once};
 use std::time::Duration;
 
-use crate::clock::{check_tsc_reliability, ReliabilityOptions, TickSource, TscCalibrator, TscCalibratorConfig, TscDecision};
+use crate::clock::{
+    check_tsc_reliability, ReliabilityOptions, TickSource, TscCalibrator, TscCalibratorConfig, TscDecision,
+};
 use crate::collector::capture::CaptureWriter;
 use crate::collector::drain::DrainConfig;
 use crate::collector::stats::SharedStats;
@@ -210,7 +212,8 @@ impl TimelineBuilder {
             exporters: self.exporters,
             capture,
         };
-        let collector = collector::spawn(&shared, control_rx, setup, stats.clone()).map_err(TicklineError::CollectorSpawn)?;
+        let collector =
+            collector::spawn(&shared, control_rx, setup, stats.clone()).map_err(TicklineError::CollectorSpawn)?;
         let live = self.live.map(live::leak);
         recorder::started(&shared, live);
         register_exit_flush();
@@ -321,6 +324,7 @@ impl Timeline {
     /// Fails if an exporter has failed since the start (the first failure is reported), or if the collector
     /// is gone.
     pub fn flush(&self) -> Result<(), TicklineError> {
+        self.shared.processing_paused.store(false, Ordering::Relaxed);
         request(&self.shared, Control::Flush, None).map_err(|e| self.error(e))
     }
 
@@ -335,9 +339,7 @@ impl Timeline {
                     .unwrap_or_else(|e| e.into_inner())
                     .clone();
                 match first {
-                    Some((kind, message)) => {
-                        TicklineError::Export(ExportError::Io(std::io::Error::new(kind, message)))
-                    }
+                    Some((kind, message)) => TicklineError::Export(ExportError::Io(std::io::Error::new(kind, message))),
                     None => TicklineError::CollectorGone,
                 }
             }
@@ -349,6 +351,14 @@ impl Timeline {
     #[doc(hidden)]
     pub fn pause_drain(&self, paused: bool) {
         self.shared.drain_paused.store(paused, Ordering::Relaxed);
+    }
+
+    /// Test hook: while `paused`, the processing stage takes nothing from the drain stage, which goes on
+    /// draining into chunk memory (up to the budget), as a processing stage far behind would. A flush or
+    /// shutdown ends the pause.
+    #[doc(hidden)]
+    pub fn pause_processing(&self, paused: bool) {
+        self.shared.processing_paused.store(paused, Ordering::Relaxed);
     }
 
     /// Stops recording, drains everything, finishes the exporters and joins the collector. Returns the final
@@ -363,6 +373,7 @@ impl Timeline {
             return Ok(());
         };
         self.shared.running.store(false, Ordering::Release);
+        self.shared.processing_paused.store(false, Ordering::Relaxed);
         recorder::stopped(self.shared.id);
         let result = request(&self.shared, Control::Shutdown, None).map_err(|e| self.error(e));
         let drain = collector.drain.join();

@@ -116,9 +116,8 @@ fn source_code(source: TickSource) -> u8 {
 impl CaptureWriter {
     /// Creates (or truncates) the capture file at `path`.
     pub(crate) fn create(path: &Path) -> std::io::Result<Self> {
-        let file = File::create(path).map_err(|e| {
-            std::io::Error::new(e.kind(), format!("cannot create raw capture {}: {e}", path.display()))
-        })?;
+        let file = File::create(path)
+            .map_err(|e| std::io::Error::new(e.kind(), format!("cannot create raw capture {}: {e}", path.display())))?;
         let mut out = BufWriter::with_capacity(1 << 20, file);
         out.write_all(MAGIC)?;
         out.write_all(&VERSION.to_le_bytes())?;
@@ -161,10 +160,7 @@ impl CaptureWriter {
         stats.export_failures.fetch_add(1, Ordering::Relaxed);
         let mut first = stats.first_export_error.lock().unwrap_or_else(|e| e.into_inner());
         if first.is_none() {
-            *first = Some((
-                e.kind(),
-                format!("writing raw capture {}: {e}", self.path.display()),
-            ));
+            *first = Some((e.kind(), format!("writing raw capture {}: {e}", self.path.display())));
         }
     }
 
@@ -260,11 +256,7 @@ impl CaptureWriter {
                 b.push(*failed as u8);
                 put_samples(b, samples);
             }),
-            GpuInput::Reads {
-                device,
-                read_ns,
-                reads,
-            } => self.emit(frame::GPU_READS, |b| {
+            GpuInput::Reads { device, read_ns, reads } => self.emit(frame::GPU_READS, |b| {
                 b.extend_from_slice(&device.to_le_bytes());
                 b.extend_from_slice(&read_ns.to_le_bytes());
                 b.extend_from_slice(&(reads.len() as u32).to_le_bytes());
@@ -659,11 +651,7 @@ impl<R: Read> CaptureReader<R> {
                         })
                     })
                     .collect::<Option<Vec<_>>>()?;
-                Frame::Input(Input::Gpu(GpuInput::Reads {
-                    device,
-                    read_ns,
-                    reads,
-                }))
+                Frame::Input(Input::Gpu(GpuInput::Reads { device, read_ns, reads }))
             }
             frame::GPU_LOST => Frame::Input(Input::Gpu(GpuInput::Lost {
                 device: p.u16()?,

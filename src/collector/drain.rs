@@ -81,8 +81,8 @@ pub(crate) struct Drain {
     pool: Arc<ChunkPool>,
     gpu: GpuLive,
     stats: Arc<SharedStats>,
-    /// Drop totals of rings whose threads ended.
-    dropped_of_ended: u64,
+    /// Drop totals (records, slices) of rings whose threads ended.
+    dropped_of_ended: (u64, u64),
     shared: Arc<Shared>,
     /// Inputs of the pass being assembled: registrations first, then chunks, then the rest.
     registrations: Vec<Input>,
@@ -109,7 +109,7 @@ impl Drain {
         Drain {
             source: shared.source,
             shared,
-            dropped_of_ended: 0,
+            dropped_of_ended: (0, 0),
             gpu: GpuLive::new(config.gpu),
             config,
             control,
@@ -178,12 +178,15 @@ impl Drain {
         self.stats.records.fetch_add(taken as u64, Ordering::Relaxed);
         for &index in ended.iter().rev() {
             let ring = self.rings.swap_remove(index);
-            self.dropped_of_ended += ring.consumer.dropped_records();
+            self.dropped_of_ended.0 += ring.consumer.dropped_records();
+            self.dropped_of_ended.1 += ring.consumer.dropped_units();
             self.tail.push(Input::ThreadEnd { ring: ring.ring });
             // Dropping the consumer frees the ring (the producer is gone).
         }
-        let dropped = self.dropped_of_ended + self.rings.iter().map(|r| r.consumer.dropped_records()).sum::<u64>();
+        let dropped = self.dropped_of_ended.0 + self.rings.iter().map(|r| r.consumer.dropped_records()).sum::<u64>();
+        let slices = self.dropped_of_ended.1 + self.rings.iter().map(|r| r.consumer.dropped_units()).sum::<u64>();
         self.stats.dropped_records.store(dropped, Ordering::Relaxed);
+        self.stats.dropped_slices.store(slices, Ordering::Relaxed);
         let mut requests = Vec::new();
         while let Ok(message) = self.control.try_recv() {
             match message {
@@ -268,8 +271,7 @@ fn drain_ring(ring: &mut LiveRing, pool: &ChunkPool, source: TickSource, out: &m
     }
     let mut records = pool.pop().unwrap_or_default();
     records.clear();
-    ring.consumer
-        .drain(usize::MAX, |run| records.extend_from_slice(run));
+    ring.consumer.drain(usize::MAX, |run| records.extend_from_slice(run));
     if records.is_empty() {
         let _ = pool.push(records);
         return 0;

@@ -112,7 +112,11 @@ pub(crate) struct LiveLink(pub(crate) Option<Arc<dyn DeviceLink>>);
 
 impl std::fmt::Debug for LiveLink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(if self.0.is_some() { "LiveLink(live)" } else { "LiveLink(none)" })
+        f.write_str(if self.0.is_some() {
+            "LiveLink(live)"
+        } else {
+            "LiveLink(none)"
+        })
     }
 }
 
@@ -165,11 +169,17 @@ pub(crate) enum GpuInput {
 #[derive(Debug)]
 pub(crate) enum Input {
     /// A thread's ring joined (its records come in chunks tagged with `ring`).
-    Thread { ring: u32, tid: u32, name: String },
+    Thread {
+        ring: u32,
+        tid: u32,
+        name: String,
+    },
     Callsite(CallsiteDef),
     Chunk(Chunk),
     /// A thread's ring closed and was drained to its end.
-    ThreadEnd { ring: u32 },
+    ThreadEnd {
+        ring: u32,
+    },
     /// A burst of CPU calibration samples (ticks of the timeline's tick source against CLOCK_MONOTONIC).
     CpuCalibration(Vec<CalibrationSample>),
     Gpu(GpuInput),

@@ -89,10 +89,10 @@ pub(crate) fn spawn(
     });
     let process = {
         let stats = stats.clone();
-        let (budget, pool) = (budget.clone(), pool.clone());
+        let (budget, pool, shared) = (budget.clone(), pool.clone(), shared.clone());
         std::thread::Builder::new()
             .name("tickline-collector".into())
-            .spawn(move || run_processing(rx, processor, capture, &budget, &pool, &stats))?
+            .spawn(move || run_processing(rx, processor, capture, &budget, &pool, &stats, &shared))?
     };
     let drain = Drain::new(setup.drain, shared.clone(), control, tx, budget, pool, stats);
     let drain = std::thread::Builder::new()
@@ -110,8 +110,12 @@ fn run_processing(
     budget: &Budget,
     pool: &ChunkPool,
     stats: &SharedStats,
+    shared: &Shared,
 ) {
     for input in rx.iter() {
+        while shared.processing_paused.load(std::sync::atomic::Ordering::Relaxed) {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
         if let Some(writer) = &mut capture {
             writer.write(&input, stats);
         }
@@ -189,7 +193,7 @@ pub mod bench_support {
             processor.set_cpu_clock(CpuTime::Live {
                 source: TickSource::Tsc,
                 history: CalibrationHistory::new(domain, HistoryConfig::default()),
-                fast: Some(FastConverter::new(&cal)),
+                fast: Some(Box::new(FastConverter::new(&cal))),
             });
             processor.input(Input::Callsite(CallsiteDef {
                 key: KEY,

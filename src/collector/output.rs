@@ -5,7 +5,9 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 
 use super::stats::SharedStats;
-use crate::export::{Batch, Event, EventKind, ExportError, Exporter, Field, NameId, TrackDescriptor, TrackId, TrackKind};
+use crate::export::{
+    Batch, Event, EventKind, ExportError, Exporter, Field, NameId, TrackDescriptor, TrackId, TrackKind,
+};
 
 /// A track shared by threads (a counter): its events are ordered before they join the batch.
 #[derive(Default)]

@@ -55,7 +55,7 @@ pub(crate) enum CpuTime {
     Live {
         source: TickSource,
         history: CalibrationHistory,
-        fast: Option<FastConverter>,
+        fast: Option<Box<FastConverter>>,
     },
     /// Converting a capture: the whole history is known, so every tick is placed between calibration points
     /// on both sides.
@@ -410,7 +410,7 @@ impl Processor {
             return;
         };
         if history.add_burst(samples).is_ok() {
-            *fast = history.latest().map(FastConverter::new);
+            *fast = history.latest().map(|c| Box::new(FastConverter::new(c)));
         }
     }
 
@@ -437,9 +437,9 @@ impl Processor {
         // Rings stalled too long: the span they wait for was never announced. Go on without it.
         for k in 0..self.active.len() {
             let ring = self.active[k];
-            let stalled = self.rings[ring as usize].as_ref().is_some_and(|r| {
-                !r.input.pending.is_empty() && (force || r.input.stalled_passes >= MAX_WAIT_PASSES)
-            });
+            let stalled = self.rings[ring as usize]
+                .as_ref()
+                .is_some_and(|r| !r.input.pending.is_empty() && (force || r.input.stalled_passes >= MAX_WAIT_PASSES));
             if stalled {
                 self.process_ring(ring, true);
             } else if let Some(r) = self.rings[ring as usize].as_mut() {
@@ -596,7 +596,15 @@ impl Processor {
     }
 
     /// Emits an event on `track`: held behind a held span begin, or straight into the batch.
-    fn emit(&mut self, track: &mut Track, ts_ns: u64, kind: EventKind, name: NameId, fields: Vec<Field>, flow_out: Option<u64>) {
+    fn emit(
+        &mut self,
+        track: &mut Track,
+        ts_ns: u64,
+        kind: EventKind,
+        name: NameId,
+        fields: Vec<Field>,
+        flow_out: Option<u64>,
+    ) {
         if track.held.is_empty() {
             let mut fields = fields;
             let event = self.out.push_event_owned(ts_ns, track.id, kind, name, &mut fields);
@@ -963,17 +971,23 @@ impl Processor {
                 .sum::<u64>();
         if dropped != self.reported_dropped {
             self.reported_dropped = dropped;
-            self.out.push_counter(self.tracks.dropped, drain_ns, value, dropped as f64);
+            self.out
+                .push_counter(self.tracks.dropped, drain_ns, value, dropped as f64);
         }
         if self.counts.truncated_slices != self.reported_truncated {
             self.reported_truncated = self.counts.truncated_slices;
-            self.out
-                .push_counter(self.tracks.truncated, drain_ns, value, self.counts.truncated_slices as f64);
+            self.out.push_counter(
+                self.tracks.truncated,
+                drain_ns,
+                value,
+                self.counts.truncated_slices as f64,
+            );
         }
         if let Some(fit) = self.cpu.as_ref().and_then(|c| c.history().latest().copied()) {
             if fit.calibrated_at_ns() != self.reported_fit_ns {
                 self.reported_fit_ns = fit.calibrated_at_ns();
-                self.out.push_counter(self.tracks.cpu_drift, drain_ns, value, fit.drift_ppm());
+                self.out
+                    .push_counter(self.tracks.cpu_drift, drain_ns, value, fit.drift_ppm());
                 self.out
                     .push_counter(self.tracks.cpu_error, drain_ns, value, fit.error_bound_ns());
             }
@@ -1047,4 +1061,105 @@ fn field_name(names: &[NameId], index: u8) -> NameId {
 fn held_at(track: &mut Track, seq: u64) -> Option<&mut HeldEvent> {
     let index = seq.checked_sub(track.held_base)?;
     track.held.get_mut(index as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::calibration::ClockCalibration;
+    use crate::codec::{self, Kind, Record};
+    use crate::collector::input::CallsiteKind;
+    use crate::export::MemoryExporter;
+
+    const KNOWN: u64 = 0x1000;
+
+    fn processor(memory: &MemoryExporter) -> Processor {
+        let out = Output::new(1, "test".into(), vec![Box::new(memory.clone())]);
+        let mut p = Processor::new(
+            out,
+            GpuCalibrationConfig::default(),
+            None,
+            Arc::new(SharedStats::default()),
+        );
+        let domain = ClockDomain::new(64, 1.0).unwrap();
+        let cal = ClockCalibration::from_anchor(domain, 0, 0, 1.0).unwrap();
+        p.set_cpu_clock(CpuTime::Live {
+            source: TickSource::Monotonic,
+            history: CalibrationHistory::new(domain, HistoryConfig::default()),
+            fast: Some(Box::new(FastConverter::new(&cal))),
+        });
+        p.input(Input::Callsite(CallsiteDef {
+            key: KNOWN,
+            kind: CallsiteKind::Native,
+            name: "known".into(),
+            target: String::new(),
+            level: 0,
+            file: String::new(),
+            line: 0,
+            fields: vec!["x".into()],
+        }));
+        p.input(Input::Thread {
+            ring: 1,
+            tid: 1,
+            name: "t".into(),
+        });
+        p
+    }
+
+    fn arbitrary_record() -> impl Strategy<Value = Record> {
+        let key = prop_oneof![Just(KNOWN), any::<u64>()];
+        prop_oneof![
+            any::<(u64, u64)>().prop_map(|(word0, word1)| Record { word0, word1 }),
+            (0u64..16, 0u64..4, 0u64..1_000_000, key).prop_map(|(kind, aux, t, w1)| {
+                let kind = match kind {
+                    1 => Kind::SpanNew,
+                    2 => Kind::SpanRecord,
+                    3 => Kind::SpanEnter,
+                    4 => Kind::SpanExit,
+                    5 => Kind::SpanClose,
+                    6 => Kind::Event,
+                    7 => Kind::ScopeBegin,
+                    8 => Kind::ScopeEnd,
+                    9 => Kind::Instant,
+                    10 => Kind::Counter,
+                    11 => Kind::GpuBegin,
+                    12 => Kind::Gap,
+                    _ => Kind::Data,
+                };
+                Record::head(kind, aux, t, w1)
+            }),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(if cfg!(miri) { 8 } else { 512 }))]
+
+        /// Corrupt and torn input never panics, and nothing is named after a callsite nobody registered.
+        #[test]
+        fn corrupt_records_never_panic_nor_name_an_unregistered_callsite(
+            records in prop::collection::vec(arbitrary_record(), 0..96),
+            valid in prop::collection::vec(0u64..1_000, 0..8),
+        ) {
+            let memory = MemoryExporter::default();
+            let mut p = processor(&memory);
+            let mut all = records;
+            // Some well-formed groups in between, naming the known callsite.
+            let mut group = Vec::new();
+            for v in valid {
+                codec::encode_event(&mut group, v, KNOWN, codec::Parent::Contextual, &[0, codec::TAG_U64, 1, 0, 0, 0, 0, 0, 0, 0]);
+                all.extend_from_slice(&group);
+            }
+            p.input(Input::Chunk(Chunk { ring: 1, now_ticks: 2_000_000, dropped_total: 0, records: all }));
+            p.input(Input::PassEnd { drain_ns: 2_000_000, drain_ticks: 2_000_000, buffered_bytes: 0 });
+            let (tx, rx) = crossbeam_channel::bounded(1);
+            p.input(Input::Shutdown(tx));
+            prop_assert!(rx.recv().unwrap().is_ok());
+            let allowed = ["known", "unknown span", "unknown callsite", "tickline: records dropped", "value"];
+            for e in memory.snapshot().events {
+                prop_assert!(allowed.contains(&e.name.as_str()), "{:?}", e.name);
+            }
+        }
+    }
 }

@@ -163,7 +163,6 @@ impl Spans {
             }
         });
     }
-
 }
 
 #[cfg(test)]

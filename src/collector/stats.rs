@@ -14,6 +14,10 @@ pub struct TimelineStats {
     /// Records dropped because a ring was full (drop mode). A slice is never half-dropped: a begin that could
     /// not leave room for its end is dropped with its end.
     pub dropped_records: u64,
+    /// Slices lost whole to full rings: a begin refused because its end would not have had room (or its
+    /// span's creation record was dropped), and its end with it. Their records are among
+    /// `dropped_records`. Every slice a program makes is exported, counted here, or truncated.
+    pub dropped_slices: u64,
     /// Slices the trace had to end before their real end (the thread exited with them open, or the timeline
     /// shut down while they were open): ended at the last moment known, marked `tickline.truncated`.
     pub truncated_slices: u64,
@@ -75,6 +79,7 @@ macro_rules! shared_stats {
 shared_stats!(
     records,
     dropped_records,
+    dropped_slices,
     truncated_slices,
     fields_truncated,
     events,

@@ -128,11 +128,7 @@ impl GpuCollector {
                     self.stats.failed_calibrations += 1;
                 }
             }
-            GpuInput::Reads {
-                device,
-                read_ns,
-                reads,
-            } => {
+            GpuInput::Reads { device, read_ns, reads } => {
                 let Some(d) = self.devices.get_mut(&device) else { return };
                 for read in reads {
                     match d.in_flight.remove(&(read.pair, read.generation)) {
@@ -267,7 +263,9 @@ impl GpuCollector {
     pub(crate) fn pass_end(&mut self, out: &mut Output, drain_ns: u64, force: bool) {
         self.pass += 1;
         let pass = self.pass;
-        let uncertainty_name = *self.uncertainty_name.get_or_insert_with(|| out.intern("uncertainty_ns"));
+        let uncertainty_name = *self
+            .uncertainty_name
+            .get_or_insert_with(|| out.intern("uncertainty_ns"));
         for d in self.devices.values_mut() {
             d.unmatched_reads
                 .retain(|&(_, _, seen)| pass.saturating_sub(seen) < UNMATCHED_READ_PASSES);
@@ -299,8 +297,8 @@ impl GpuCollector {
             let mut i = 0;
             while i < d.finished.len() {
                 let f = &d.finished[i];
-                let convert = d.tracker.history().latest().is_some()
-                    && (force || d.tracker.ready(f.end.0, f.read_ns, drain_ns));
+                let convert =
+                    d.tracker.history().latest().is_some() && (force || d.tracker.ready(f.end.0, f.read_ns, drain_ns));
                 if convert {
                     ready.push(d.finished.swap_remove(i));
                 } else {

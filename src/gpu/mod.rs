@@ -522,9 +522,7 @@ impl<'a, B: GpuBackend> GpuScope<'a, B> {
         state.store(pair_state::ALLOCATED | generation, Ordering::Release);
         shared.backend.write_timestamp(commands, 2 * pair);
         let key = scope_key(shared.device, queue.queue, pair, generation);
-        let encode = fields.map(|f| {
-            move |encoder: &mut FieldEncoder<'_>| f(&mut GpuFieldEncoder { inner: encoder })
-        });
+        let encode = fields.map(|f| move |encoder: &mut FieldEncoder<'_>| f(&mut GpuFieldEncoder { inner: encoder }));
         // If the record is dropped (full ring) the pair is still read back and released by the drain stage:
         // its read then matches no scope and is counted as such.
         recorder::gpu_begin(&shared.timeline, callsite, key, encode);

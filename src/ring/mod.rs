@@ -69,6 +69,7 @@ pub(crate) fn channel<T: Copy + Send>(capacity: usize) -> (Producer<T>, Consumer
         head: CachePadded(AtomicUsize::new(0)),
         tail: CachePadded(AtomicUsize::new(0)),
         dropped: CachePadded(AtomicU64::new(0)),
+        dropped_units: AtomicU64::new(0),
         producer_alive: AtomicBool::new(true),
         consumer_alive: AtomicBool::new(true),
         slots,
@@ -80,6 +81,7 @@ pub(crate) fn channel<T: Copy + Send>(capacity: usize) -> (Producer<T>, Consumer
         head_cache: 0,
         mask,
         dropped: 0,
+        dropped_units: 0,
     };
     let consumer = Consumer {
         shared,
@@ -118,6 +120,9 @@ struct Shared<T> {
     /// Records the producer dropped because the ring was full. Written only by the [`Producer`], which
     /// counts locally and stores the running total (no read-modify-write needed with one writer).
     dropped: CachePadded<AtomicU64>,
+    /// Units of the caller's own (for the recorder: whole slices) whose records were dropped. Written only
+    /// by the [`Producer`], like `dropped`.
+    dropped_units: AtomicU64,
     /// Cleared when the [`Producer`] is dropped (its thread exited).
     producer_alive: AtomicBool,
     /// Cleared when the [`Consumer`] is dropped (the collector is gone).
@@ -140,6 +145,8 @@ pub(crate) struct Producer<T> {
     mask: usize,
     /// Records dropped (`push_or_count_drop`, `count_drops`); mirrored into `shared.dropped`.
     dropped: u64,
+    /// Mirrored into `shared.dropped_units`.
+    dropped_units: u64,
 }
 
 // SAFETY: a Producer is the producer *role* of the protocol (sole writer of `tail`, `dropped` and of
@@ -237,6 +244,14 @@ impl<T: Copy + Send> Producer<T> {
         // paired with the Release in `Producer::drop`) reads the final value; before that it may read
         // a slightly older one.
         self.shared.dropped.store(self.dropped, Ordering::Relaxed);
+    }
+
+    /// Adds one to the count of the caller's units (whole slices) lost to drops.
+    #[cold]
+    pub(crate) fn count_dropped_unit(&mut self) {
+        self.dropped_units += 1;
+        // Relaxed: as in `count_drops`.
+        self.shared.dropped_units.store(self.dropped_units, Ordering::Relaxed);
     }
 
     /// Whether `n` slots from `tail` on are free. Reloads the consumer's head only when the cached
@@ -468,6 +483,13 @@ impl<T: Copy + Send> Consumer<T> {
     pub(crate) fn dropped_records(&self) -> u64 {
         // Relaxed: see `Producer::count_drops`; exactness after close comes from `is_closed`'s Acquire.
         self.shared.dropped.load(Ordering::Relaxed)
+    }
+
+    /// How many units (whole slices) the producer counted as lost to drops; exact like
+    /// [`dropped_records`](Self::dropped_records).
+    pub(crate) fn dropped_units(&self) -> u64 {
+        // Relaxed: see `Producer::count_dropped_unit`.
+        self.shared.dropped_units.load(Ordering::Relaxed)
     }
 
     /// Whether the [`Producer`] has been dropped (its thread exited). Once true, stays true.
@@ -735,7 +757,10 @@ mod tests {
         drop(c);
         assert!(!p.is_consumer_alive());
         assert!(!p.push_all_waiting(&[2], || {}));
-        assert!(!p.push_all_waiting(&[1, 2, 3], || {}), "longer than the ring: never fits");
+        assert!(
+            !p.push_all_waiting(&[1, 2, 3], || {}),
+            "longer than the ring: never fits"
+        );
     }
 
     #[test]

@@ -5,6 +5,7 @@ mod cli;
 mod cuda;
 mod gpu;
 mod live;
+mod load;
 mod pipeline;
 #[cfg(feature = "vulkan")]
 mod vulkan;

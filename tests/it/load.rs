@@ -1,0 +1,482 @@
+//! The CPU timeline under load: span identity when the registry reuses ids, field values whatever the drain
+//! timing, whole-slice drops with no invented or stretched slice, payload limits, several timelines.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tickline::{Batch, EventKind, ExportError, Exporter, FieldValue, MemoryExporter, NameId, Timeline, TrackId};
+use tracing_subscriber::layer::SubscriberExt;
+
+use crate::exclusive;
+
+/// Checks the `a`/`b`/`c` hot loop as batches arrive, keeping counts only (millions of events): every scope
+/// slice `in X` lies directly inside a span slice `X`, and every span slice `X` carries its iteration `i`, each
+/// exactly once.
+#[derive(Clone, Default)]
+struct AbcChecker(Arc<Mutex<AbcState>>);
+
+#[derive(Default)]
+struct AbcState {
+    names: HashMap<NameId, String>,
+    stacks: HashMap<TrackId, Vec<String>>,
+    /// Per span name, which iterations were seen.
+    seen: HashMap<String, Vec<u8>>,
+    span_slices: u64,
+    scope_slices: u64,
+    wrong_names: u64,
+    wrong_fields: u64,
+    unpaired_ends: u64,
+}
+
+const ABC_ITERATIONS: usize = 300_000;
+
+impl Exporter for AbcChecker {
+    fn export(&mut self, batch: &Batch) -> Result<(), ExportError> {
+        let mut guard = self.0.lock().unwrap();
+        let s = &mut *guard;
+        for (id, name) in &batch.new_names {
+            s.names.insert(*id, name.clone());
+        }
+        for e in &batch.events {
+            let name = s.names.get(&e.name).cloned().unwrap_or_default();
+            match e.kind {
+                EventKind::SliceBegin => {
+                    let stack = s.stacks.entry(e.track).or_default();
+                    if let Some(span) = name.strip_prefix("in ") {
+                        s.scope_slices += 1;
+                        if stack.last().map(String::as_str) != Some(span) {
+                            s.wrong_names += 1;
+                        }
+                    } else if ["a", "b", "c"].contains(&name.as_str()) {
+                        s.span_slices += 1;
+                        let i = batch.fields_of(e).iter().find_map(|f| match f.value {
+                            FieldValue::U64(v) if s.names.get(&f.name).map(String::as_str) == Some("i") => Some(v),
+                            FieldValue::I64(v) if s.names.get(&f.name).map(String::as_str) == Some("i") => {
+                                Some(v as u64)
+                            }
+                            _ => None,
+                        });
+                        let seen = s.seen.entry(name.clone()).or_insert_with(|| vec![0; ABC_ITERATIONS]);
+                        match i {
+                            Some(i) if (i as usize) < ABC_ITERATIONS && seen[i as usize] == 0 => seen[i as usize] = 1,
+                            _ => s.wrong_fields += 1,
+                        }
+                    }
+                    s.stacks.entry(e.track).or_default().push(name);
+                }
+                EventKind::SliceEnd if s.stacks.entry(e.track).or_default().pop().is_none() => {
+                    s.unpaired_ends += 1;
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+    fn flush(&mut self) -> Result<(), ExportError> {
+        Ok(())
+    }
+}
+
+/// The loop of the issue that found the bug: three spans, each with a native scope inside, 300,000 times.
+fn abc_loop(timeline: &Timeline) {
+    let subscriber = tracing_subscriber::registry().with(timeline.layer());
+    tracing::subscriber::with_default(subscriber, || {
+        for i in 0..ABC_ITERATIONS as u64 {
+            {
+                let _a = tracing::info_span!("a", i).entered();
+                let _s = tickline::scope!("in a");
+            }
+            {
+                let _b = tracing::info_span!("b", i).entered();
+                let _s = tickline::scope!("in b");
+            }
+            {
+                let _c = tracing::info_span!("c", i).entered();
+                let _s = tickline::scope!("in c");
+            }
+        }
+    });
+}
+
+fn check_abc(checker: &AbcChecker) {
+    let s = checker.0.lock().unwrap();
+    assert_eq!(s.span_slices, 3 * ABC_ITERATIONS as u64);
+    assert_eq!(s.scope_slices, 3 * ABC_ITERATIONS as u64);
+    assert_eq!(s.wrong_names, 0, "scope slices inside another span's slice");
+    assert_eq!(s.wrong_fields, 0, "span slices with a missing or repeated iteration");
+    assert_eq!(s.unpaired_ends, 0);
+    for name in ["a", "b", "c"] {
+        assert!(
+            s.seen[name].iter().all(|&v| v == 1),
+            "{name}: not every iteration seen once"
+        );
+    }
+    assert!(s.stacks.values().all(Vec::is_empty), "slices left open");
+}
+
+#[test]
+fn reused_span_ids_never_give_a_slice_another_spans_name_or_fields() {
+    let _x = exclusive();
+    let checker = AbcChecker::default();
+    let timeline = Timeline::builder()
+        .lossless(true)
+        .exporter(checker.clone())
+        .start()
+        .unwrap();
+    abc_loop(&timeline);
+    let stats = timeline.shutdown().unwrap();
+    assert_eq!(stats.dropped_records, 0);
+    assert_eq!((stats.unknown_spans, stats.framing_errors), (0, 0), "{stats:?}");
+    check_abc(&checker);
+}
+
+#[test]
+fn reused_span_ids_stay_right_when_the_collector_lags_far_behind() {
+    let _x = exclusive();
+    let checker = AbcChecker::default();
+    // Huge rings drained rarely, and a processing stage that sits idle while the whole run piles up: the
+    // registry reuses each id thousands of times within what the collector then takes in one go.
+    let timeline = Timeline::builder()
+        .lossless(true)
+        .ring_capacity(1 << 20)
+        .poll_interval(Duration::from_millis(200))
+        .exporter(checker.clone())
+        .start()
+        .unwrap();
+    timeline.pause_processing(true);
+    abc_loop(&timeline);
+    let stats = timeline.shutdown().unwrap();
+    assert_eq!(stats.dropped_records, 0);
+    assert_eq!((stats.unknown_spans, stats.framing_errors), (0, 0), "{stats:?}");
+    check_abc(&checker);
+}
+
+/// `span.record` at the end of each 3 ms span: the slice shows the value, whatever the collector does.
+fn record_at_end(timeline: &Timeline, memory: &MemoryExporter, flush_midway: bool) {
+    let subscriber = tracing_subscriber::registry().with(timeline.layer());
+    tracing::subscriber::with_default(subscriber, || {
+        for id in 0..50u64 {
+            let span = tracing::info_span!("request", id, status = tracing::field::Empty);
+            let _e = span.enter();
+            std::thread::sleep(Duration::from_millis(3));
+            if flush_midway && id % 7 == 0 {
+                // Exported while open: the value recorded later still reaches the slice (on its end).
+                timeline.flush().unwrap();
+            }
+            span.record("status", id * 2);
+        }
+    });
+    timeline.flush().unwrap();
+    let slices: Vec<_> = memory
+        .snapshot()
+        .slices()
+        .into_iter()
+        .filter(|s| s.name == "request")
+        .collect();
+    assert_eq!(slices.len(), 50);
+    for s in &slices {
+        let Some(FieldValue::U64(id)) = s.field("id") else {
+            panic!("{s:?}")
+        };
+        assert_eq!(s.field("status"), Some(&FieldValue::U64(id * 2)), "{s:?}");
+    }
+}
+
+#[test]
+fn a_value_recorded_at_the_end_of_a_span_is_on_every_slice_whatever_the_drain_timing() {
+    let _x = exclusive();
+    for (poll_ms, flush_midway, pause) in [
+        (1, false, false),
+        (50, false, false),
+        (1, true, false),
+        (1, false, true),
+    ] {
+        let memory = MemoryExporter::default();
+        let timeline = Timeline::builder()
+            .poll_interval(Duration::from_millis(poll_ms))
+            .exporter(memory.clone())
+            .start()
+            .unwrap();
+        timeline.pause_drain(pause);
+        record_at_end(&timeline, &memory, flush_midway);
+        timeline.shutdown().unwrap();
+    }
+}
+
+#[test]
+fn a_value_recorded_two_enters_later_is_not_on_the_first_slice() {
+    let _x = exclusive();
+    let memory = MemoryExporter::default();
+    let timeline = Timeline::builder()
+        .poll_interval(Duration::from_millis(100))
+        .exporter(memory.clone())
+        .start()
+        .unwrap();
+    let subscriber = tracing_subscriber::registry().with(timeline.layer());
+    tracing::subscriber::with_default(subscriber, || {
+        let span = tracing::info_span!("job", step = 0u64);
+        for step in 1..=3u64 {
+            drop(span.enter());
+            span.record("step", step);
+        }
+    });
+    timeline.shutdown().unwrap();
+    let steps: Vec<_> = memory
+        .snapshot()
+        .slices()
+        .into_iter()
+        .filter(|s| s.name == "job")
+        .map(|s| s.field("step").cloned())
+        .collect();
+    assert_eq!(
+        steps,
+        [0u64, 1, 2].map(|v| Some(FieldValue::U64(v))),
+        "each slice has the value its span had when it ended"
+    );
+}
+
+/// One slice the drop test made: its name `s{k}` and what the test's own clock saw around it.
+struct Truth {
+    begin_ns: u64,
+    end_ns: u64,
+    parent: Option<u64>,
+}
+
+#[test]
+fn drop_mode_never_invents_or_stretches_a_slice_and_accounts_for_every_one() {
+    let _x = exclusive();
+    let memory = MemoryExporter::default();
+    let timeline = Timeline::builder()
+        .ring_capacity(64)
+        .exporter(memory.clone())
+        .start()
+        .unwrap();
+    timeline.pause_drain(true);
+    let subscriber = tracing_subscriber::registry().with(timeline.layer());
+    let mut truth = HashMap::new();
+    let mut next = 0u64;
+    tracing::subscriber::with_default(subscriber, || {
+        // Nested spans two deep, with a flush now and then: the ring fills, drops, and drains again.
+        for round in 0..2_000u64 {
+            let outer = next;
+            next += 1;
+            let begin = tickline::monotonic_ns().0;
+            {
+                let _o = tracing::info_span!("outer", k = outer).entered();
+                for _ in 0..3 {
+                    let inner = next;
+                    next += 1;
+                    let b = tickline::monotonic_ns().0;
+                    drop(tracing::info_span!("inner", k = inner).entered());
+                    truth.insert(
+                        inner,
+                        Truth {
+                            begin_ns: b,
+                            end_ns: tickline::monotonic_ns().0,
+                            parent: Some(outer),
+                        },
+                    );
+                }
+            }
+            truth.insert(
+                outer,
+                Truth {
+                    begin_ns: begin,
+                    end_ns: tickline::monotonic_ns().0,
+                    parent: None,
+                },
+            );
+            if round % 97 == 0 {
+                timeline.flush().unwrap();
+            }
+        }
+    });
+    let stats = timeline.shutdown().unwrap();
+    let trace = memory.snapshot();
+    let slices = trace.slices();
+    let mut exported = 0u64;
+    for s in &slices {
+        let Some(FieldValue::U64(k)) = s.field("k") else {
+            continue;
+        };
+        exported += 1;
+        let t = &truth[k];
+        assert!(
+            s.begin_ns >= t.begin_ns && s.end_ns <= t.end_ns,
+            "slice {k} [{}, {}] outside its truth [{}, {}]",
+            s.begin_ns,
+            s.end_ns,
+            t.begin_ns,
+            t.end_ns
+        );
+        assert!(s.depth <= 1, "nesting deeper than the program made: {s:?}");
+    }
+    // Parents: an inner slice at depth 1 sits inside its own outer slice.
+    let by_k: HashMap<u64, &tickline::RecordedSlice> = slices
+        .iter()
+        .filter_map(|s| match s.field("k") {
+            Some(FieldValue::U64(k)) => Some((*k, s)),
+            _ => None,
+        })
+        .collect();
+    for (k, s) in &by_k {
+        if s.depth == 1 {
+            let parent = truth[k].parent.expect("only inner slices nest");
+            let p = by_k
+                .get(&parent)
+                .expect("an inner slice nests only in its exported outer slice");
+            assert!(p.begin_ns <= s.begin_ns && s.end_ns <= p.end_ns);
+        }
+    }
+    assert!(stats.dropped_records > 0, "the ring must overflow: {stats:?}");
+    // Every slice produced is exported whole, dropped whole (enter + exit), or truncated: exactly.
+    let produced = truth.len() as u64;
+    assert_eq!(stats.truncated_slices, 0);
+    assert_eq!(
+        exported + stats.dropped_slices + stats.truncated_slices,
+        produced,
+        "{stats:?}"
+    );
+    assert!(stats.dropped_slices > 0);
+    // Each dropped slice lost at least its enter and exit records.
+    assert!(stats.dropped_records >= 2 * stats.dropped_slices, "{stats:?}");
+    let gaps = trace
+        .events
+        .iter()
+        .filter(|e| e.name == "tickline: records dropped")
+        .map(|e| match e.fields.iter().find(|(n, _)| n == "records") {
+            Some((_, FieldValue::U64(n))) => *n,
+            _ => 0,
+        })
+        .sum::<u64>();
+    assert!(
+        gaps > 0 && gaps <= stats.dropped_records,
+        "gap markers show where: {gaps}"
+    );
+}
+
+#[test]
+fn a_lossless_burst_into_a_huge_ring_exports_every_event_with_its_message() {
+    let _x = exclusive();
+    let memory = MemoryExporter::default();
+    let timeline = Timeline::builder()
+        .lossless(true)
+        .ring_capacity(1 << 20)
+        .exporter(memory.clone())
+        .start()
+        .unwrap();
+    let subscriber = tracing_subscriber::registry().with(timeline.layer());
+    const EVENTS: usize = 200_000;
+    tracing::subscriber::with_default(subscriber, || {
+        for i in 0..EVENTS {
+            // About 100 bytes of message: record groups that do not divide a drain's size.
+            tracing::info!(
+                i,
+                "event number {i:>8} with a message long enough to need several data records ...."
+            );
+        }
+    });
+    let stats = timeline.shutdown().unwrap();
+    assert_eq!((stats.dropped_records, stats.framing_errors), (0, 0));
+    let trace = memory.snapshot();
+    let mut seen = vec![false; EVENTS];
+    for e in trace.events.iter().filter(|e| e.kind == EventKind::Instant) {
+        let Some((_, FieldValue::U64(i))) = e.fields.iter().find(|(n, _)| n == "i") else {
+            continue;
+        };
+        let Some((_, FieldValue::Str(message))) = e.fields.iter().find(|(n, _)| n == "message") else {
+            panic!("event {i} without its message")
+        };
+        assert!(message.starts_with(&format!("event number {i:>8} ")), "{message}");
+        seen[*i as usize] = true;
+    }
+    assert!(seen.iter().all(|&s| s), "every event arrives");
+}
+
+#[test]
+fn fields_cut_at_the_payload_limit_are_marked_and_counted() {
+    let _x = exclusive();
+    let memory = MemoryExporter::default();
+    let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
+    let subscriber = tracing_subscriber::registry().with(timeline.layer());
+    let big = "x".repeat(2048);
+    tracing::subscriber::with_default(subscriber, || {
+        let _s = tracing::info_span!(
+            "wide",
+            f00 = %big, f01 = %big, f02 = %big, f03 = %big, f04 = %big, f05 = %big, f06 = %big, f07 = %big,
+            f08 = %big, f09 = %big, f10 = %big, f11 = %big, f12 = %big, f13 = %big, f14 = %big, f15 = %big,
+            f16 = %big, f17 = %big, f18 = %big, f19 = %big, f20 = %big, f21 = %big, f22 = %big, f23 = %big,
+            f24 = %big, f25 = %big, f26 = %big, f27 = %big, f28 = %big, f29 = %big, f30 = %big
+        )
+        .entered();
+        tracing::info!(value = ?"y".repeat(100_000), "a huge debug value");
+    });
+    let stats = timeline.shutdown().unwrap();
+    let trace = memory.snapshot();
+    let wide = trace.slices().into_iter().find(|s| s.name == "wide").unwrap();
+    let kept = wide.fields.iter().filter(|(n, _)| n.starts_with('f')).count();
+    let Some(FieldValue::U64(cut)) = wide.field("tickline.fields_truncated") else {
+        panic!(
+            "no marker: {:?}",
+            wide.fields.iter().map(|(n, _)| n).collect::<Vec<_>>()
+        )
+    };
+    assert!(kept < 31 && kept as u64 + *cut >= 31, "{kept} kept, {cut} cut");
+    let event = trace
+        .events
+        .iter()
+        .find(|e| e.kind == EventKind::Instant && e.fields.iter().any(|(n, _)| n == "value"))
+        .unwrap();
+    assert!(event
+        .fields
+        .iter()
+        .any(|(n, v)| n == "tickline.fields_truncated" && *v == FieldValue::U64(1)));
+    let value = event.fields.iter().find(|(n, _)| n == "value").unwrap();
+    let FieldValue::Str(value) = &value.1 else { panic!() };
+    assert!(value.len() <= tickline::MAX_FIELD_BYTES + 3 && value.ends_with('…'));
+    assert_eq!(stats.fields_truncated, 2, "{stats:?}");
+}
+
+#[test]
+fn native_macros_follow_the_most_recently_started_running_timeline_in_every_order() {
+    let _x = exclusive();
+    let start = || {
+        let memory = MemoryExporter::default();
+        let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
+        (timeline, memory)
+    };
+    let count = |memory: &MemoryExporter| memory.snapshot().slice_count("where");
+    let record = || drop(tickline::scope!("where"));
+
+    // Stop the later one first: the earlier one takes over again.
+    let (a, a_mem) = start();
+    let (b, b_mem) = start();
+    record();
+    b.shutdown().unwrap();
+    record();
+    a.shutdown().unwrap();
+    record();
+    assert_eq!((count(&a_mem), count(&b_mem)), (1, 1));
+
+    // Stop the earlier one first: the later one stays current.
+    let (a, a_mem) = start();
+    let (b, b_mem) = start();
+    record();
+    a.shutdown().unwrap();
+    record();
+    b.shutdown().unwrap();
+    record();
+    assert_eq!((count(&a_mem), count(&b_mem)), (0, 2));
+
+    // Three, the middle one stops: the newest stays; then the newest stops: the oldest.
+    let (a, a_mem) = start();
+    let (b, b_mem) = start();
+    let (c, c_mem) = start();
+    b.shutdown().unwrap();
+    record();
+    c.shutdown().unwrap();
+    record();
+    a.shutdown().unwrap();
+    assert_eq!((count(&a_mem), count(&b_mem), count(&c_mem)), (1, 0, 1));
+}
