@@ -23,7 +23,7 @@
 //!
 //! | kind | tick | word 1 | fixed data records | payload |
 //! |---|---|---|---|---|
-//! | `SpanNew` | creation | span serial | `[len, parent mode]` + callsite key; an explicit parent's serial | fields |
+//! | `SpanNew` | none (0) | callsite key | with fields or a non-contextual parent: `[len, parent mode]` + explicit parent serial (or 0) | fields |
 //! | `SpanRecord` | now | span serial | `[len]` | fields |
 //! | `SpanEnter`, `SpanExit` | now | span serial | | |
 //! | `SpanClose` | now, or 0 with `aux = AT_LAST_EXIT` | span serial | | |
@@ -32,6 +32,13 @@
 //! | `Counter` | now | callsite key | value (`f64` bits) | |
 //! | `GpuBegin` | now | callsite key | `[len]` + GPU scope key | fields |
 //! | `Gap` | now | records dropped since the last gap | | |
+//!
+//! A span's serial is not in its records' bits twice over: span serials are handed out per ring in order,
+//! `(ring number << 40) | n` for the ring's `n`-th `SpanNew`, so the collector numbers the `SpanNew` records
+//! of a ring as it meets them. A creation that a full ring refused takes no number (its span's records are
+//! all dropped and counted). `SpanNew` carries no timestamp, which saves the hot path a counter read on every
+//! span created; the collector places the creation just before the next timed record of its ring (for a
+//! span entered right away, its first enter).
 //!
 //! Callsite keys are the addresses of `'static` callsites (`tracing`'s `Metadata`, tickline's
 //! [`Callsite`](crate::Callsite)). The collector never dereferences one: callsites are registered with it
@@ -114,7 +121,7 @@ impl Kind {
     /// Fixed data records a group of this kind has at least (0 for kinds that are not groups).
     fn min_fixed(self) -> usize {
         match self {
-            Kind::SpanNew | Kind::SpanRecord | Kind::Event | Kind::Counter | Kind::GpuBegin => 1,
+            Kind::SpanRecord | Kind::Event | Kind::Counter | Kind::GpuBegin => 1,
             _ => 0,
         }
     }
@@ -215,38 +222,31 @@ fn push_payload(out: &mut Vec<Record>, first_index: usize, payload: &[u8]) {
     }
 }
 
-/// The group of a span's creation: head stamped `ticks`, the callsite and parent, the fields.
-pub(crate) fn encode_span_new(
-    out: &mut Vec<Record>,
-    ticks: u64,
-    serial: u64,
-    callsite: u64,
-    parent: Parent,
-    payload: &[u8],
-) {
-    let explicit = matches!(parent, Parent::Explicit(_));
-    let fixed = 1 + explicit as usize;
+/// The group of a span's creation with fields or a parent that is not the contextual one.
+pub(crate) fn encode_span_new(out: &mut Vec<Record>, callsite: u64, parent: Parent, payload: &[u8]) {
     out.clear();
     out.push(Record::head(
         Kind::SpanNew,
-        (fixed + payload_records(payload.len())) as u64,
-        ticks,
-        serial,
+        (1 + payload_records(payload.len())) as u64,
+        0,
+        callsite,
     ));
-    out.push(Record::data(1, payload.len() as u64 | (parent.mode() << 16), callsite));
-    if let Parent::Explicit(parent) = parent {
-        out.push(Record::data(2, 0, parent));
-    }
-    push_payload(out, fixed + 1, payload);
+    let parent_serial = match parent {
+        Parent::Explicit(serial) => serial,
+        _ => 0,
+    };
+    out.push(Record::data(
+        1,
+        payload.len() as u64 | (parent.mode() << 16),
+        parent_serial,
+    ));
+    push_payload(out, 2, payload);
 }
 
-/// A span created without field values and with a contextual parent: two records, no scratch space.
+/// A span created without field values and with a contextual parent: one record.
 #[inline(always)]
-pub(crate) fn span_new_bare(ticks: u64, serial: u64, callsite: u64) -> [Record; 2] {
-    [
-        Record::head(Kind::SpanNew, 1, ticks, serial),
-        Record::data(1, PARENT_CONTEXTUAL << 16, callsite),
-    ]
+pub(crate) fn span_new_bare(callsite: u64) -> Record {
+    Record::head(Kind::SpanNew, 0, 0, callsite)
 }
 
 /// The group of a `record` of span fields.
@@ -332,9 +332,8 @@ impl<'a> Payload<'a> {
 /// One decoded record or group.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Item<'a> {
+    /// A span's creation (untimed; its serial is its position among the ring's `SpanNew`s).
     SpanNew {
-        ticks: u64,
-        serial: u64,
         callsite: u64,
         parent: Parent,
         fields: Payload<'a>,
@@ -439,6 +438,22 @@ impl<'a> Decoder<'a> {
         let ticks = head.low48();
         let word1 = head.word1;
         let min_fixed = kind.min_fixed();
+        if kind == Kind::SpanNew && head.aux() == 0 {
+            // A bare creation: no fields, the contextual parent.
+            if ticks != 0 {
+                return self.skip(FrameError::Malformed);
+            }
+            self.pos += 1;
+            return Some((
+                Ok(Item::SpanNew {
+                    callsite: word1,
+                    parent: Parent::Contextual,
+                    fields: Payload { records: &[], len: 0 },
+                }),
+                1,
+            ));
+        }
+        let min_fixed = if kind == Kind::SpanNew { 1 } else { min_fixed };
         if min_fixed == 0 {
             let aux = head.aux();
             let item = match kind {
@@ -485,17 +500,15 @@ impl<'a> Decoder<'a> {
         let parent_mode = (first.low48() >> 16) & 0xFFFF;
         let high_bits_clear = first.low48() >> 32 == 0;
         let item = match kind {
-            Kind::SpanNew if high_bits_clear => {
-                let (parent, fixed) = match parent_mode {
-                    PARENT_CONTEXTUAL => (Parent::Contextual, 1),
-                    PARENT_ROOT => (Parent::Root, 1),
-                    PARENT_EXPLICIT if ndata >= 2 => (Parent::Explicit(data[1].word1), 2),
+            Kind::SpanNew if high_bits_clear && ticks == 0 => {
+                let parent = match parent_mode {
+                    PARENT_CONTEXTUAL => Parent::Contextual,
+                    PARENT_ROOT => Parent::Root,
+                    PARENT_EXPLICIT => Parent::Explicit(first.word1),
                     _ => return self.skip(FrameError::Malformed),
                 };
-                payload(fixed).map(|fields| Item::SpanNew {
-                    ticks,
-                    serial: word1,
-                    callsite: first.word1,
+                payload(1).map(|fields| Item::SpanNew {
+                    callsite: word1,
                     parent,
                     fields,
                 })
@@ -810,9 +823,9 @@ mod tests {
         let payload: Vec<u8> = (0..100u8).collect();
         let mut out = Vec::new();
         let mut all = Vec::new();
-        encode_span_new(&mut out, 5, 11, 0xdead0, Parent::Explicit(3), &payload);
+        encode_span_new(&mut out, 0xdead0, Parent::Explicit(3), &payload);
         all.extend_from_slice(&out);
-        all.extend_from_slice(&span_new_bare(6, 12, 0xbeef0));
+        all.push(span_new_bare(0xbeef0));
         encode_span_record(&mut out, 7, 11, &payload[..13]);
         all.extend_from_slice(&out);
         encode_event(&mut out, 8, 0xfeed0, Parent::Root, &payload[..14]);
@@ -824,8 +837,6 @@ mod tests {
         assert_eq!(items.len(), 6, "{items:?}");
         match items[0] {
             Ok(Item::SpanNew {
-                ticks: 5,
-                serial: 11,
                 callsite: 0xdead0,
                 parent: Parent::Explicit(3),
                 fields,
@@ -834,11 +845,9 @@ mod tests {
         }
         match items[1] {
             Ok(Item::SpanNew {
-                serial: 12,
                 callsite: 0xbeef0,
                 parent: Parent::Contextual,
                 fields,
-                ..
             }) => assert_eq!(fields.len(), 0),
             ref other => panic!("{other:?}"),
         }

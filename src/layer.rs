@@ -13,7 +13,7 @@ use tracing_subscriber::registry::LookupSpan;
 use crate::codec::{FieldEncoder, Parent};
 use crate::control::{metadata_key, Control};
 use crate::live::{LiveSink, LiveSpanData};
-use crate::recorder::{self, Shared};
+use crate::recorder::{self, Shared, Target};
 use crate::span_table::SpanTable;
 
 /// Records span enter/exit (one slice per enter/exit, on the entering thread), span fields (at creation and
@@ -76,6 +76,16 @@ impl TicklineLayer {
     #[inline(always)]
     fn serial(&self, id: &Id) -> Option<u64> {
         self.spans.get(id.into_u64())
+    }
+}
+
+impl Target for TicklineLayer {
+    #[inline(always)]
+    fn id(&self) -> u64 {
+        self.id.get()
+    }
+    fn shared(&self) -> Option<Arc<Shared>> {
+        Some(self.shared.clone())
     }
 }
 
@@ -152,18 +162,27 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for TicklineLayer {
             }
         }
         let callsite = metadata_key(attrs.metadata());
-        let parent = self.parent(attrs.is_root(), attrs.parent());
-        // The field set first: inlined, and empty for most spans, where it saves the call that checks values.
-        let encode = (!attrs.fields().is_empty() && !attrs.values().is_empty())
-            .then_some(|encoder: &mut FieldEncoder<'_>| attrs.record(&mut Encode(encoder)));
-        if let Some(serial) = recorder::span_new(&self.shared, callsite, parent, encode) {
+        // Most spans: no field values (the field set first: inlined, and empty for most spans, where it saves
+        // the call that checks values), the contextual parent. One record.
+        let bare = (attrs.fields().is_empty() || attrs.values().is_empty()) && attrs.is_contextual();
+        let serial = if bare {
+            recorder::span_new_bare(self, callsite)
+        } else {
+            let parent = self.parent(attrs.is_root(), attrs.parent());
+            let encode = (!attrs.fields().is_empty() && !attrs.values().is_empty())
+                .then_some(|encoder: &mut FieldEncoder<'_>| attrs.record(&mut Encode(encoder)));
+            recorder::span_new(self, self.shared.max_payload_bytes, callsite, parent, encode)
+        };
+        if let Some(serial) = serial {
             self.spans.insert(id.into_u64(), serial);
         }
     }
 
     fn on_record(&self, id: &Id, values: &SpanValues<'_>, ctx: Context<'_, S>) {
         if let Some(serial) = self.serial(id) {
-            recorder::span_record(&self.shared, serial, |encoder| values.record(&mut Encode(encoder)));
+            recorder::span_record(self, self.shared.max_payload_bytes, serial, |encoder| {
+                values.record(&mut Encode(encoder))
+            });
         }
         if let (Some(live), Some(span)) = (self.live, ctx.span(id)) {
             let mut extensions = span.extensions_mut();
@@ -181,7 +200,7 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for TicklineLayer {
     fn on_event(&self, event: &Event<'_>, _ctx: Context<'_, S>) {
         let callsite = metadata_key(event.metadata());
         let parent = self.parent(event.is_root(), event.parent());
-        recorder::event(&self.shared, callsite, parent, |encoder| {
+        recorder::event(self, self.shared.max_payload_bytes, callsite, parent, |encoder| {
             event.record(&mut Encode(encoder))
         });
         if let Some(live) = self.live {
@@ -192,7 +211,7 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for TicklineLayer {
     #[inline]
     fn on_enter(&self, id: &Id, ctx: Context<'_, S>) {
         if let Some(serial) = self.serial(id) {
-            recorder::span_enter(&self.shared, serial);
+            recorder::span_enter(self, serial);
         }
         if let Some(live) = self.live {
             live_enter(live, id, &ctx);
@@ -205,13 +224,13 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for TicklineLayer {
             live.span_exit();
         }
         if let Some(serial) = self.serial(id) {
-            recorder::span_exit(&self.shared, serial);
+            recorder::span_exit(self, serial);
         }
     }
 
     fn on_close(&self, id: Id, _ctx: Context<'_, S>) {
         if let Some(serial) = self.spans.remove(id.into_u64()) {
-            recorder::span_close(&self.shared, serial);
+            recorder::span_close(self, serial);
         }
     }
 }

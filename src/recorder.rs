@@ -81,10 +81,20 @@ fn next_timeline_id() -> u64 {
 
 /// Bits of a span serial that count spans on one ring; the ring's number sits above them.
 const SERIAL_COUNTER_BITS: u32 = 40;
+
+/// The serial of the `n`-th span created on ring `ring` (both sides number them alike: see `codec`).
+#[inline(always)]
+pub(crate) fn span_serial(ring: u64, n: u64) -> u64 {
+    (ring << SERIAL_COUNTER_BITS) | (n & ((1 << SERIAL_COUNTER_BITS) - 1))
+}
 /// Most rings one timeline numbers (serials keep their top bit for [`NOT_ANNOUNCED`]).
 const MAX_RINGS: u32 = 1 << (63 - SERIAL_COUNTER_BITS);
-/// Set in a serial whose span's creation record was dropped: its slices are dropped whole too (the
-/// collector could not name them).
+/// Set in `slack` while dropped records wait to be reported: more room than any ring has (a ring holds at
+/// most 2^47 records: half the address space of 16-byte records).
+const GAP_PENDING: usize = 1 << 48;
+
+/// The serial of a span whose creation record was dropped: its slices are dropped whole too (the collector
+/// could not name them). Never in a record.
 pub(crate) const NOT_ANNOUNCED: u64 = 1 << 63;
 
 // ---------------------------------------------------------------------------------------------------------
@@ -169,14 +179,22 @@ struct LocalRing {
     spans_created: u64,
     /// Ends (span exits, scope ends) owed by begins in the ring whose ends have not come yet.
     owed_ends: usize,
+    /// Room the fast path wants free beyond a push and its owed ends: half the ring, so a push that would
+    /// leave the ring (as last seen) more than half full takes the slow path, which looks at the ring and
+    /// wakes the collector; plus [`GAP_PENDING`] while dropped records wait to be reported, so every push
+    /// takes the slow path, which writes the `Gap` record first. One add and one compare on the fast path.
+    slack: usize,
     /// Serials of span enters refused in drop mode whose exits have not come yet: those exits are dropped.
     refused: Vec<u64>,
     /// Records dropped since the last `Gap` record.
     unreported_drops: u64,
-    /// The serial whose exit was the last record pushed (0 if the last record was something else).
-    last_exit: u64,
-    /// The tail index at which to look at the ring's fill level again (half a ring at a time).
-    next_fill_check: usize,
+    /// The last exit pushed: its span's serial and the ring's tail right after it (a close with the tail
+    /// unchanged follows that exit directly).
+    last_exit: (u64, usize),
+    /// Half the ring's capacity.
+    half: usize,
+    /// The tail index when this thread last woke the collector (it wakes it at most every 1/16 ring).
+    last_wake: usize,
     shared: Arc<Shared>,
 }
 
@@ -186,45 +204,55 @@ impl LocalRing {
         self.source.read().0
     }
 
-    /// Pushes `records` (all or none) leaving `owed_after` ends' room behind (the ends owed once they are
-    /// in). In drop mode, a push that does not fit is dropped and counted; in lossless mode it waits.
+    /// Pushes one record leaving room for `owed_after` ends behind it (the ends owed once it is in). In drop
+    /// mode a push that does not fit is dropped and counted; in lossless mode it waits.
     #[inline(always)]
-    fn push(&mut self, records: &[Record], owed_after: usize) -> bool {
-        if self.unreported_drops != 0 {
-            return self.push_after_gap(records, owed_after);
-        }
-        let keep = if self.lossless { 0 } else { owed_after };
-        if self.producer.try_push_all_keeping(records, keep) {
-            self.pushed(owed_after);
+    fn push_one(&mut self, record: Record, owed_after: usize) -> bool {
+        if self.producer.try_push_keeping(record, owed_after + self.slack) {
+            self.owed_ends = owed_after;
             return true;
         }
-        self.push_full(records, owed_after)
+        self.push_slow(&[record], owed_after)
     }
 
+    /// Pushes `records` (all or none), as [`push_one`](Self::push_one).
     #[inline(always)]
-    fn pushed(&mut self, owed_after: usize) {
-        self.owed_ends = owed_after;
-        self.last_exit = 0;
-        if self.producer.tail_index().wrapping_sub(self.next_fill_check) as isize >= 0 {
-            self.check_fill();
+    fn push_group(&mut self, records: &[Record], owed_after: usize) -> bool {
+        if self.producer.try_push_all_keeping(records, owed_after + self.slack) {
+            self.owed_ends = owed_after;
+            return true;
         }
+        self.push_slow(records, owed_after)
     }
 
-    /// Wakes the collector early when the ring passes half full (checked every half ring of records).
+    /// A push the fast path did not take: the ring is (as last seen) half full, or a gap waits to be
+    /// reported, or the ring is full (wait, or drop and count).
     #[cold]
-    fn check_fill(&mut self) {
-        let half = self.producer.capacity() / 2;
-        self.next_fill_check = self.producer.tail_index().wrapping_add(half.max(1));
-        if self.producer.len_now() >= half {
+    #[inline(never)]
+    fn push_slow(&mut self, records: &[Record], owed_after: usize) -> bool {
+        // The fast path wants half the ring free beyond the push: it comes here while the ring is more than
+        // half full (as last seen). Wake the collector, again every 1/16 ring of records while it stays so.
+        let tail = self.producer.tail_index();
+        if self.producer.len_now() >= self.half && tail.wrapping_sub(self.last_wake) >= (self.half / 8).max(1) {
+            self.last_wake = tail;
             if let Some(thread) = self.shared.drain_thread.get() {
                 thread.unpark();
             }
         }
+        if self.unreported_drops != 0 {
+            return self.push_after_gap(records, owed_after);
+        }
+        self.push_full(records, owed_after)
     }
 
-    #[cold]
-    #[inline(never)]
+    /// Pushes `records` if they fit with the owed ends' room kept (a lossless producer keeps none and
+    /// waits); else drops and counts them.
     fn push_full(&mut self, records: &[Record], owed_after: usize) -> bool {
+        let keep = if self.lossless { 0 } else { owed_after };
+        if self.producer.try_push_all_keeping(records, keep) {
+            self.owed_ends = owed_after;
+            return true;
+        }
         if self.lossless {
             let drain = self.shared.drain_thread.get();
             let wake = || {
@@ -233,7 +261,7 @@ impl LocalRing {
                 }
             };
             if self.producer.push_all_waiting(records, wake) {
-                self.pushed(owed_after);
+                self.owed_ends = owed_after;
                 return true;
             }
         }
@@ -244,8 +272,6 @@ impl LocalRing {
     /// Records went missing before this push: a `Gap` record first, where there is room for it. An end whose
     /// reserved slot is all there is goes in without it (the gap is then reported at a later record, still
     /// after the loss).
-    #[cold]
-    #[inline(never)]
     fn push_after_gap(&mut self, records: &[Record], owed_after: usize) -> bool {
         let keep = if self.lossless { 0 } else { owed_after };
         if self.producer.free_slots() >= 1 + records.len() + keep {
@@ -255,16 +281,13 @@ impl LocalRing {
                 ticks => ticks,
             };
             let gap = Record::timed(Kind::Gap, ticks, self.unreported_drops);
-            let pushed = self.producer.try_push_all_keeping(&[gap], records.len() + keep)
+            let pushed = self.producer.try_push_keeping(gap, records.len() + keep)
                 && self.producer.try_push_all_keeping(records, keep);
             debug_assert!(pushed, "room was checked above and only this thread pushes");
             self.unreported_drops = 0;
-            self.pushed(owed_after);
+            self.slack &= !GAP_PENDING;
+            self.owed_ends = owed_after;
             return pushed;
-        }
-        if self.producer.try_push_all_keeping(records, keep) {
-            self.pushed(owed_after);
-            return true;
         }
         self.push_full(records, owed_after)
     }
@@ -273,32 +296,46 @@ impl LocalRing {
     fn drop_records(&mut self, n: usize) {
         self.producer.count_drops(n as u64);
         self.unreported_drops += n as u64;
+        self.slack |= GAP_PENDING;
     }
 
-    fn next_serial(&mut self) -> u64 {
+    /// The serial of the span whose creation record was just pushed (`pushed`), or [`NOT_ANNOUNCED`]. Serials
+    /// count the creation records that went in, so the collector numbers them the same way as it meets them.
+    #[inline(always)]
+    fn announced(&mut self, pushed: bool) -> u64 {
+        if !pushed {
+            return NOT_ANNOUNCED;
+        }
         self.spans_created += 1;
-        (self.ring_number << SERIAL_COUNTER_BITS) | (self.spans_created & ((1 << SERIAL_COUNTER_BITS) - 1))
+        span_serial(self.ring_number, self.spans_created)
     }
 
     /// A begin: needs room for itself, its end and every end owed.
     #[inline(always)]
     fn push_begin(&mut self, record: Record) -> bool {
         let owed = self.owed_ends + 1;
-        self.push(&[record], owed)
+        self.push_one(record, owed)
     }
 
     /// An end: its room was reserved by its begin.
     #[inline(always)]
     fn push_end(&mut self, record: Record) -> bool {
         let owed = self.owed_ends.saturating_sub(1);
-        self.push(&[record], owed)
+        self.push_one(record, owed)
+    }
+
+    /// Anything else, one record: needs room for itself and every end owed.
+    #[inline(always)]
+    fn push_other_one(&mut self, record: Record) -> bool {
+        let owed = self.owed_ends;
+        self.push_one(record, owed)
     }
 
     /// Anything else: needs room for itself and every end owed.
     #[inline(always)]
     fn push_other(&mut self, records: &[Record]) -> bool {
         let owed = self.owed_ends;
-        self.push(records, owed)
+        self.push_group(records, owed)
     }
 }
 
@@ -554,10 +591,12 @@ fn register(shared: &Arc<Shared>, rings: &mut Vec<OwnedRing>) -> Option<NonNull<
             ring_number: u64::from(ring_number),
             spans_created: 0,
             owed_ends: 0,
+            slack: half,
             refused: Vec::new(),
             unreported_drops: 0,
-            last_exit: 0,
-            next_fill_check: half,
+            last_exit: (0, 0),
+            half,
+            last_wake: 0,
             shared: shared.clone(),
         }),
     );
@@ -605,41 +644,40 @@ fn with_payload<R>(
         .flatten()
 }
 
-/// Records a span's creation and returns its serial (with [`NOT_ANNOUNCED`] set if the record was dropped),
-/// or `None` when there is no ring to record into.
+/// Records the creation of a span without field values and with the contextual parent (most spans), and
+/// returns its serial ([`NOT_ANNOUNCED`] if the record was dropped), or `None` when there is no ring.
+#[inline(always)]
+pub(crate) fn span_new_bare(target: &impl Target, callsite: u64) -> Option<u64> {
+    with_ring(target, |ring| {
+        let pushed = ring.push_other_one(codec::span_new_bare(callsite));
+        ring.announced(pushed)
+    })
+}
+
+/// Records a span's creation and returns its serial ([`NOT_ANNOUNCED`] if the record was dropped), or
+/// `None` when there is no ring to record into. `max_bytes`: the payload limit.
 pub(crate) fn span_new(
-    shared: &Arc<Shared>,
+    target: &impl Target,
+    max_bytes: usize,
     callsite: u64,
     parent: Parent,
     encode: Option<impl FnOnce(&mut FieldEncoder<'_>)>,
 ) -> Option<u64> {
     match encode {
-        None if parent == Parent::Contextual => with_ring(shared, |ring| {
-            let serial = ring.next_serial();
-            let group = codec::span_new_bare(ring.now(), serial, callsite);
-            if ring.push_other(&group) {
-                serial
-            } else {
-                serial | NOT_ANNOUNCED
-            }
-        }),
+        None if parent == Parent::Contextual => span_new_bare(target, callsite),
         encode => with_payload(
-            shared,
-            shared.max_payload_bytes,
+            target,
+            max_bytes,
             |encoder| {
                 if let Some(encode) = encode {
                     encode(encoder)
                 }
             },
             |payload, group| {
-                with_ring(shared, |ring| {
-                    let serial = ring.next_serial();
-                    codec::encode_span_new(group, ring.now(), serial, callsite, parent, payload);
-                    if ring.push_other(group) {
-                        serial
-                    } else {
-                        serial | NOT_ANNOUNCED
-                    }
+                with_ring(target, |ring| {
+                    codec::encode_span_new(group, callsite, parent, payload);
+                    let pushed = ring.push_other(group);
+                    ring.announced(pushed)
                 })
             },
         ),
@@ -647,13 +685,18 @@ pub(crate) fn span_new(
 }
 
 /// Records new values of span `serial`'s fields.
-pub(crate) fn span_record(shared: &Arc<Shared>, serial: u64, encode: impl FnOnce(&mut FieldEncoder<'_>)) {
+pub(crate) fn span_record(
+    target: &impl Target,
+    max_bytes: usize,
+    serial: u64,
+    encode: impl FnOnce(&mut FieldEncoder<'_>),
+) {
     if serial & NOT_ANNOUNCED != 0 {
-        with_ring(shared, |ring| ring.drop_records(1));
+        with_ring(target, |ring| ring.drop_records(1));
         return;
     }
-    with_payload(shared, shared.max_payload_bytes, encode, |payload, group| {
-        with_ring(shared, |ring| {
+    with_payload(target, max_bytes, encode, |payload, group| {
+        with_ring(target, |ring| {
             codec::encode_span_record(group, ring.now(), serial, payload);
             ring.push_other(group);
         })
@@ -662,8 +705,8 @@ pub(crate) fn span_record(shared: &Arc<Shared>, serial: u64, encode: impl FnOnce
 
 /// Records an enter of span `serial`: a begin (see the module docs).
 #[inline(always)]
-pub(crate) fn span_enter(shared: &Arc<Shared>, serial: u64) {
-    with_ring(shared, |ring| {
+pub(crate) fn span_enter(target: &impl Target, serial: u64) {
+    with_ring(target, |ring| {
         if serial & NOT_ANNOUNCED != 0 {
             ring.drop_records(1);
             ring.refused.push(serial);
@@ -680,14 +723,14 @@ pub(crate) fn span_enter(shared: &Arc<Shared>, serial: u64) {
 
 /// Records an exit of span `serial`: an end. The exit of a refused enter is dropped with it.
 #[inline(always)]
-pub(crate) fn span_exit(shared: &Arc<Shared>, serial: u64) {
-    with_ring(shared, |ring| {
+pub(crate) fn span_exit(target: &impl Target, serial: u64) {
+    with_ring(target, |ring| {
         if !ring.refused.is_empty() && drop_refused_exit(ring, serial) {
             return;
         }
         let record = Record::timed(Kind::SpanExit, ring.now(), serial);
         if ring.push_end(record) {
-            ring.last_exit = serial;
+            ring.last_exit = (serial, ring.producer.tail_index());
         }
     });
 }
@@ -704,13 +747,13 @@ fn drop_refused_exit(ring: &mut LocalRing, serial: u64) -> bool {
 
 /// Records span `serial`'s close: untimed when it follows its own exit (it takes that exit's tick).
 #[inline]
-pub(crate) fn span_close(shared: &Arc<Shared>, serial: u64) {
-    with_ring(shared, |ring| {
+pub(crate) fn span_close(target: &impl Target, serial: u64) {
+    with_ring(target, |ring| {
         if serial & NOT_ANNOUNCED != 0 {
             ring.drop_records(1);
             return;
         }
-        let record = if ring.last_exit == serial {
+        let record = if ring.last_exit == (serial, ring.producer.tail_index()) {
             Record::head(Kind::SpanClose, codec::AT_LAST_EXIT, 0, serial)
         } else {
             Record::timed(Kind::SpanClose, ring.now(), serial)
@@ -720,9 +763,15 @@ pub(crate) fn span_close(shared: &Arc<Shared>, serial: u64) {
 }
 
 /// Records an event at `callsite` with its fields.
-pub(crate) fn event(shared: &Arc<Shared>, callsite: u64, parent: Parent, encode: impl FnOnce(&mut FieldEncoder<'_>)) {
-    with_payload(shared, shared.max_payload_bytes, encode, |payload, group| {
-        with_ring(shared, |ring| {
+pub(crate) fn event(
+    target: &impl Target,
+    max_bytes: usize,
+    callsite: u64,
+    parent: Parent,
+    encode: impl FnOnce(&mut FieldEncoder<'_>),
+) {
+    with_payload(target, max_bytes, encode, |payload, group| {
+        with_ring(target, |ring| {
             codec::encode_event(group, ring.now(), callsite, parent, payload);
             ring.push_other(group);
         })

@@ -78,6 +78,7 @@ fn set_of(id: u64) -> usize {
 
 impl SpanTable {
     /// Remembers that span `id` (non-zero, live) is `serial`. `id` must not be in the table already.
+    #[inline]
     pub(crate) fn insert(&self, id: u64, serial: u64) {
         debug_assert_ne!(id, 0);
         for way in &self.sets[set_of(id)].ways {
@@ -87,17 +88,13 @@ impl SpanTable {
             }
             // Claim the way: its sequence goes odd. A writer that claimed it first, or filled and released
             // it since we looked, changed the sequence, and we try the next way.
+            // A way filled since we looked has a new sequence (a fill moves it by 2), so the claim fails and
+            // we never take a way that is not free.
             if way
                 .seq
                 .compare_exchange(seq, seq.wrapping_add(1), Ordering::Acquire, Ordering::Relaxed)
                 .is_err()
             {
-                continue;
-            }
-            if way.id.load(Ordering::Relaxed) != 0 {
-                // Filled and released between our look and the claim with the same sequence cannot happen
-                // (a fill moves the sequence by 2), but a way is only ever taken when free: give it back.
-                way.seq.store(seq, Ordering::Release);
                 continue;
             }
             // Release fence: the odd sequence is visible before the new contents (pairs with the reader's
@@ -109,6 +106,12 @@ impl SpanTable {
             way.seq.store(seq.wrapping_add(2), Ordering::Release);
             return;
         }
+        self.insert_overflow(id, serial);
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn insert_overflow(&self, id: u64, serial: u64) {
         let mut overflow = self.overflow.lock().unwrap_or_else(|e| e.into_inner());
         overflow.insert(id, serial);
         self.overflow_len.store(overflow.len(), Ordering::Release);

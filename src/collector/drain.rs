@@ -127,6 +127,9 @@ impl Drain {
 
     /// The thread's loop: a pass every poll interval or when woken, until shutdown.
     pub(crate) fn run(mut self) {
+        self.stats
+            .drain_priority
+            .store(raise_priority() as u64, Ordering::Relaxed);
         loop {
             let requests = self.pass(false);
             for request in requests {
@@ -257,6 +260,35 @@ impl Drain {
         self.gpu.retire_in_flight(&mut self.tail);
         self.pass(true);
     }
+}
+
+/// What [`raise_priority`] got.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum DrainPriority {
+    /// The scheduler's default: the drain stage competes with the program's threads.
+    Normal = 0,
+    /// `SCHED_FIFO` priority 1: the drain stage runs as soon as it is woken.
+    RealTime = 1,
+}
+
+/// Gives the drain thread a real-time priority where the process may (`CAP_SYS_NICE`, root), so that a
+/// program that keeps every core busy (the programs tickline is for) cannot starve the stage that empties
+/// its rings. The stage cannot monopolise a core: each pass is bounded (copies of at most a ring each, a
+/// calibration burst of a few microseconds, GPU reads), then it sleeps until the next poll; and Linux keeps
+/// 5 % of each second for normal threads whatever real-time threads do (`sched_rt_runtime_us`).
+fn raise_priority() -> DrainPriority {
+    #[cfg(target_os = "linux")]
+    {
+        let param = libc::sched_param { sched_priority: 1 };
+        // SAFETY: `pthread_self()` is this live thread and `param` a valid, initialised sched_param that the
+        // call only reads; failure (no permission) leaves the thread's policy as it was.
+        let rc = unsafe { libc::pthread_setschedparam(libc::pthread_self(), libc::SCHED_FIFO, &param) };
+        if rc == 0 {
+            return DrainPriority::RealTime;
+        }
+    }
+    DrainPriority::Normal
 }
 
 /// Longest a shutdown waits for GPU scopes still in flight (the program should wait for its GPU work

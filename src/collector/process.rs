@@ -121,6 +121,12 @@ struct HeldEvent {
 /// A thread track's state.
 struct Track {
     id: TrackId,
+    /// This ring's number: the top bits of the serials of spans created on it.
+    ring: u32,
+    /// Spans created on this ring so far: the low bits of the next one's serial.
+    spans_created: u64,
+    /// Spans created since the last timed record: their creation time is the next timed record's.
+    undated: Vec<u64>,
     open: Vec<OpenSlice>,
     held: VecDeque<HeldEvent>,
     /// Sequence number of `held[0]`.
@@ -357,6 +363,9 @@ impl Processor {
             },
             track: Track {
                 id: track,
+                ring,
+                spans_created: 0,
+                undated: Vec::new(),
                 open: Vec::new(),
                 held: VecDeque::new(),
                 held_base: 0,
@@ -542,12 +551,28 @@ impl Processor {
     fn ticks_to_ns(&mut self, track: &mut Track, low: u64, now_ticks: u64) -> u64 {
         let ticks = restore_ticks(low, now_ticks);
         let ns = self.cpu.as_ref().and_then(|c| c.to_ns(ticks)).unwrap_or(track.last_ns);
-        if ns < track.last_ns {
+        let ns = if ns < track.last_ns {
             self.counts.monotonic_clamps += 1;
-            return track.last_ns;
+            track.last_ns
+        } else {
+            track.last_ns = ns;
+            ns
+        };
+        if !track.undated.is_empty() {
+            self.date_creations(track, ns);
         }
-        track.last_ns = ns;
         ns
+    }
+
+    /// Spans created since the ring's last timed record were created before `ns` (the next timed record's
+    /// time; for a span entered at once, its enter) and after the record before.
+    #[cold]
+    fn date_creations(&mut self, track: &mut Track, ns: u64) {
+        for serial in track.undated.drain(..) {
+            if let Some(span) = self.spans.get_mut(serial) {
+                span.created_ns = ns;
+            }
+        }
     }
 
     fn callsite_name(&mut self, key: u64) -> NameId {
@@ -629,13 +654,14 @@ impl Processor {
     fn item(&mut self, track: &mut Track, item: Item<'_>, now_ticks: u64, force: bool) -> Step {
         match item {
             Item::SpanNew {
-                ticks,
-                serial,
                 callsite,
                 parent,
                 fields,
             } => {
-                let ts = self.ticks_to_ns(track, ticks, now_ticks);
+                track.spans_created += 1;
+                let serial = crate::recorder::span_serial(u64::from(track.ring), track.spans_created);
+                let ts = track.last_ns;
+                track.undated.push(serial);
                 let name = self.callsite_name(callsite);
                 let mut values = Vec::new();
                 let truncated = self.decode_payload(callsite, fields, &mut values);

@@ -44,6 +44,9 @@ pub struct TimelineStats {
     pub budget_full_passes: u64,
     /// Exporter failures (each failed exporter is counted once and then skipped).
     pub export_failures: u64,
+    /// 1 when the collector's drain stage runs at a real-time priority (it got `SCHED_FIFO`, which needs
+    /// `CAP_SYS_NICE` or root), 0 when it competes with the program's threads at the default priority.
+    pub drain_priority: u64,
     /// GPU scopes whose begin reached the collector.
     pub gpu_scopes: u64,
     /// GPU scopes never finished by the GPU within the loss bound (their commands were not submitted), or whose
@@ -91,6 +94,7 @@ shared_stats!(
     monotonic_clamps,
     budget_full_passes,
     export_failures,
+    drain_priority,
     gpu_scopes,
     gpu_lost_scopes,
     gpu_causality_violations,

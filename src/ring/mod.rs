@@ -201,6 +201,19 @@ impl<T: Copy + Send> Producer<T> {
         true
     }
 
+    /// Appends one `value` if `keep` slots stay free after it (see
+    /// [`try_push_all_keeping`](Self::try_push_all_keeping)); the one-record case without a loop.
+    #[inline(always)]
+    pub(crate) fn try_push_keeping(&mut self, value: T, keep: usize) -> bool {
+        if !self.has_room(keep.saturating_add(1)) {
+            return false;
+        }
+        // SAFETY: `has_room(keep + 1)` returned true, so index `tail` meets `write_slot`'s precondition.
+        unsafe { self.write_slot(self.tail, value) };
+        self.publish(1);
+        true
+    }
+
     /// Slots free now (reloads the consumer's head).
     pub(crate) fn free_slots(&mut self) -> usize {
         // Acquire: pairs with the Release store of head in `Consumer::drain`, as in `has_room`.

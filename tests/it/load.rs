@@ -480,3 +480,34 @@ fn native_macros_follow_the_most_recently_started_running_timeline_in_every_orde
     a.shutdown().unwrap();
     assert_eq!((count(&a_mem), count(&b_mem), count(&c_mem)), (1, 0, 1));
 }
+
+#[test]
+fn a_four_thread_rayon_burst_loses_nothing_in_the_default_configuration() {
+    use rayon::prelude::*;
+    let _x = exclusive();
+    let counting = crate::pipeline::Counting::default();
+    let timeline = Timeline::builder().exporter(counting.clone()).start().unwrap();
+    let layer = timeline.layer();
+    let dispatch = tracing::Dispatch::new(tracing_subscriber::registry().with(layer));
+    // Every worker runs under the subscriber, as under a global default.
+    let worker_dispatch = dispatch.clone();
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(4)
+        .start_handler(move |_| std::mem::forget(tracing::dispatcher::set_default(&worker_dispatch)))
+        .build()
+        .unwrap();
+    const ITEMS: u64 = 100_000;
+    pool.install(|| {
+        (0..ITEMS).into_par_iter().for_each(|i| {
+            let _span = tracing::info_span!("item", i).entered();
+            let _scope = tickline::scope!("work");
+            std::hint::black_box(i);
+        });
+    });
+    drop(pool);
+    let stats = timeline.shutdown().unwrap();
+    assert_eq!((stats.dropped_records, stats.dropped_slices), (0, 0), "{stats:?}");
+    let s = counting.0.lock().unwrap();
+    assert_eq!(s.begins.values().sum::<u64>(), 2 * ITEMS);
+    assert_eq!(s.ends.values().sum::<u64>(), 2 * ITEMS);
+}

@@ -11,12 +11,12 @@ use tracing_subscriber::Layer as _;
 
 /// Counts slices per track and checks order without keeping the events (millions of them).
 #[derive(Clone, Default)]
-struct Counting(Arc<Mutex<CountingState>>);
+pub(crate) struct Counting(pub(crate) Arc<Mutex<CountingState>>);
 
 #[derive(Default)]
-struct CountingState {
-    begins: HashMap<TrackId, u64>,
-    ends: HashMap<TrackId, u64>,
+pub(crate) struct CountingState {
+    pub(crate) begins: HashMap<TrackId, u64>,
+    pub(crate) ends: HashMap<TrackId, u64>,
     depth: HashMap<TrackId, i64>,
     last_ts: HashMap<TrackId, u64>,
     backwards: u64,
