@@ -718,3 +718,174 @@ pub(crate) fn open(path: &Path) -> Result<CaptureReader<std::io::BufReader<File>
     })?;
     CaptureReader::new(std::io::BufReader::with_capacity(1 << 20, file))
 }
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::codec::{Kind, Record};
+
+    fn sample(k: u64) -> CalibrationSample {
+        CalibrationSample {
+            source_ticks: k,
+            reference_ns: 2 * k,
+            max_deviation_ns: 3,
+        }
+    }
+
+    /// One input of every kind that a capture holds.
+    fn inputs() -> Vec<Input> {
+        vec![
+            Input::Thread {
+                ring: 1,
+                tid: 42,
+                name: "worker".into(),
+            },
+            Input::Callsite(CallsiteDef {
+                key: 0x1000,
+                kind: CallsiteKind::Span,
+                name: "job".into(),
+                target: "app::jobs".into(),
+                level: 3,
+                file: "src/jobs.rs".into(),
+                line: 7,
+                fields: vec!["id".into(), "kind".into()],
+            }),
+            Input::Chunk(Chunk {
+                ring: 1,
+                now_ticks: 1234,
+                dropped_total: 5,
+                records: vec![
+                    Record::timed(Kind::SpanEnter, 9, 1),
+                    Record::timed(Kind::SpanExit, 10, 1),
+                ],
+            }),
+            Input::CpuCalibration(vec![sample(1), sample(2)]),
+            Input::Gpu(GpuInput::Device {
+                device: 3,
+                info: GpuDeviceInfo {
+                    name: "gpu".into(),
+                    api: "Vulkan",
+                    clock: ClockDomain::new(36, 1.25).unwrap(),
+                    timestamp_slots: 64,
+                },
+                link: LiveLink(None),
+            }),
+            Input::Gpu(GpuInput::Queue {
+                device: 3,
+                queue: 1,
+                name: "compute".into(),
+            }),
+            Input::Gpu(GpuInput::Calibration {
+                device: 3,
+                at_ns: 77,
+                samples: vec![sample(5)],
+                failed: true,
+            }),
+            Input::Gpu(GpuInput::Reads {
+                device: 3,
+                read_ns: 88,
+                reads: vec![PairRead {
+                    pair: 4,
+                    generation: 2,
+                    begin: GpuTicks(100),
+                    end: GpuTicks(200),
+                }],
+            }),
+            Input::Gpu(GpuInput::Lost {
+                device: 3,
+                pair: 5,
+                generation: 1,
+            }),
+            Input::Gpu(GpuInput::ReadFailed { device: 3 }),
+            Input::ThreadEnd { ring: 1 },
+            Input::PassEnd {
+                drain_ns: 11,
+                drain_ticks: 22,
+                buffered_bytes: 33,
+            },
+        ]
+    }
+
+    fn write_capture(dir: &Path) -> PathBuf {
+        let path = dir.join(format!("frames-{}.tickline", std::process::id()));
+        let stats = SharedStats::default();
+        let mut writer = CaptureWriter::create(&path).unwrap();
+        writer.write_header(7, "app", TickSource::Tsc, ClockDomain::new(64, 0.4).unwrap());
+        for input in inputs() {
+            writer.write(&input, &stats);
+        }
+        writer.finish(&stats).unwrap();
+        path
+    }
+
+    #[test]
+    fn every_input_round_trips_through_a_capture_file() {
+        let path = write_capture(&std::env::temp_dir());
+        let frames: Vec<Frame> = open(&path).unwrap().collect();
+        std::fs::remove_file(&path).ok();
+        let Frame::Header(header) = &frames[0] else {
+            panic!("{:?}", frames[0])
+        };
+        assert_eq!(
+            (header.pid, header.process_name.as_str(), header.source),
+            (7, "app", TickSource::Tsc)
+        );
+        let read: Vec<String> = frames[1..frames.len() - 1]
+            .iter()
+            .map(|f| match f {
+                Frame::Input(input) => format!("{input:?}"),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        let written: Vec<String> = inputs().iter().map(|i| format!("{i:?}")).collect();
+        assert_eq!(read, written);
+        assert!(matches!(frames.last(), Some(Frame::End)));
+    }
+
+    #[test]
+    fn a_file_that_is_not_a_capture_is_a_clear_error() {
+        let err = CaptureReader::new(&b"PERFETTO"[..]).err().unwrap();
+        assert!(matches!(err, CaptureError::Format { .. }), "{err}");
+        let mut header = MAGIC.to_vec();
+        header.extend_from_slice(&99u32.to_le_bytes());
+        let err = CaptureReader::new(&header[..]).err().unwrap();
+        assert!(err.to_string().contains("version 99"), "{err}");
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(if cfg!(miri) { 8 } else { 1024 }))]
+
+        /// Whatever follows the header, reading never panics, allocates no more than the input, and ends.
+        #[test]
+        fn random_bytes_after_the_header_never_panic(body in prop::collection::vec(any::<u8>(), 0..512), flips in prop::collection::vec((any::<usize>(), any::<u8>()), 0..8)) {
+            let mut bytes = MAGIC.to_vec();
+            bytes.extend_from_slice(&VERSION.to_le_bytes());
+            bytes.extend_from_slice(&body);
+            for (at, xor) in flips {
+                if !body.is_empty() {
+                    bytes[16 + at % body.len()] ^= xor;
+                }
+            }
+            let reader = CaptureReader::new(&bytes[..]).unwrap();
+            prop_assert!(reader.count() <= bytes.len());
+        }
+
+        /// A real capture with one byte changed anywhere reads up to the damage, never past it wrongly.
+        #[test]
+        fn a_corrupt_byte_stops_reading_cleanly(at in 16usize..2000, xor in 1u8..=255) {
+            let dir = std::env::temp_dir().join(format!("tickline-capture-prop-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            let path = write_capture(&dir);
+            let mut bytes = std::fs::read(&path).unwrap();
+            std::fs::remove_file(&path).ok();
+            let at = at % bytes.len();
+            bytes[at] ^= xor;
+            if at >= 16 {
+                let frames: Vec<Frame> = CaptureReader::new(&bytes[..]).unwrap().collect();
+                prop_assert!(frames.len() <= inputs().len() + 2);
+            }
+        }
+    }
+}

@@ -352,3 +352,127 @@ pub fn drain_bench(capacity: usize, rounds: usize) -> (u64, std::time::Duration)
     }
     (moved, elapsed)
 }
+
+#[cfg(test)]
+mod tests {
+    use crossbeam_channel::unbounded;
+
+    use super::*;
+    use crate::codec::{self, Kind};
+    use crate::ring::channel;
+
+    fn drain_with(shared: &Arc<Shared>, control: Receiver<Control>, budget_bytes: u64) -> (Drain, Receiver<Input>) {
+        let (tx, rx) = unbounded();
+        let config = DrainConfig {
+            poll_interval: Duration::from_millis(1),
+            chunk_budget_bytes: budget_bytes,
+            cpu_burst_samples: 4,
+            cpu_burst_interval: Duration::from_secs(1),
+            gpu: GpuCalibrationConfig::default(),
+        };
+        let drain = Drain::new(
+            config,
+            shared.clone(),
+            control,
+            tx,
+            Arc::new(Budget::default()),
+            Arc::new(ChunkPool::new(4)),
+            Arc::new(SharedStats::default()),
+        );
+        (drain, rx)
+    }
+
+    fn shared() -> (Arc<Shared>, Receiver<Control>) {
+        let (control, rx) = unbounded();
+        (Arc::new(Shared::new(control, false, 64, TickSource::Monotonic)), rx)
+    }
+
+    #[test]
+    fn a_pass_sends_registrations_then_chunks_then_the_pass_end() {
+        let (shared, control) = shared();
+        let (drain, inputs) = drain_with(&shared, control, u64::MAX);
+        let mut drain = drain;
+        let (mut producer, consumer) = channel::<Record>(64);
+        shared
+            .control
+            .send(Control::NewRing {
+                consumer,
+                ring: 1,
+                tid: 7,
+                name: "t".into(),
+            })
+            .unwrap();
+        drain.pass(false);
+        // A group pushed whole: the drain takes it whole.
+        let mut group = Vec::new();
+        codec::encode_event(
+            &mut group,
+            5,
+            0x10,
+            codec::Parent::Contextual,
+            &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15],
+        );
+        assert!(producer.try_push_all_keeping(&group, 0));
+        assert!(producer.try_push_keeping(Record::timed(Kind::Instant, 6, 0x20), 0));
+        drain.pass(false);
+        let kinds: Vec<String> = inputs
+            .try_iter()
+            .map(|i| format!("{i:?}").split(['(', ' ', '{']).next().unwrap().to_owned())
+            .collect();
+        assert_eq!(
+            kinds,
+            ["Thread", "CpuCalibration", "PassEnd", "Chunk", "PassEnd"],
+            "registrations first; a ring is drained from the pass after it registered"
+        );
+        assert_eq!(drain.stats.records.load(Ordering::Relaxed), group.len() as u64 + 1);
+    }
+
+    #[test]
+    fn a_full_budget_or_a_pause_leaves_the_rings_alone_but_a_closed_ring_is_emptied() {
+        let (shared, control) = shared();
+        let (mut drain, inputs) = drain_with(&shared, control, 1);
+        let (mut producer, consumer) = channel::<Record>(64);
+        drain.rings.push(LiveRing { ring: 1, consumer });
+        drain.budget.add(1);
+        assert!(producer.try_push_keeping(Record::timed(Kind::Instant, 1, 0x20), 0));
+        drain.pass(false);
+        assert!(
+            !inputs.try_iter().any(|i| matches!(i, Input::Chunk(_))),
+            "over budget: nothing drained"
+        );
+        assert_eq!(drain.stats.budget_full_passes.load(Ordering::Relaxed), 1);
+        drain.budget.release(1);
+        shared.drain_paused.store(true, Ordering::Relaxed);
+        drain.pass(false);
+        assert!(
+            !inputs.try_iter().any(|i| matches!(i, Input::Chunk(_))),
+            "paused: nothing drained"
+        );
+        drain.pass(true);
+        assert!(
+            inputs.try_iter().any(|i| matches!(i, Input::Chunk(_))),
+            "a flush drains anyway"
+        );
+        assert!(producer.try_push_keeping(Record::timed(Kind::Instant, 2, 0x20), 0));
+        drop(producer);
+        drain.pass(false);
+        let tail: Vec<Input> = inputs.try_iter().collect();
+        let chunk = tail
+            .iter()
+            .position(|i| matches!(i, Input::Chunk(_)))
+            .expect("the closed ring is emptied");
+        let end = tail
+            .iter()
+            .position(|i| matches!(i, Input::ThreadEnd { ring: 1 }))
+            .expect("and ended");
+        assert!(chunk < end);
+        assert!(drain.rings.is_empty());
+    }
+
+    #[test]
+    fn the_drain_stage_alone_moves_records_at_memory_speed() {
+        let (moved, elapsed) = drain_bench(1 << 12, if cfg!(miri) { 2 } else { 64 });
+        assert_eq!(moved, (1 << 12) * if cfg!(miri) { 2 } else { 64 });
+        assert!(elapsed < Duration::from_secs(5));
+    }
+}

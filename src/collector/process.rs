@@ -808,7 +808,7 @@ impl Processor {
             Item::Gap { ticks, dropped } => {
                 let ts = self.ticks_to_ns(track, ticks, now_ticks);
                 for slice in &mut track.open {
-                    slice.dropped_inside += dropped;
+                    slice.dropped_inside = slice.dropped_inside.saturating_add(dropped);
                 }
                 let fields = vec![Field {
                     name: self.names.records,
@@ -1097,7 +1097,7 @@ mod tests {
     use crate::calibration::ClockCalibration;
     use crate::codec::{self, Kind, Record};
     use crate::collector::input::CallsiteKind;
-    use crate::export::MemoryExporter;
+    use crate::export::{MemoryExporter, TrackKind};
 
     const KNOWN: u64 = 0x1000;
 
@@ -1157,6 +1157,206 @@ mod tests {
                 Record::head(kind, aux, t, w1)
             }),
         ]
+    }
+
+    const SPAN: u64 = 0x2000;
+
+    fn register_span_callsite(p: &mut Processor) {
+        p.input(Input::Callsite(CallsiteDef {
+            key: SPAN,
+            kind: CallsiteKind::Span,
+            name: "job".into(),
+            target: String::new(),
+            level: 3,
+            file: String::new(),
+            line: 0,
+            fields: vec!["x".into()],
+        }));
+    }
+
+    fn ring(p: &mut Processor, ring: u32) {
+        p.input(Input::Thread {
+            ring,
+            tid: ring,
+            name: format!("t{ring}"),
+        });
+    }
+
+    fn chunk(p: &mut Processor, ring: u32, records: Vec<Record>) {
+        p.input(Input::Chunk(Chunk {
+            ring,
+            now_ticks: 1_000_000,
+            dropped_total: 0,
+            records,
+        }));
+    }
+
+    fn pass(p: &mut Processor) {
+        p.input(Input::PassEnd {
+            drain_ns: 1_000_000,
+            drain_ticks: 1_000_000,
+            buffered_bytes: 0,
+        });
+    }
+
+    fn u64_field(v: u64) -> Vec<u8> {
+        let mut payload = vec![0, codec::TAG_U64];
+        payload.extend_from_slice(&v.to_le_bytes());
+        payload
+    }
+
+    fn group(f: impl FnOnce(&mut Vec<Record>)) -> Vec<Record> {
+        let mut out = Vec::new();
+        f(&mut out);
+        out
+    }
+
+    #[test]
+    fn a_span_slice_waits_a_pass_after_its_end_and_shows_its_values_then() {
+        let memory = MemoryExporter::default();
+        let mut p = processor(&memory);
+        register_span_callsite(&mut p);
+        let serial = crate::recorder::span_serial(1, 1);
+        let mut records = group(|g| codec::encode_span_new(g, SPAN, codec::Parent::Contextual, &u64_field(1)));
+        records.push(Record::timed(Kind::SpanEnter, 100, serial));
+        records.extend(group(|g| codec::encode_span_record(g, 150, serial, &u64_field(2))));
+        records.push(Record::timed(Kind::SpanExit, 200, serial));
+        records.extend(group(|g| codec::encode_span_record(g, 250, serial, &u64_field(3))));
+        chunk(&mut p, 1, records);
+        pass(&mut p);
+        assert_eq!(
+            memory.snapshot().slice_count("job"),
+            0,
+            "held: values from other threads may still come"
+        );
+        pass(&mut p);
+        let slices = memory.snapshot().slices();
+        assert_eq!(slices.len(), 1);
+        assert_eq!((slices[0].begin_ns, slices[0].end_ns), (100, 200));
+        assert_eq!(
+            slices[0].field("x"),
+            Some(&FieldValue::U64(2)),
+            "the value at the slice's end"
+        );
+    }
+
+    #[test]
+    fn a_span_entered_on_another_thread_waits_for_its_creation_there() {
+        let memory = MemoryExporter::default();
+        let mut p = processor(&memory);
+        register_span_callsite(&mut p);
+        ring(&mut p, 2);
+        let serial = crate::recorder::span_serial(1, 1);
+        // Ring 2 (processed first) enters a span whose creation, on ring 1, comes only next pass.
+        chunk(
+            &mut p,
+            2,
+            vec![
+                Record::timed(Kind::SpanEnter, 100, serial),
+                Record::timed(Kind::SpanExit, 200, serial),
+            ],
+        );
+        pass(&mut p);
+        chunk(
+            &mut p,
+            1,
+            group(|g| codec::encode_span_new(g, SPAN, codec::Parent::Root, &u64_field(9))),
+        );
+        pass(&mut p);
+        pass(&mut p);
+        let trace = memory.snapshot();
+        let slices = trace.slices();
+        assert_eq!(slices.len(), 1, "{:?}", trace.events);
+        assert_eq!(slices[0].name, "job");
+        assert_eq!(slices[0].field("x"), Some(&FieldValue::U64(9)));
+        assert_eq!(
+            trace.track(slices[0].track).map(|t| &t.kind),
+            Some(&TrackKind::Thread {
+                pid: 1,
+                tid: 2,
+                name: "t2".into()
+            })
+        );
+    }
+
+    #[test]
+    fn open_slices_of_an_exited_thread_end_at_its_last_record_marked_truncated() {
+        let memory = MemoryExporter::default();
+        let mut p = processor(&memory);
+        register_span_callsite(&mut p);
+        let serial = crate::recorder::span_serial(1, 1);
+        chunk(
+            &mut p,
+            1,
+            vec![
+                codec::span_new_bare(SPAN),
+                Record::timed(Kind::SpanEnter, 100, serial),
+                Record::timed(Kind::ScopeBegin, 150, KNOWN),
+                Record::timed(Kind::Instant, 300, KNOWN),
+            ],
+        );
+        p.input(Input::ThreadEnd { ring: 1 });
+        pass(&mut p);
+        let slices = memory.snapshot().slices();
+        assert_eq!(slices.len(), 2);
+        for s in &slices {
+            assert_eq!(s.end_ns, 300, "ended at the thread's last record, never later");
+            assert_eq!(s.field("tickline.truncated"), Some(&FieldValue::Bool(true)), "{s:?}");
+        }
+        assert_eq!(p.stats.truncated_slices.load(Ordering::Relaxed), 2);
+    }
+
+    #[test]
+    fn a_gap_shows_where_records_went_missing_and_marks_the_slices_around_it() {
+        let memory = MemoryExporter::default();
+        let mut p = processor(&memory);
+        chunk(
+            &mut p,
+            1,
+            vec![
+                Record::timed(Kind::ScopeBegin, 100, KNOWN),
+                Record::timed(Kind::Gap, 150, 6),
+                Record::timed(Kind::ScopeEnd, 200, KNOWN),
+            ],
+        );
+        pass(&mut p);
+        let trace = memory.snapshot();
+        let gap = trace
+            .events
+            .iter()
+            .find(|e| e.name == "tickline: records dropped")
+            .unwrap();
+        assert_eq!(gap.fields, [("records".to_owned(), FieldValue::U64(6))]);
+        let slice = &trace.slices()[0];
+        assert_eq!(slice.field("tickline.dropped_inside"), Some(&FieldValue::U64(6)));
+    }
+
+    #[test]
+    fn an_end_out_of_stack_order_keeps_every_track_nested() {
+        let memory = MemoryExporter::default();
+        let mut p = processor(&memory);
+        register_span_callsite(&mut p);
+        let (a, b) = (crate::recorder::span_serial(1, 1), crate::recorder::span_serial(1, 2));
+        chunk(
+            &mut p,
+            1,
+            vec![
+                codec::span_new_bare(SPAN),
+                codec::span_new_bare(SPAN),
+                Record::timed(Kind::SpanEnter, 100, a),
+                Record::timed(Kind::SpanEnter, 110, b),
+                Record::timed(Kind::SpanExit, 120, a),
+                Record::timed(Kind::SpanExit, 130, b),
+                Record::timed(Kind::SpanExit, 140, b),
+            ],
+        );
+        pass(&mut p);
+        pass(&mut p);
+        let slices = memory.snapshot().slices();
+        // a [100, 120] holding b's first part; b again [120, 130]; the stray exit is counted.
+        let spans: Vec<(u64, u64, usize)> = slices.iter().map(|s| (s.begin_ns, s.end_ns, s.depth)).collect();
+        assert_eq!(spans, [(110, 120, 1), (100, 120, 0), (120, 130, 0)]);
+        assert_eq!(p.stats.unmatched_ends.load(Ordering::Relaxed), 1);
     }
 
     proptest! {
