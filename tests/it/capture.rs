@@ -61,8 +61,11 @@ fn thread_names(trace: &MemoryTrace) -> HashMap<tickline::TrackId, String> {
         .collect()
 }
 
-/// Every slice as `(track name, slice name, depth, fields)`, with its begin and end, sorted.
-fn slice_set(trace: &MemoryTrace) -> Vec<((String, String, usize, String), (u64, u64))> {
+/// What identifies a slice across two traces: track name, slice name, depth, fields.
+type SliceKey = (String, String, usize, String);
+
+/// Every slice by its key, with its begin and end, sorted.
+fn slice_set(trace: &MemoryTrace) -> Vec<(SliceKey, (u64, u64))> {
     let names = thread_names(trace);
     let mut slices: Vec<_> = trace
         .slices()
