@@ -17,12 +17,14 @@ pub(crate) type Reply = Sender<Result<(), String>>;
 /// What the collector is told over its control channel.
 pub(crate) enum Control {
     /// A thread recorded its first record into this timeline: its ring, with the ring's number (the top bits
-    /// of the span serials it hands out).
+    /// of the span serials it hands out). With `continues`, a larger ring that takes over from the thread's
+    /// ring of the same number, which it has just closed (its records come first).
     NewRing {
         consumer: Consumer<Record>,
         ring: u32,
         tid: u32,
         name: String,
+        continues: bool,
     },
     /// A `tracing` callsite (span or event) that records may name by its key.
     TracingCallsite(&'static Metadata<'static>),

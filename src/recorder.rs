@@ -35,8 +35,10 @@ pub(crate) struct Shared {
     pub(crate) id: u64,
     pub(crate) control: Sender<Control>,
     pub(crate) lossless: bool,
-    /// Records per ring (a power of two).
+    /// Records per ring at first (a power of two).
     pub(crate) ring_capacity: usize,
+    /// Records a ring may grow to in drop mode before a full ring drops records.
+    pub(crate) max_ring_capacity: usize,
     pub(crate) source: TickSource,
     pub(crate) running: AtomicBool,
     /// Most field payload bytes one group may carry: the format's limit, or less in a small ring (a group
@@ -53,8 +55,23 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// A timeline with rings of a fixed size (tests).
+    #[cfg(test)]
     pub(crate) fn new(control: Sender<Control>, lossless: bool, ring_capacity: usize, source: TickSource) -> Self {
         let ring_capacity = ring_capacity.max(2).next_power_of_two();
+        Self::with_growth(control, lossless, ring_capacity, ring_capacity, source)
+    }
+
+    /// A timeline whose rings start at `ring_capacity` records and grow up to `max_ring_capacity`.
+    pub(crate) fn with_growth(
+        control: Sender<Control>,
+        lossless: bool,
+        ring_capacity: usize,
+        max_ring_capacity: usize,
+        source: TickSource,
+    ) -> Self {
+        let ring_capacity = ring_capacity.max(2).next_power_of_two();
+        let max_ring_capacity = max_ring_capacity.max(ring_capacity).next_power_of_two();
         // Head, up to two fixed records, then the payload; at most half the ring.
         let max_data = (ring_capacity / 2).saturating_sub(3).min(codec::MAX_DATA_RECORDS - 2);
         Shared {
@@ -62,6 +79,7 @@ impl Shared {
             control,
             lossless,
             ring_capacity,
+            max_ring_capacity,
             source,
             running: AtomicBool::new(true),
             max_payload_bytes: (max_data * DATA_BYTES).min(MAX_PAYLOAD_BYTES),
@@ -264,9 +282,44 @@ impl LocalRing {
                 self.owed_ends = owed_after;
                 return true;
             }
+        } else if self.grow() && self.producer.try_push_all_keeping(records, keep) {
+            self.owed_ends = owed_after;
+            return true;
         }
         self.drop_records(records.len());
         false
+    }
+
+    /// Drop mode, ring full: moves on to a ring four times as large (up to the timeline's maximum) rather
+    /// than drop, so a burst the collector cannot follow at once costs memory, not records. The old ring is
+    /// closed here and drained to its end before the new one (the collector keeps their order). False when
+    /// the ring is as large as it may get.
+    #[cold]
+    fn grow(&mut self) -> bool {
+        let capacity = self.producer.capacity();
+        if capacity >= self.shared.max_ring_capacity {
+            return false;
+        }
+        let (producer, consumer) = channel((capacity * 4).min(self.shared.max_ring_capacity));
+        let sent = self.shared.control.send(Control::NewRing {
+            consumer,
+            ring: self.ring_number as u32,
+            tid: 0,
+            name: String::new(),
+            continues: true,
+        });
+        if sent.is_err() {
+            return false;
+        }
+        if let Some(thread) = self.shared.drain_thread.get() {
+            thread.unpark();
+        }
+        // Dropping the old producer closes the old ring: everything in it was pushed before anything in the
+        // new one.
+        self.producer = producer;
+        self.half = self.producer.capacity() / 2;
+        self.slack = self.half | (self.slack & GAP_PENDING);
+        true
     }
 
     /// Records went missing before this push: a `Gap` record first, where there is room for it. An end whose
@@ -575,6 +628,7 @@ fn register(shared: &Arc<Shared>, rings: &mut Vec<OwnedRing>) -> Option<NonNull<
             ring: ring_number,
             tid,
             name,
+            continues: false,
         })
         .ok()?;
     if let Some(drain) = shared.drain_thread.get() {

@@ -35,6 +35,7 @@ pub struct TimelineBuilder {
     exporters: Vec<Box<dyn Exporter>>,
     lossless: bool,
     ring_capacity: usize,
+    max_ring_capacity: usize,
     poll_interval: Duration,
     chunk_budget_bytes: u64,
     tick_source: Option<TickSource>,
@@ -50,6 +51,7 @@ impl std::fmt::Debug for TimelineBuilder {
             .field("exporters", &self.exporters.len())
             .field("lossless", &self.lossless)
             .field("ring_capacity", &self.ring_capacity)
+            .field("max_ring_capacity", &self.max_ring_capacity)
             .field("poll_interval", &self.poll_interval)
             .field("chunk_budget_bytes", &self.chunk_budget_bytes)
             .field("tick_source", &self.tick_source)
@@ -68,8 +70,10 @@ impl Default for TimelineBuilder {
             exporters: Vec::new(),
             lossless: false,
             // 64 Ki records = 1 MiB per thread: several milliseconds of a thread recording flat out, and the
-            // drain stage wakes when a ring passes half full.
+            // drain stage wakes when a ring passes half full. A ring that fills anyway grows (4x at a time)
+            // up to 1 Mi records = 16 MiB before it drops: a burst costs memory, not records.
             ring_capacity: 1 << 16,
+            max_ring_capacity: 1 << 20,
             poll_interval: Duration::from_millis(1),
             chunk_budget_bytes: DEFAULT_CHUNK_BUDGET,
             tick_source: None,
@@ -96,9 +100,20 @@ impl TimelineBuilder {
         self
     }
 
-    /// Records per thread ring (rounded up to a power of two, at least 64). Each record is 16 bytes.
+    /// Records per thread ring (rounded up to a power of two, at least 64), fixed: a full ring drops records
+    /// (drop mode) or waits (lossless mode). Each record is 16 bytes. Without this call rings start at 64 Ki
+    /// records and grow, when one fills, up to [`max_ring_capacity`](Self::max_ring_capacity).
     pub fn ring_capacity(mut self, records: usize) -> Self {
         self.ring_capacity = records.max(64);
+        self.max_ring_capacity = self.ring_capacity;
+        self
+    }
+
+    /// How large a thread's ring may grow, in records (default 1 Mi = 16 MiB), when it fills in drop mode:
+    /// it moves on to a ring four times as large instead of dropping, up to this. Records are dropped (whole
+    /// slices, counted) only when a ring this large is full.
+    pub fn max_ring_capacity(mut self, records: usize) -> Self {
+        self.max_ring_capacity = records.max(self.ring_capacity);
         self
     }
 
@@ -196,7 +211,13 @@ impl TimelineBuilder {
             None => None,
         };
         let (control_tx, control_rx) = crossbeam_channel::unbounded();
-        let shared = Arc::new(Shared::new(control_tx, self.lossless, self.ring_capacity, source));
+        let shared = Arc::new(Shared::with_growth(
+            control_tx,
+            self.lossless,
+            self.ring_capacity,
+            self.max_ring_capacity,
+            source,
+        ));
         let stats = Arc::new(SharedStats::default());
         let setup = CollectorSetup {
             drain: DrainConfig {
@@ -279,7 +300,8 @@ impl std::fmt::Debug for Timeline {
 }
 
 impl Timeline {
-    /// A builder with the defaults: drop mode, 64 Ki records per thread, 1 ms polling, TSC checked at start.
+    /// A builder with the defaults: drop mode, rings of 64 Ki records per thread growing up to 1 Mi, 1 ms
+    /// polling, TSC checked at start.
     pub fn builder() -> TimelineBuilder {
         TimelineBuilder::default()
     }

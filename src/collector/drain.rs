@@ -67,6 +67,9 @@ pub(crate) struct DrainConfig {
 struct LiveRing {
     ring: u32,
     consumer: Consumer<Record>,
+    /// Records and slices dropped by the rings this one took over from (a ring grows by handing over to a
+    /// larger one), so the totals the processing stage sees per ring number keep counting.
+    dropped_base: (u64, u64),
 }
 
 /// The drain stage's state. Runs on its own thread; see the module docs.
@@ -166,30 +169,26 @@ impl Drain {
             self.stats.budget_full_passes.fetch_add(1, Ordering::Relaxed);
         }
         let paused = !force && self.shared.drain_paused.load(Ordering::Relaxed);
-        let mut ended = Vec::new();
+        let mut closed_rings = Vec::new();
         let mut taken = 0;
-        for (index, ring) in self.rings.iter_mut().enumerate() {
+        for index in 0..self.rings.len() {
+            let number = self.rings[index].ring;
+            // A ring that took over from one still here waits until that one is drained to its end (in this
+            // pass or before): its records came after all of those.
+            if (0..index).any(|k| self.rings[k].ring == number && !closed_rings.contains(&k)) {
+                continue;
+            }
+            let ring = &mut self.rings[index];
             // Read before draining: a ring closed now is drained to its end below.
             let closed = ring.consumer.is_closed();
             if !(over_budget || paused) || closed {
                 taken += drain_ring(ring, &self.pool, self.source, &mut self.chunks);
             }
             if closed {
-                ended.push(index);
+                closed_rings.push(index);
             }
         }
         self.stats.records.fetch_add(taken as u64, Ordering::Relaxed);
-        for &index in ended.iter().rev() {
-            let ring = self.rings.swap_remove(index);
-            self.dropped_of_ended.0 += ring.consumer.dropped_records();
-            self.dropped_of_ended.1 += ring.consumer.dropped_units();
-            self.tail.push(Input::ThreadEnd { ring: ring.ring });
-            // Dropping the consumer frees the ring (the producer is gone).
-        }
-        let dropped = self.dropped_of_ended.0 + self.rings.iter().map(|r| r.consumer.dropped_records()).sum::<u64>();
-        let slices = self.dropped_of_ended.1 + self.rings.iter().map(|r| r.consumer.dropped_units()).sum::<u64>();
-        self.stats.dropped_records.store(dropped, Ordering::Relaxed);
-        self.stats.dropped_slices.store(slices, Ordering::Relaxed);
         let mut requests = Vec::new();
         while let Ok(message) = self.control.try_recv() {
             match message {
@@ -198,10 +197,17 @@ impl Drain {
                     ring,
                     tid,
                     name,
+                    continues,
                 } => {
-                    self.registrations.push(Input::Thread { ring, tid, name });
-                    self.rings.push(LiveRing { ring, consumer });
-                    self.stats.threads.fetch_add(1, Ordering::Relaxed);
+                    if !continues {
+                        self.registrations.push(Input::Thread { ring, tid, name });
+                        self.stats.threads.fetch_add(1, Ordering::Relaxed);
+                    }
+                    self.rings.push(LiveRing {
+                        ring,
+                        consumer,
+                        dropped_base: (0, 0),
+                    });
                 }
                 Control::TracingCallsite(meta) => {
                     self.registrations.push(Input::Callsite(CallsiteDef::tracing(meta)));
@@ -217,6 +223,39 @@ impl Drain {
                 Control::Shutdown(reply) => requests.push(Request::Shutdown(reply)),
             }
         }
+        // Closed rings are settled after the control channel was read: a thread whose ring grew sent the
+        // larger ring before it closed the old one, so that message has been read by now.
+        for &index in closed_rings.iter().rev() {
+            let ring = self.rings.remove(index);
+            let dropped = (
+                ring.dropped_base.0 + ring.consumer.dropped_records(),
+                ring.dropped_base.1 + ring.consumer.dropped_units(),
+            );
+            match self.rings.iter_mut().find(|r| r.ring == ring.ring) {
+                // The thread goes on in a larger ring.
+                Some(successor) => successor.dropped_base = dropped,
+                None => {
+                    self.dropped_of_ended.0 += dropped.0;
+                    self.dropped_of_ended.1 += dropped.1;
+                    self.tail.push(Input::ThreadEnd { ring: ring.ring });
+                }
+            }
+            // Dropping the consumer frees the ring (the producer is gone).
+        }
+        let dropped = self.dropped_of_ended.0
+            + self
+                .rings
+                .iter()
+                .map(|r| r.dropped_base.0 + r.consumer.dropped_records())
+                .sum::<u64>();
+        let slices = self.dropped_of_ended.1
+            + self
+                .rings
+                .iter()
+                .map(|r| r.dropped_base.1 + r.consumer.dropped_units())
+                .sum::<u64>();
+        self.stats.dropped_records.store(dropped, Ordering::Relaxed);
+        self.stats.dropped_slices.store(slices, Ordering::Relaxed);
         let now_ns = monotonic_ns().0;
         if force || now_ns >= self.next_cpu_burst_ns {
             self.next_cpu_burst_ns = now_ns + self.config.cpu_burst_interval.as_nanos() as u64;
@@ -315,7 +354,7 @@ fn drain_ring(ring: &mut LiveRing, pool: &ChunkPool, source: TickSource, out: &m
     out.push(Input::Chunk(Chunk {
         ring: ring.ring,
         now_ticks,
-        dropped_total: ring.consumer.dropped_records(),
+        dropped_total: ring.dropped_base.0 + ring.consumer.dropped_records(),
         records,
     }));
     taken
@@ -332,7 +371,11 @@ pub(crate) fn cpu_burst(source: TickSource, samples: usize) -> Vec<CalibrationSa
 #[doc(hidden)]
 pub fn drain_bench(capacity: usize, rounds: usize) -> (u64, std::time::Duration) {
     let (mut producer, consumer) = crate::ring::channel::<Record>(capacity);
-    let mut ring = LiveRing { ring: 1, consumer };
+    let mut ring = LiveRing {
+        ring: 1,
+        consumer,
+        dropped_base: (0, 0),
+    };
     let pool = ChunkPool::new(4);
     let mut out = Vec::new();
     let record = Record::timed(crate::codec::Kind::Instant, 1, 2);
@@ -400,6 +443,7 @@ mod tests {
                 ring: 1,
                 tid: 7,
                 name: "t".into(),
+                continues: false,
             })
             .unwrap();
         drain.pass(false);
@@ -432,7 +476,11 @@ mod tests {
         let (shared, control) = shared();
         let (mut drain, inputs) = drain_with(&shared, control, 1);
         let (mut producer, consumer) = channel::<Record>(64);
-        drain.rings.push(LiveRing { ring: 1, consumer });
+        drain.rings.push(LiveRing {
+            ring: 1,
+            consumer,
+            dropped_base: (0, 0),
+        });
         drain.budget.add(1);
         assert!(producer.try_push_keeping(Record::timed(Kind::Instant, 1, 0x20), 0));
         drain.pass(false);

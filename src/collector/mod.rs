@@ -40,11 +40,8 @@ use input::Input;
 use output::Output;
 use stats::SharedStats;
 
-/// Spare chunk buffers kept for reuse.
-const POOL_BUFFERS: usize = 64;
-/// Chunk buffers made ready (allocated and touched) by the processing thread at start, so the drain stage
-/// does not meet fresh memory's page faults in the first bursts.
-const PREWARMED_BUFFERS: usize = 4;
+/// Spare chunk buffers kept for reuse (each a ring's size).
+const POOL_BUFFERS: usize = 32;
 
 /// Everything the collector threads need to start.
 pub(crate) struct CollectorSetup {
@@ -115,13 +112,6 @@ fn run_processing(
     stats: &SharedStats,
     shared: &Shared,
 ) {
-    for _ in 0..PREWARMED_BUFFERS {
-        let mut buffer = vec![crate::codec::Record::default(); shared.ring_capacity.min(1 << 16)];
-        buffer.clear();
-        if pool.push(buffer).is_err() {
-            break;
-        }
-    }
     for input in rx.iter() {
         while shared.processing_paused.load(std::sync::atomic::Ordering::Relaxed) {
             std::thread::sleep(std::time::Duration::from_millis(1));

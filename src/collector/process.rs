@@ -709,6 +709,7 @@ impl Processor {
                 let ts = self.ticks_to_ns(track, ticks, now_ticks);
                 if let Some(span) = self.spans.get_mut(serial) {
                     span.open_slices += 1;
+                    span.held_begins += 1;
                     span.enters += 1;
                 }
                 // Held until the slice ends: it shows the values the span had then.
@@ -862,6 +863,7 @@ impl Processor {
             OpenKind::Span(serial) => {
                 if let Some(span) = self.spans.get_mut(serial) {
                     span.open_slices += 1;
+                    span.held_begins += 1;
                 }
                 let seq = track.held_base + track.held.len() as u64;
                 track.held.push_back(HeldEvent {
@@ -960,8 +962,9 @@ impl Processor {
             if let Some(span) = event.span.take() {
                 let at = span.end.map_or(now_ns, |(end, _)| end);
                 let mut values = Vec::new();
-                if let Some(state) = self.spans.get(span.serial) {
+                if let Some(state) = self.spans.get_mut(span.serial) {
                     state.values_at(at, &mut values);
+                    state.held_begins = state.held_begins.saturating_sub(1);
                 }
                 if span.end.is_none() {
                     // Released before it ended: remember what went out, for its end.
@@ -1329,6 +1332,32 @@ mod tests {
         assert_eq!(gap.fields, [("records".to_owned(), FieldValue::U64(6))]);
         let slice = &trace.slices()[0];
         assert_eq!(slice.field("tickline.dropped_inside"), Some(&FieldValue::U64(6)));
+    }
+
+    #[test]
+    fn a_span_closed_long_before_its_held_slice_goes_out_keeps_its_values() {
+        let memory = MemoryExporter::default();
+        let mut p = processor(&memory);
+        register_span_callsite(&mut p);
+        let (outer, inner) = (crate::recorder::span_serial(1, 1), crate::recorder::span_serial(1, 2));
+        let mut records = vec![codec::span_new_bare(SPAN), Record::timed(Kind::SpanEnter, 100, outer)];
+        records.extend(group(|g| {
+            codec::encode_span_new(g, SPAN, codec::Parent::Contextual, &u64_field(5))
+        }));
+        records.push(Record::timed(Kind::SpanEnter, 110, inner));
+        records.push(Record::timed(Kind::SpanExit, 120, inner));
+        records.push(Record::timed(Kind::SpanClose, 121, inner));
+        chunk(&mut p, 1, records);
+        // Many passes while the outer slice (and the inner one behind it) is held.
+        for _ in 0..10 {
+            pass(&mut p);
+        }
+        chunk(&mut p, 1, vec![Record::timed(Kind::SpanExit, 200, outer)]);
+        pass(&mut p);
+        pass(&mut p);
+        let slices = memory.snapshot().slices();
+        assert_eq!(slices.len(), 2);
+        assert_eq!(slices[0].field("x"), Some(&FieldValue::U64(5)), "{slices:?}");
     }
 
     #[test]

@@ -49,6 +49,8 @@ pub(crate) struct SpanState {
     updates: Vec<(u64, Field)>,
     /// Slices of this span open on some thread track.
     pub(crate) open_slices: u32,
+    /// Begins of this span's slices held for their values (see `process.rs`): the span must outlive them.
+    pub(crate) held_begins: u32,
     /// Enters seen, and the first thread track that entered it (issue: async tracks).
     pub(crate) enters: u32,
     /// The pass in which its close was processed.
@@ -69,6 +71,7 @@ impl SpanState {
             base: fields,
             updates: Vec::new(),
             open_slices: 0,
+            held_begins: 0,
             enters: 0,
             closed_in: None,
             closed_ns: None,
@@ -154,7 +157,7 @@ impl Spans {
                 return true;
             }
             match spans.get(&serial) {
-                Some(span) if span.open_slices > 0 => true,
+                Some(span) if span.open_slices > 0 || span.held_begins > 0 => true,
                 Some(_) => {
                     spans.remove(&serial);
                     false

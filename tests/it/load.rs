@@ -511,3 +511,62 @@ fn a_four_thread_rayon_burst_loses_nothing_in_the_default_configuration() {
     assert_eq!(s.begins.values().sum::<u64>(), 2 * ITEMS);
     assert_eq!(s.ends.values().sum::<u64>(), 2 * ITEMS);
 }
+
+#[test]
+fn a_full_ring_grows_instead_of_dropping_and_keeps_every_record_in_order() {
+    let _x = exclusive();
+    let memory = MemoryExporter::default();
+    // Rings of 256 records growing up to 64 Ki, and a collector that drains only at the end: the thread's
+    // records move through four rings, and none may be lost or reordered on the way.
+    let timeline = Timeline::builder()
+        .ring_capacity(256)
+        .max_ring_capacity(1 << 16)
+        .exporter(memory.clone())
+        .start()
+        .unwrap();
+    timeline.pause_drain(true);
+    let subscriber = tracing_subscriber::registry().with(timeline.layer());
+    const N: u64 = 10_000;
+    tracing::subscriber::with_default(subscriber, || {
+        let _outer = tracing::info_span!("outer").entered();
+        for i in 0..N {
+            let _s = tracing::info_span!("step", i).entered();
+        }
+    });
+    let stats = timeline.shutdown().unwrap();
+    assert_eq!((stats.dropped_records, stats.threads), (0, 1), "{stats:?}");
+    let slices = memory.snapshot().slices();
+    let steps: Vec<u64> = slices
+        .iter()
+        .filter(|s| s.name == "step")
+        .map(|s| match s.field("i") {
+            Some(FieldValue::U64(i)) => *i,
+            other => panic!("{other:?} in {s:?}, {stats:?}"),
+        })
+        .collect();
+    assert_eq!(steps, (0..N).collect::<Vec<_>>());
+    assert!(slices.iter().filter(|s| s.name == "step").all(|s| s.depth == 1));
+    assert!(slices
+        .windows(2)
+        .all(|w| w[0].name != "step" || w[1].name != "step" || w[0].end_ns <= w[1].begin_ns));
+
+    // At its largest a full ring drops, whole slices, counted.
+    let counting = crate::pipeline::Counting::default();
+    let timeline = Timeline::builder()
+        .ring_capacity(64)
+        .max_ring_capacity(256)
+        .exporter(counting.clone())
+        .start()
+        .unwrap();
+    timeline.pause_drain(true);
+    let subscriber = tracing_subscriber::registry().with(timeline.layer());
+    tracing::subscriber::with_default(subscriber, || {
+        for _ in 0..N {
+            drop(tickline::scope!("step"));
+        }
+    });
+    let stats = timeline.shutdown().unwrap();
+    let begins: u64 = counting.0.lock().unwrap().begins.values().sum();
+    assert!(stats.dropped_slices > 0);
+    assert_eq!(begins + stats.dropped_slices, N, "{stats:?}");
+}
