@@ -13,8 +13,8 @@ use std::time::Duration;
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 use tracing::Metadata;
 
-use crate::clock::{check_tsc_reliability, monotonic_ns, FastConverter, ReliabilityOptions, TickSource, TscCalibrator};
-use crate::clock::{TscCalibratorConfig, TscDecision};
+use crate::clock::{monotonic_ns, FastConverter, TickSource, TscCalibrator};
+use crate::clock::{TickSourceDecision, TscCalibratorConfig, TscDecider};
 use crate::error::TicklineError;
 use crate::export::{
     Batch, CpuClock, Event, EventKind, ExportError, Exporter, Field, FieldValue, NameId, TrackDescriptor, TrackId,
@@ -157,22 +157,13 @@ impl TimelineBuilder {
 
     /// Checks the tick source, calibrates it, and starts the collector thread.
     pub fn start(self) -> Result<Timeline, TicklineError> {
-        let (source, tsc_fallback_reason) = match self.tick_source {
-            Some(source) => (source, None),
-            None => match TickSource::hardware() {
-                Some(hw) => {
-                    let report = check_tsc_reliability(&ReliabilityOptions::quick());
-                    match report.decision {
-                        TscDecision::UseTsc => (hw, None),
-                        TscDecision::FallBack { reason } => (TickSource::Monotonic, Some(reason)),
-                    }
-                }
-                None => (
-                    TickSource::Monotonic,
-                    Some("no hardware tick counter on this architecture".into()),
-                ),
-            },
+        // The process's cached decision: the first start runs the short up-front check (the full one finishes in
+        // the background), later starts reuse it (issue 14).
+        let decision = match self.tick_source {
+            Some(source) => TickSourceDecision::forced(source),
+            None => TscDecider::process().decide(),
         };
+        let (source, tsc_fallback_reason) = (decision.source, decision.fallback_reason);
         let calibrator = TscCalibrator::new(source, self.calibration)?;
         let (control_tx, control_rx) = crossbeam_channel::unbounded();
         let shared = Arc::new(Shared {

@@ -118,10 +118,14 @@ pub use calibration::{
     FitStrategy, HistoryConfig, HistoryStats,
 };
 pub use clock::{
-    bracketed_sample, check_tsc_reliability, monotonic_ns, monotonic_raw_ns, read_ticks, CpuRate, CpuShift,
-    FastConverter, Nanos, RawTicks, ReliabilityOptions, SkippedCpu, TickSource, TscCalibrator, TscCalibratorConfig,
-    TscDecision, TscReport,
+    bracketed_sample, check_independent_reference, check_tsc_reliability, monotonic_ns, monotonic_raw_ns, read_ticks,
+    source_name, CheckVerdict, CpuRate, CpuShift, DeciderOptions, DecisionFigures, DecisionStage, FastConverter,
+    IndependentCheck, IndependentRate, Nanos, PassSummary, RawTicks, ReferenceClock, ReliabilityOptions, SkippedCpu,
+    TickSource, TickSourceDecision, TscCalibrator, TscCalibratorConfig, TscCheck, TscDecider, TscDecision, TscReport,
+    Verdict,
 };
+#[doc(hidden)]
+pub use clock::{InjectedPreemption, ProbeFaults, ProbePhase};
 #[doc(hidden)]
 pub use collector::bench_support;
 pub use collector::{Timeline, TimelineBuilder, TimelineStats};
