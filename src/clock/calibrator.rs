@@ -6,6 +6,7 @@
 //! one startup measurement (one-shot startup calibrations on this project's test VM were off by 100-260 ppm
 //! at times).
 
+use std::sync::Mutex;
 use std::time::Duration;
 
 use super::{bracketed_sample, monotonic_ns, FastConverter, Nanos, RawTicks, TickSource};
@@ -21,6 +22,11 @@ pub struct TscCalibratorConfig {
     /// The history's filters and fit.
     pub history: HistoryConfig,
     /// How long the startup rate measurement spans (a baseline for the first fits; refined live afterwards).
+    ///
+    /// Measured once per process and counter: a later calibrator starts from the newest rate a calibrator of
+    /// this process fitted (the live fit, or the first baseline), as long as that rate's standard error is no
+    /// larger than [`HistoryConfig::nominal_rate_sigma_ppm`], so a second timeline starts without this wait.
+    /// `CLOCK_MONOTONIC` ([`TickSource::Monotonic`]) needs no baseline: its rate is 1 ns per tick by definition.
     pub startup_baseline: Duration,
 }
 
@@ -62,23 +68,32 @@ pub struct TscCalibrator {
 }
 
 impl TscCalibrator {
-    /// Measures the counter's rate over `startup_baseline` and takes the first burst.
+    /// Measures the counter's rate over `startup_baseline` (the first time in a process; later calibrators of
+    /// the same counter start from the newest rate this process fitted) and takes the first burst.
     ///
     /// Fails only if the counter does not advance against `CLOCK_MONOTONIC` (a broken or virtualised-away
     /// counter), which the error says.
     pub fn new(source: TickSource, config: TscCalibratorConfig) -> Result<Self, CalibrationError> {
-        let burst = config.burst_samples.max(4);
-        let first = best_sample(source, burst);
-        std::thread::sleep(config.startup_baseline);
-        let second = best_sample(source, burst);
-        let ticks = second.source_ticks.wrapping_sub(first.source_ticks);
-        let ns = second.reference_ns.saturating_sub(first.reference_ns);
-        if ticks == 0 || ns == 0 || ticks > i64::MAX as u64 {
-            return Err(CalibrationError::DegenerateTicks);
-        }
-        let domain = ClockDomain::new(64, ns as f64 / ticks as f64)?;
+        let (ns_per_tick, baseline) = match startup_rate(source, &config) {
+            Some(ns_per_tick) => (ns_per_tick, None),
+            None => {
+                let burst = config.burst_samples.max(4);
+                let first = best_sample(source, burst);
+                std::thread::sleep(config.startup_baseline);
+                let second = best_sample(source, burst);
+                let ticks = second.source_ticks.wrapping_sub(first.source_ticks);
+                let ns = second.reference_ns.saturating_sub(first.reference_ns);
+                if ticks == 0 || ns == 0 || ticks > i64::MAX as u64 {
+                    return Err(CalibrationError::DegenerateTicks);
+                }
+                (ns as f64 / ticks as f64, Some([first, second]))
+            }
+        };
+        let domain = ClockDomain::new(64, ns_per_tick)?;
         let mut history = CalibrationHistory::new(domain, config.history);
-        history.add_burst(&[first, second])?;
+        if let Some(pair) = baseline {
+            history.add_burst(&pair)?;
+        }
         let mut calibrator = TscCalibrator {
             source,
             config,
@@ -105,7 +120,11 @@ impl TscCalibrator {
             .map(|_| bracketed_sample(self.source, monotonic_ns))
             .collect();
         self.next_burst_ns = monotonic_ns().0 + self.config.interval.as_nanos() as u64;
-        self.history.add_burst(&samples)
+        self.history.add_burst(&samples)?;
+        if let Some(latest) = self.history.latest() {
+            remember_rate(self.source, latest.ns_per_tick(), latest.rate_sigma_ppm());
+        }
+        Ok(())
     }
 
     /// Takes a burst if one is due at `now`. Returns whether it did. Call this from a background thread on
@@ -131,6 +150,31 @@ impl TscCalibrator {
     /// The counter's frequency according to the newest fit, in Hz.
     pub fn rate_hz(&self) -> Option<f64> {
         self.history.latest().map(|c| c.ticks_per_second())
+    }
+}
+
+/// The newest rate a calibrator of this process fitted for the hardware counter: `(ns per tick, standard error in
+/// ppm)`. One slot: a process has one hardware counter (`CLOCK_MONOTONIC` needs none).
+static HARDWARE_RATE: Mutex<Option<(f64, f64)>> = Mutex::new(None);
+
+/// Where a new calibrator's rate comes from without a baseline: 1 ns per tick for `CLOCK_MONOTONIC`, the cached
+/// rate for the hardware counter when it is at least as good as the history assumes.
+fn startup_rate(source: TickSource, config: &TscCalibratorConfig) -> Option<f64> {
+    if source == TickSource::Monotonic {
+        return Some(1.0);
+    }
+    let cached = *HARDWARE_RATE.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    cached
+        .filter(|&(ns_per_tick, sigma_ppm)| {
+            ns_per_tick.is_finite() && ns_per_tick > 0.0 && sigma_ppm <= config.history.nominal_rate_sigma_ppm
+        })
+        .map(|(ns_per_tick, _)| ns_per_tick)
+}
+
+/// Keeps a fitted rate for the next calibrator of `source`.
+fn remember_rate(source: TickSource, ns_per_tick: f64, sigma_ppm: f64) {
+    if source != TickSource::Monotonic && ns_per_tick.is_finite() && ns_per_tick > 0.0 && sigma_ppm.is_finite() {
+        *HARDWARE_RATE.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some((ns_per_tick, sigma_ppm));
     }
 }
 
