@@ -171,6 +171,41 @@ fn startup_rate(source: TickSource, config: &TscCalibratorConfig) -> Option<f64>
         .map(|(ns_per_tick, _)| ns_per_tick)
 }
 
+/// Runs `during` while measuring the hardware counter's rate over at least `baseline`: the measurement the first
+/// [`TscCalibrator::new`] of the process would otherwise make by sleeping, overlapped with other start-up work
+/// (the up-front reliability check). `wanted(&result)` says whether the counter will be used; if not, the rest
+/// of the baseline is not waited for. Does nothing beyond `during` when a rate is cached already.
+pub(crate) fn measure_rate_while<T>(
+    source: TickSource,
+    baseline: Duration,
+    during: impl FnOnce() -> T,
+    wanted: impl FnOnce(&T) -> bool,
+) -> T {
+    if source == TickSource::Monotonic || HARDWARE_RATE.lock().map_or(true, |rate| rate.is_some()) {
+        return during();
+    }
+    let burst = TscCalibratorConfig::default().burst_samples.max(4);
+    let first = best_sample(source, burst);
+    let started = std::time::Instant::now();
+    let result = during();
+    if !wanted(&result) {
+        return result;
+    }
+    std::thread::sleep(baseline.saturating_sub(started.elapsed()));
+    let second = best_sample(source, burst);
+    let ticks = second.source_ticks.wrapping_sub(first.source_ticks);
+    let ns = second.reference_ns.saturating_sub(first.reference_ns);
+    if ticks > 0 && ns > 0 && ticks <= i64::MAX as u64 {
+        // Each midpoint is off by at most its half-width: a bound, wider than the 1-sigma a fit states.
+        let bound_ppm = (first.max_deviation_ns + second.max_deviation_ns) as f64 / ns as f64 * 1e6;
+        let mut cached = HARDWARE_RATE.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if cached.is_none() {
+            *cached = Some((ns as f64 / ticks as f64, bound_ppm));
+        }
+    }
+    result
+}
+
 /// Keeps a fitted rate for the next calibrator of `source`.
 fn remember_rate(source: TickSource, ns_per_tick: f64, sigma_ppm: f64) {
     if source != TickSource::Monotonic && ns_per_tick.is_finite() && ns_per_tick > 0.0 && sigma_ppm.is_finite() {
@@ -202,6 +237,35 @@ mod tests {
         let t = TickSource::Monotonic.read();
         let got = c.convert(t).unwrap();
         assert!(got.ns.abs_diff(t.0) < 1_000, "{got:?} vs {t:?}");
+    }
+
+    #[test]
+    fn a_rate_measured_alongside_is_reused() {
+        let Some(source) = TickSource::hardware() else {
+            eprintln!("skipped: no hardware tick counter on this architecture");
+            return;
+        };
+        // Whatever ran before in this test process may have cached a rate already; either way a cached rate
+        // must exist afterwards and a new calibrator must not sleep the baseline.
+        let value = measure_rate_while(source, Duration::from_millis(20), || 7, |_| true);
+        assert_eq!(value, 7);
+        let config = TscCalibratorConfig {
+            startup_baseline: Duration::from_secs(5),
+            ..TscCalibratorConfig::default()
+        };
+        let rate = startup_rate(source, &config).expect("a cached rate");
+        assert!(rate > 0.0 && rate < 10.0, "{rate} ns per tick");
+        let started = std::time::Instant::now();
+        let mut c = TscCalibrator::new(source, config).unwrap();
+        assert!(started.elapsed() < Duration::from_secs(1), "slept the 5 s baseline");
+        let s = bracketed_sample(source, monotonic_ns);
+        let got = c.convert(RawTicks(s.source_ticks)).unwrap();
+        assert!(
+            got.ns.abs_diff(s.reference_ns) < 50_000 + s.max_deviation_ns,
+            "{got:?} vs {s:?}"
+        );
+        // CLOCK_MONOTONIC never needs a baseline.
+        assert_eq!(startup_rate(TickSource::Monotonic, &config), Some(1.0));
     }
 
     #[test]

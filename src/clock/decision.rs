@@ -30,8 +30,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
+use super::calibrator::measure_rate_while;
 use super::reliability::{run_check, Assessment, ReliabilityOptions, TscDecision, TscReport};
-use super::TickSource;
+use super::{TickSource, TscCalibratorConfig};
 
 /// How settled a [`TickSourceDecision`] is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -475,8 +476,13 @@ impl TscDecider {
         PROCESS.get_or_init(|| TscDecider::new(DeciderOptions::default()))
     }
 
-    /// The decision for a timeline starting now. The first call checks (up-front check, about 1-2 ms; callers
-    /// racing it wait for it) and starts the full check; later calls return the cached decision.
+    /// The decision for a timeline starting now. The first call checks (the up-front check, 2-3 ms on a quiet
+    /// machine; callers racing it wait for it) and starts the full check; later calls return the cached decision.
+    ///
+    /// When the hardware counter is used, the first call also takes 20 ms: it measures the counter's rate over
+    /// the calibrator's startup baseline while the up-front check runs, so that the first
+    /// [`TscCalibrator`](crate::TscCalibrator) of the process (a timeline's) starts from that rate instead of
+    /// sleeping for it afterwards.
     pub fn decide(&self) -> TickSourceDecision {
         let mut state = self.inner.lock();
         if let Some(decision) = &state.decision {
@@ -486,7 +492,15 @@ impl TscDecider {
             None => TickSourceDecision::without_hardware(),
             Some(hardware) => {
                 let options = &self.inner.options.up_front;
-                let report = run_check(options, &mut state.assessment);
+                let assessment = &mut state.assessment;
+                // The first calibrator's rate baseline (20 ms) is measured while the check runs, so the first
+                // timeline start waits for the longer of the two, not for both.
+                let report = measure_rate_while(
+                    hardware,
+                    TscCalibratorConfig::default().startup_baseline,
+                    || run_check(options, assessment),
+                    |report| report.decision == TscDecision::UseTsc,
+                );
                 // A rejection the short check confirmed on its retry is final; anything else waits for the full
                 // check, which measures longer (a 20 ms rate interval, 25x the rounds and reads).
                 let stage = match report.decision {

@@ -158,7 +158,7 @@ impl ReliabilityOptions {
             rate_bracket_samples: 8,
             handoff_timeout_us: 200,
             thread_start_timeout_ms: 5,
-            time_budget_ms: 20,
+            time_budget_ms: 15,
             max_rate_spread_ppm: 500.0,
             attempts: 2,
             retry_inconclusive: false,
