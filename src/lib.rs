@@ -77,9 +77,13 @@
 //!
 //! # Caveats
 //!
-//! - **Non-invariant or unsynchronised TSC.** At start the TSC is checked (shift between CPUs, a CAS-ordered
-//!   monotonicity run, the rate on every CPU); if it fails, tickline records `CLOCK_MONOTONIC` instead and
-//!   [`Timeline::tsc_fallback_reason`] says why. `tickline clock` prints the full report.
+//! - **Non-invariant or unsynchronised TSC.** The TSC is checked once per process ([`TscDecider`]): the first
+//!   timeline start runs a short check (shift between CPUs, a CAS-ordered monotonicity run, the rate on every
+//!   CPU) and a fuller one follows in the background; later starts reuse the decision. Only a failure measured
+//!   twice rejects the TSC (a preempted probe is not evidence); then tickline records `CLOCK_MONOTONIC` and
+//!   [`Timeline::tsc_fallback_reason`] says why. A timeline never switches source while it runs: if the
+//!   background check rejects the TSC after a timeline started, that timeline keeps the TSC and
+//!   [`TickSourceDecision::note_for_timeline`] states the measured problem. `tickline clock` prints the report.
 //! - **Suspend.** Timestamps are `CLOCK_MONOTONIC`, which stops while suspended; the Perfetto exporter writes
 //!   BOOTTIME and records a new clock snapshot after a suspend.
 //! - **VMs.** A hypervisor may migrate vCPUs between hosts with different TSC offsets; the reliability check

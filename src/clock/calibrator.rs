@@ -10,7 +10,9 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use super::{bracketed_sample, monotonic_ns, FastConverter, Nanos, RawTicks, TickSource};
-use crate::calibration::{CalibrationError, CalibrationHistory, ClockDomain, Converted, HistoryConfig};
+use crate::calibration::{
+    CalibrationError, CalibrationHistory, CalibrationSample, ClockDomain, Converted, HistoryConfig,
+};
 
 /// How the CPU clock is sampled.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -65,6 +67,8 @@ pub struct TscCalibrator {
     config: TscCalibratorConfig,
     history: CalibrationHistory,
     next_burst_ns: u64,
+    /// A calibrator started from a cached rate takes no burst before this (see [`TscCalibrator::burst`]).
+    quiet_until_ns: u64,
 }
 
 impl TscCalibrator {
@@ -74,19 +78,16 @@ impl TscCalibrator {
     /// Fails only if the counter does not advance against `CLOCK_MONOTONIC` (a broken or virtualised-away
     /// counter), which the error says.
     pub fn new(source: TickSource, config: TscCalibratorConfig) -> Result<Self, CalibrationError> {
-        let (ns_per_tick, baseline) = match startup_rate(source, &config) {
-            Some(ns_per_tick) => (ns_per_tick, None),
-            None => {
+        let (ns_per_tick, baseline) = match (take_baseline(source), startup_rate(source, &config)) {
+            (Some(pair), _) => (pair_rate(&pair).ok_or(CalibrationError::DegenerateTicks)?, Some(pair)),
+            (None, Some(ns_per_tick)) => (ns_per_tick, None),
+            (None, None) => {
                 let burst = config.burst_samples.max(4);
                 let first = best_sample(source, burst);
                 std::thread::sleep(config.startup_baseline);
                 let second = best_sample(source, burst);
-                let ticks = second.source_ticks.wrapping_sub(first.source_ticks);
-                let ns = second.reference_ns.saturating_sub(first.reference_ns);
-                if ticks == 0 || ns == 0 || ticks > i64::MAX as u64 {
-                    return Err(CalibrationError::DegenerateTicks);
-                }
-                (ns as f64 / ticks as f64, Some([first, second]))
+                let pair = [first, second];
+                (pair_rate(&pair).ok_or(CalibrationError::DegenerateTicks)?, Some(pair))
             }
         };
         let domain = ClockDomain::new(64, ns_per_tick)?;
@@ -99,8 +100,19 @@ impl TscCalibrator {
             config,
             history,
             next_burst_ns: 0,
+            quiet_until_ns: 0,
         };
         calibrator.burst()?;
+        if baseline.is_none() {
+            // Started from a known rate, without a baseline pair: the window must span the baseline before the
+            // rate can be fitted, and offset-only refits of bursts closer together than that only churn knots.
+            let span = config
+                .startup_baseline
+                .max(Duration::from_nanos(config.history.min_rate_span_ns))
+                + Duration::from_millis(1);
+            calibrator.quiet_until_ns = monotonic_ns().0 + span.as_nanos() as u64;
+            calibrator.next_burst_ns = calibrator.quiet_until_ns;
+        }
         Ok(calibrator)
     }
 
@@ -114,8 +126,14 @@ impl TscCalibrator {
         &self.history
     }
 
-    /// Takes one burst now, whatever the schedule says.
+    /// Takes one burst now, whatever the schedule says; except that a calibrator started from a cached rate
+    /// (no baseline of its own) takes none until `startup_baseline` has passed since its first burst, and
+    /// returns `Ok` without sampling: the window must span that long before its rate can be fitted.
     pub fn burst(&mut self) -> Result<(), CalibrationError> {
+        if monotonic_ns().0 < self.quiet_until_ns {
+            self.next_burst_ns = self.quiet_until_ns;
+            return Ok(());
+        }
         let samples: Vec<_> = (0..self.config.burst_samples.max(1))
             .map(|_| bracketed_sample(self.source, monotonic_ns))
             .collect();
@@ -156,6 +174,10 @@ impl TscCalibrator {
 /// The newest rate a calibrator of this process fitted for the hardware counter: `(ns per tick, standard error in
 /// ppm)`. One slot: a process has one hardware counter (`CLOCK_MONOTONIC` needs none).
 static HARDWARE_RATE: Mutex<Option<(f64, f64)>> = Mutex::new(None);
+
+/// A baseline pair measured alongside other start-up work ([`measure_rate_while`]), waiting for the first
+/// calibrator of the hardware counter.
+static HARDWARE_BASELINE: Mutex<Option<[CalibrationSample; 2]>> = Mutex::new(None);
 
 /// Where a new calibrator's rate comes from without a baseline: 1 ns per tick for `CLOCK_MONOTONIC`, the cached
 /// rate for the hardware counter when it is at least as good as the history assumes.
@@ -201,9 +223,33 @@ pub(crate) fn measure_rate_while<T>(
         let mut cached = HARDWARE_RATE.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         if cached.is_none() {
             *cached = Some((ns as f64 / ticks as f64, bound_ppm));
+            *HARDWARE_BASELINE
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some([first, second]);
         }
     }
     result
+}
+
+/// The baseline pair [`measure_rate_while`] measured, for the next calibrator of the hardware counter, if it is
+/// still fresh (its second sample under a second old): that calibrator then starts exactly as if it had measured
+/// the pair itself. Taken once.
+fn take_baseline(source: TickSource) -> Option<[CalibrationSample; 2]> {
+    if source == TickSource::Monotonic {
+        return None;
+    }
+    let pair = HARDWARE_BASELINE
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+        .take()?;
+    (monotonic_ns().0.saturating_sub(pair[1].reference_ns) < 1_000_000_000).then_some(pair)
+}
+
+/// ns per tick between a baseline pair's samples; `None` if the counter did not advance.
+fn pair_rate(pair: &[CalibrationSample; 2]) -> Option<f64> {
+    let ticks = pair[1].source_ticks.wrapping_sub(pair[0].source_ticks);
+    let ns = pair[1].reference_ns.saturating_sub(pair[0].reference_ns);
+    (ticks > 0 && ns > 0 && ticks <= i64::MAX as u64).then(|| ns as f64 / ticks as f64)
 }
 
 /// Keeps a fitted rate for the next calibrator of `source`.
@@ -214,7 +260,7 @@ fn remember_rate(source: TickSource, ns_per_tick: f64, sigma_ppm: f64) {
 }
 
 /// The tightest of `n` bracketed samples.
-fn best_sample(source: TickSource, n: usize) -> crate::calibration::CalibrationSample {
+fn best_sample(source: TickSource, n: usize) -> CalibrationSample {
     (0..n)
         .map(|_| bracketed_sample(source, monotonic_ns))
         .min_by_key(|s| s.max_deviation_ns)
@@ -266,6 +312,19 @@ mod tests {
         );
         // CLOCK_MONOTONIC never needs a baseline.
         assert_eq!(startup_rate(TickSource::Monotonic, &config), Some(1.0));
+    }
+
+    #[test]
+    fn a_calibrator_from_a_cached_rate_waits_for_a_baseline_span_before_fitting() {
+        // CLOCK_MONOTONIC always starts from its known rate, without a baseline pair.
+        let mut c = TscCalibrator::new(TickSource::Monotonic, TscCalibratorConfig::default()).unwrap();
+        let bursts = c.history().stats().bursts;
+        c.burst().unwrap();
+        assert_eq!(c.history().stats().bursts, bursts, "a burst inside the baseline span was taken");
+        assert!(!c.poll(monotonic_ns()).unwrap());
+        std::thread::sleep(Duration::from_millis(25));
+        assert!(c.poll(monotonic_ns()).unwrap(), "the burst after the baseline span is due");
+        assert_eq!(c.history().stats().bursts, bursts + 1);
     }
 
     #[test]

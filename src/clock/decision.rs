@@ -610,16 +610,18 @@ mod tests {
     use crate::clock::reliability::tests::{two_cpus, SERIAL};
     use crate::clock::reliability::{InjectedPreemption, ProbeFaults, ProbePhase};
 
+    /// A decider with the default up-front check and, to keep the tests short, the quick check (3 attempts) as
+    /// its full check.
     fn decider(faults: ProbeFaults, background: bool) -> TscDecider {
-        let defaults = DeciderOptions::default();
         TscDecider::new(DeciderOptions {
             up_front: ReliabilityOptions {
                 faults: faults.clone(),
-                ..defaults.up_front
+                ..ReliabilityOptions::up_front()
             },
             full: ReliabilityOptions {
                 faults,
-                ..defaults.full
+                attempts: 3,
+                ..ReliabilityOptions::quick()
             },
             background,
         })
