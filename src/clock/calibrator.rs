@@ -320,10 +320,17 @@ mod tests {
         let mut c = TscCalibrator::new(TickSource::Monotonic, TscCalibratorConfig::default()).unwrap();
         let bursts = c.history().stats().bursts;
         c.burst().unwrap();
-        assert_eq!(c.history().stats().bursts, bursts, "a burst inside the baseline span was taken");
+        assert_eq!(
+            c.history().stats().bursts,
+            bursts,
+            "a burst inside the baseline span was taken"
+        );
         assert!(!c.poll(monotonic_ns()).unwrap());
         std::thread::sleep(Duration::from_millis(25));
-        assert!(c.poll(monotonic_ns()).unwrap(), "the burst after the baseline span is due");
+        assert!(
+            c.poll(monotonic_ns()).unwrap(),
+            "the burst after the baseline span is due"
+        );
         assert_eq!(c.history().stats().bursts, bursts + 1);
     }
 

@@ -27,7 +27,7 @@
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use super::calibrator::measure_rate_while;
@@ -59,8 +59,9 @@ impl DecisionStage {
 }
 
 /// The figures behind a [`TickSourceDecision`], for a trace's metadata and `tickline stats`. Numbers are the
-/// last pass's unless said otherwise; `NaN` where nothing was measured.
-#[derive(Clone, Copy, Debug, PartialEq)]
+/// last pass's unless said otherwise; `NaN` where nothing was measured (and two `NaN`s compare equal here, so
+/// that a decision equals its clone).
+#[derive(Clone, Copy, Debug)]
 pub struct DecisionFigures {
     /// Passes of the reliability check so far (up-front and full).
     pub passes: u32,
@@ -86,6 +87,24 @@ pub struct DecisionFigures {
     pub backward_steps: u64,
     /// Shift rounds discarded as interrupted (preempted), over every pass.
     pub interrupted_rounds: u64,
+}
+
+impl PartialEq for DecisionFigures {
+    fn eq(&self, other: &Self) -> bool {
+        let same = |a: f64, b: f64| a.to_bits() == b.to_bits();
+        self.passes == other.passes
+            && self.check_time == other.check_time
+            && self.cpus_tested == other.cpus_tested
+            && same(self.max_shift_ns, other.max_shift_ns)
+            && same(self.proven_shift_ns, other.proven_shift_ns)
+            && self.shift_limit_ns == other.shift_limit_ns
+            && same(self.rate_hz, other.rate_hz)
+            && same(self.rate_spread_ppm, other.rate_spread_ppm)
+            && self.monotonic_reads == other.monotonic_reads
+            && self.monotonic_full_loops == other.monotonic_full_loops
+            && self.backward_steps == other.backward_steps
+            && self.interrupted_rounds == other.interrupted_rounds
+    }
 }
 
 impl DecisionFigures {
@@ -189,6 +208,27 @@ impl TickSourceDecision {
             stage: DecisionStage::Final,
             forced: false,
             warnings: Vec::new(),
+            figures: DecisionFigures::none(),
+            revision: 0,
+            report: None,
+        }
+    }
+
+    /// Provisional, the hardware counter, before any check reported: the first start stopped waiting for the
+    /// up-front check after `waited`.
+    fn not_checked_yet(hardware: TickSource, waited: Duration) -> Self {
+        TickSourceDecision {
+            source: hardware,
+            hardware: Some(hardware),
+            fallback_reason: None,
+            stage: DecisionStage::Provisional,
+            forced: false,
+            warnings: vec![format!(
+                "the up-front check had not reported after {} ms (the machine is busy): the {} is used until the \
+                 full check, running in the background, decides",
+                waited.as_millis(),
+                source_name(hardware)
+            )],
             figures: DecisionFigures::none(),
             revision: 0,
             report: None,
@@ -488,55 +528,51 @@ impl TscDecider {
         if let Some(decision) = &state.decision {
             return decision.clone();
         }
-        let decision = match TickSource::hardware() {
-            None => TickSourceDecision::without_hardware(),
-            Some(hardware) => {
-                let options = &self.inner.options.up_front;
-                let assessment = &mut state.assessment;
-                // The first calibrator's rate baseline (20 ms) is measured while the check runs, so the first
-                // timeline start waits for the longer of the two, not for both.
-                let report = measure_rate_while(
-                    hardware,
-                    TscCalibratorConfig::default().startup_baseline,
-                    || run_check(options, assessment),
-                    |report| report.decision == TscDecision::UseTsc,
-                );
-                // A rejection the short check confirmed on its retry is final; anything else waits for the full
-                // check, which measures longer (a 20 ms rate interval, 25x the rounds and reads).
-                let stage = match report.decision {
-                    TscDecision::FallBack { .. } => DecisionStage::Final,
-                    TscDecision::UseTsc => DecisionStage::Provisional,
-                };
-                TickSourceDecision::from_check(hardware, report, stage, options.max_shift_limit_ns)
-            }
-        };
-        state.decision = Some(decision.clone());
-        if decision.is_final() {
+        let Some(hardware) = TickSource::hardware() else {
+            let decision = TickSourceDecision::without_hardware();
+            state.decision = Some(decision.clone());
             self.inner.changed.notify_all();
             return decision;
+        };
+        let baseline = TscCalibratorConfig::default().startup_baseline;
+        let wanted = |report: &Option<TscReport>| report.as_ref().is_none_or(|r| r.decision == TscDecision::UseTsc);
+        if self.inner.options.background {
+            // The check's own thread runs the up-front check, then the full one. This thread waits for the
+            // up-front report only as long as its budget (plus slack): on a machine so busy that the check's
+            // pinned threads do not get a CPU in time, the start goes on with the TSC, provisionally.
+            let (tx, rx) = mpsc::sync_channel(1);
+            let inner = self.inner.clone();
+            let spawned = std::thread::Builder::new()
+                .name("tickline-clock-check".into())
+                .spawn(move || inner.check_in_background(hardware, tx));
+            if spawned.is_ok() {
+                let wait = Duration::from_millis(self.inner.options.up_front.time_budget_ms) + UP_FRONT_SLACK;
+                // The first calibrator's rate baseline (20 ms) is measured meanwhile, so the first timeline start
+                // waits for the longer of the two, not for both.
+                let report = measure_rate_while(hardware, baseline, || rx.recv_timeout(wait).ok(), wanted);
+                let decision = match report {
+                    Some(report) => self.inner.up_front_decision(hardware, report),
+                    None => TickSourceDecision::not_checked_yet(hardware, wait),
+                };
+                state.decision = Some(decision.clone());
+                self.inner.changed.notify_all();
+                return decision;
+            }
         }
-        if !self.inner.options.background {
-            drop(state);
-            self.inner.finish();
-            return self.current().unwrap_or(decision);
+        // No background thread (asked for, or it could not start): both checks here.
+        let options = &self.inner.options.up_front;
+        let assessment = &mut state.assessment;
+        let report = measure_rate_while(hardware, baseline, || Some(run_check(options, assessment)), wanted)
+            .expect("run inline");
+        let decision = self.inner.up_front_decision(hardware, report);
+        state.decision = Some(decision.clone());
+        self.inner.changed.notify_all();
+        if decision.is_final() {
+            return decision;
         }
-        let inner = self.inner.clone();
-        let spawned = std::thread::Builder::new()
-            .name("tickline-clock-check".into())
-            .spawn(move || inner.finish());
-        if let Err(e) = spawned {
-            // No thread: keep what the short check found, and say that is all there is.
-            let mut settled = decision.clone();
-            settled.stage = DecisionStage::Final;
-            settled.revision = self.inner.revision.fetch_add(1, Ordering::Relaxed) + 1;
-            settled.warnings.push(format!(
-                "the full clock check could not start ({e}): the decision rests on the short up-front check"
-            ));
-            state.decision = Some(settled.clone());
-            self.inner.changed.notify_all();
-            return settled;
-        }
-        decision
+        drop(state);
+        self.inner.finish();
+        self.current().unwrap_or(decision)
     }
 
     /// The decision so far, without checking anything: `None` before the first [`TscDecider::decide`].
@@ -579,13 +615,50 @@ impl TscDecider {
     }
 }
 
+/// How much longer than the up-front check's own budget a first start waits for it.
+const UP_FRONT_SLACK: Duration = Duration::from_millis(5);
+
 impl Inner {
     fn lock(&self) -> MutexGuard<'_, State> {
         // A panic while holding the lock leaves a consistent state (every write is one assignment).
         self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Runs the full check on top of the up-front passes and publishes the final decision.
+    /// The decision from the up-front report: a rejection it confirmed on its retry is final; anything else
+    /// waits for the full check, which measures longer (a 20 ms rate interval, 25x the rounds and reads).
+    fn up_front_decision(&self, hardware: TickSource, report: TscReport) -> TickSourceDecision {
+        let stage = match report.decision {
+            TscDecision::FallBack { .. } => DecisionStage::Final,
+            TscDecision::UseTsc => DecisionStage::Provisional,
+        };
+        TickSourceDecision::from_check(hardware, report, stage, self.options.up_front.max_shift_limit_ns)
+    }
+
+    /// The check's thread: the up-front check (its report to `up_front`, where the first start may still be
+    /// waiting), then, unless that settled it, the full check; publishes the final decision.
+    fn check_in_background(&self, hardware: TickSource, up_front: mpsc::SyncSender<TscReport>) {
+        let mut assessment = Assessment::default();
+        let report = run_check(&self.options.up_front, &mut assessment);
+        // An error: the first start stopped waiting. The report still counts below.
+        let _ = up_front.send(report.clone());
+        let report = if report.decision == TscDecision::UseTsc {
+            run_check(&self.options.full, &mut assessment)
+        } else {
+            report
+        };
+        self.publish(
+            TickSourceDecision::from_check(
+                hardware,
+                report,
+                DecisionStage::Final,
+                self.options.full.max_shift_limit_ns,
+            ),
+            assessment,
+        );
+    }
+
+    /// Runs the full check on top of the up-front passes in `State::assessment` and publishes the final
+    /// decision (the decider without a background thread).
     fn finish(&self) {
         let mut assessment = self.lock().assessment.clone();
         let Some(hardware) = TickSource::hardware() else {
@@ -593,10 +666,20 @@ impl Inner {
         };
         let options = &self.options.full;
         let report = run_check(options, &mut assessment);
-        let mut decision =
-            TickSourceDecision::from_check(hardware, report, DecisionStage::Final, options.max_shift_limit_ns);
+        self.publish(
+            TickSourceDecision::from_check(hardware, report, DecisionStage::Final, options.max_shift_limit_ns),
+            assessment,
+        );
+    }
+
+    /// Makes `decision` (final) the process's, with a new revision, unless a final decision is already there (the
+    /// first start took a confirmed rejection from the up-front report itself).
+    fn publish(&self, mut decision: TickSourceDecision, assessment: Assessment) {
         let mut state = self.lock();
         state.assessment = assessment;
+        if state.decision.as_ref().is_some_and(TickSourceDecision::is_final) {
+            return;
+        }
         // Release: pairs with the Acquire in `TscDecider::revision`.
         decision.revision = self.revision.fetch_add(1, Ordering::Release) + 1;
         state.decision = Some(decision);
@@ -680,11 +763,11 @@ mod tests {
         );
         let first = decider.decide();
         println!("{first}");
-        assert_eq!(preempt.remaining(), 0, "the preemption was injected");
         assert_eq!(Some(first.source), TickSource::hardware(), "{first}");
-        assert!(first.figures.interrupted_rounds >= 1, "{first}");
         let settled = decider.wait_final(Duration::from_secs(20));
         println!("{settled}");
+        assert_eq!(preempt.remaining(), 0, "the preemption was injected");
+        assert!(settled.figures.interrupted_rounds >= 1, "{settled}");
         assert!(settled.is_final());
         assert_eq!(Some(settled.source), TickSource::hardware(), "{settled}");
         assert_eq!(settled.note_for_timeline(first.source), None);
