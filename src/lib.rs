@@ -73,7 +73,8 @@
 //! - [`gpu`]: the backend trait, the scope guard and handles; on the collector side, per device, the scopes in
 //!   flight, the clock tracker ([`gpu::GpuCalibrationConfig`]) and the queue lanes.
 //! - [`calibration`]: pure math (fits, histories, the simulated clock pair); `clock`: reading counters, the
-//!   TSC reliability check, the live TSC calibrator, the division-free [`FastConverter`].
+//!   TSC reliability check and the process's cached tick-source decision ([`TscDecider`]), the check against an
+//!   independent clock, the live TSC calibrator, the division-free [`FastConverter`].
 //!
 //! # Caveats
 //!
