@@ -3,10 +3,13 @@
 //!
 //! # The window between the first start and the final decision
 //!
-//! The first [`TscDecider::decide`] runs the short [`ReliabilityOptions::up_front`] check (a millisecond or
-//! two) and returns a [`DecisionStage::Provisional`] decision; a background thread (`tickline-clock-check`,
-//! started once per process) then runs the full check, repeating passes that load kept from concluding, and
-//! publishes the [`DecisionStage::Final`] decision (a new [`TickSourceDecision::revision`]).
+//! The first [`TscDecider::decide`] starts a thread (`tickline-clock-check`, once per process) that runs the short
+//! [`ReliabilityOptions::up_front`] check (2-3 ms on a quiet machine), then the full check, repeating passes
+//! that load kept from concluding, and publishes the [`DecisionStage::Final`] decision (a new
+//! [`TickSourceDecision::revision`]). The first `decide` waits for the up-front report at most its budget plus
+//! 5 ms (20 ms, during which it measures the calibrator's rate baseline anyway) and returns a
+//! [`DecisionStage::Provisional`] decision from it; on a machine too busy for the check's pinned threads to get
+//! a CPU in that time it returns a provisional TSC without a report, with a warning saying so.
 //!
 //! A timeline keeps the tick source it started with for its whole life: the raw ticks in its rings carry no
 //! source tag, and a switch under a running ring would leave some records unconvertible. So:
@@ -447,8 +450,8 @@ impl Default for DeciderOptions {
 }
 
 /// Makes the tick-source decision once and caches it: the first [`TscDecider::decide`] runs the short up-front
-/// check and starts the full one in the background; every later call returns the cached decision in well under
-/// a microsecond. [`TscDecider::process`] is the process's own, the one timelines and `tickline clock` use.
+/// check and starts the full one in the background; every later call returns the cached decision (a lock and a
+/// clone, no check). [`TscDecider::process`] is the process's own, the one timelines and `tickline clock` use.
 ///
 /// ```
 /// use std::time::Duration;
