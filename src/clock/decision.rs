@@ -770,7 +770,15 @@ mod tests {
         let settled = decider.wait_final(Duration::from_secs(20));
         println!("{settled}");
         assert_eq!(preempt.remaining(), 0, "the preemption was injected");
-        assert!(settled.figures.interrupted_rounds >= 1, "{settled}");
+        // The held round was interrupted (or, under load, given up): in whichever pass ran the first shift round.
+        let report = settled.report().expect("checked");
+        assert!(
+            report
+                .passes
+                .iter()
+                .any(|p| p.interrupted_rounds + p.timed_out_rounds >= 1),
+            "{report}"
+        );
         assert!(settled.is_final());
         assert_eq!(Some(settled.source), TickSource::hardware(), "{settled}");
         assert_eq!(settled.note_for_timeline(first.source), None);

@@ -733,6 +733,7 @@ mod tests {
             attempt,
             elapsed: Duration::from_millis(1),
             interrupted_rounds: 0,
+            timed_out_rounds: 0,
             verdicts: verdicts
                 .iter()
                 .map(|(check, verdict)| CheckVerdict {

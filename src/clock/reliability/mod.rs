@@ -93,6 +93,7 @@ pub(crate) fn run_check(options: &ReliabilityOptions, assessment: &mut Assessmen
             attempt: assessment.passes().len() as u32 + 1,
             elapsed: pass_started.elapsed(),
             interrupted_rounds: report.interrupted_rounds(),
+            timed_out_rounds: report.timed_out_rounds(),
             verdicts: analyze::verdicts(&report, options),
         });
         let outcome = assessment.outcome();
@@ -282,7 +283,10 @@ pub(crate) mod tests {
         let report = run(&options);
         println!("{report}");
         assert_eq!(preempt.remaining(), 0, "the preemption was injected");
-        assert!(report.passes[0].interrupted_rounds >= 1, "{report}");
+        // The held round comes back 12 ms wide (interrupted), or, when load kept the tested thread from
+        // answering meanwhile, is given up (timed out); either way it is not evidence.
+        let first = &report.passes[0];
+        assert!(first.interrupted_rounds + first.timed_out_rounds >= 1, "{report}");
         assert!(
             report.is_reliable(),
             "an injected preemption made the check fall back: {report}"

@@ -121,6 +121,8 @@ pub struct PassSummary {
     pub elapsed: Duration,
     /// Shift rounds discarded as interrupted in this pass, over all CPUs.
     pub interrupted_rounds: u64,
+    /// Shift rounds given up in this pass because the other thread did not answer in time, over all CPUs.
+    pub timed_out_rounds: u64,
     /// Each check's verdict.
     pub verdicts: Vec<CheckVerdict>,
 }
@@ -413,6 +415,11 @@ impl TscReport {
     pub fn interrupted_rounds(&self) -> u64 {
         self.shifts.iter().map(|s| s.interrupted_rounds).sum()
     }
+
+    /// Shift rounds given up (no answer in time) in the last pass, over all CPUs.
+    pub fn timed_out_rounds(&self) -> u64 {
+        self.shifts.iter().map(|s| s.timed_out_rounds).sum()
+    }
 }
 
 pub(super) fn pass_json(p: &PassSummary) -> serde_json::Value {
@@ -430,6 +437,7 @@ pub(super) fn pass_json(p: &PassSummary) -> serde_json::Value {
         "attempt": p.attempt,
         "elapsed_ms": p.elapsed.as_secs_f64() * 1e3,
         "interrupted_rounds": p.interrupted_rounds,
+        "timed_out_rounds": p.timed_out_rounds,
         "verdicts": verdicts,
     })
 }
@@ -635,6 +643,7 @@ mod tests {
             attempt: 1,
             elapsed: Duration::from_millis(3),
             interrupted_rounds: 3,
+            timed_out_rounds: 0,
             verdicts: vec![
                 CheckVerdict {
                     check: TscCheck::Shift,
