@@ -152,6 +152,20 @@ impl CpuClock {
     }
 }
 
+/// A fact about a track that is no event: which CPU clock the process records and why, say. Exporters show
+/// it as the viewer allows (Perfetto: an instant carrying the value on that track; memory: a list of its own).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrackMetadata {
+    /// The track it describes (the process track for process-wide facts).
+    pub track: TrackId,
+    /// When it became known (reference-clock ns).
+    pub ts_ns: u64,
+    /// What it is about ("tickline: CPU clock").
+    pub name: NameId,
+    /// Its fields: a range into [`Batch::fields`].
+    pub fields: Range<u32>,
+}
+
 /// A batch handed to exporters: new tracks and names first, then events.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Batch {
@@ -163,6 +177,8 @@ pub struct Batch {
     pub events: Vec<Event>,
     /// The field arena the events' `fields` ranges point into.
     pub fields: Vec<Field>,
+    /// Facts about tracks that are no events, in the order they became known.
+    pub metadata: Vec<TrackMetadata>,
     /// The CPU clock the events were converted with (set by the collector on every batch it exports; `None`
     /// in batches made by hand).
     pub cpu_clock: Option<CpuClock>,
@@ -175,6 +191,7 @@ impl Batch {
         self.new_names.clear();
         self.events.clear();
         self.fields.clear();
+        self.metadata.clear();
     }
 
     /// The fields of `event`.
@@ -182,9 +199,14 @@ impl Batch {
         &self.fields[event.fields.start as usize..event.fields.end as usize]
     }
 
+    /// The fields of `metadata`.
+    pub fn metadata_fields(&self, metadata: &TrackMetadata) -> &[Field] {
+        &self.fields[metadata.fields.start as usize..metadata.fields.end as usize]
+    }
+
     /// True when there is nothing in it.
     pub fn is_empty(&self) -> bool {
-        self.new_tracks.is_empty() && self.new_names.is_empty() && self.events.is_empty()
+        self.new_tracks.is_empty() && self.new_names.is_empty() && self.events.is_empty() && self.metadata.is_empty()
     }
 }
 
@@ -282,6 +304,26 @@ impl RecordedSlice {
     }
 }
 
+/// A [`TrackMetadata`] as a [`MemoryExporter`] keeps it: names resolved to strings.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RecordedMetadata {
+    /// The track it describes.
+    pub track: TrackId,
+    /// When it became known (reference-clock ns).
+    pub ts_ns: u64,
+    /// What it is about.
+    pub name: String,
+    /// Its fields, by name.
+    pub fields: Vec<(String, FieldValue)>,
+}
+
+impl RecordedMetadata {
+    /// The value of field `name`, if it has one.
+    pub fn field(&self, name: &str) -> Option<&FieldValue> {
+        self.fields.iter().find(|(n, _)| n == name).map(|(_, v)| v)
+    }
+}
+
 /// Everything a [`MemoryExporter`] received.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct MemoryTrace {
@@ -289,6 +331,8 @@ pub struct MemoryTrace {
     pub tracks: Vec<TrackDescriptor>,
     /// Events, in the order they arrived (timestamp order per track).
     pub events: Vec<RecordedEvent>,
+    /// Facts about tracks, in the order they arrived (the CPU clock decision, say).
+    pub metadata: Vec<RecordedMetadata>,
     /// Batches received.
     pub batches: u64,
     /// `flush` calls.
@@ -417,6 +461,18 @@ impl Exporter for MemoryExporter {
                     .collect(),
                 flow_out: e.flow_out,
                 flow_in: e.flow_in,
+            });
+        }
+        for m in &batch.metadata {
+            trace.metadata.push(RecordedMetadata {
+                track: m.track,
+                ts_ns: m.ts_ns,
+                name: name_of(m.name),
+                fields: batch
+                    .metadata_fields(m)
+                    .iter()
+                    .map(|f| (name_of(f.name), f.value.clone()))
+                    .collect(),
             });
         }
         Ok(())

@@ -73,13 +73,18 @@
 //! - [`gpu`]: the backend trait, the scope guard and handles; on the collector side, per device, the scopes in
 //!   flight, the clock tracker ([`gpu::GpuCalibrationConfig`]) and the queue lanes.
 //! - [`calibration`]: pure math (fits, histories, the simulated clock pair); `clock`: reading counters, the
-//!   TSC reliability check, the live TSC calibrator, the division-free [`FastConverter`].
+//!   TSC reliability check and the process's cached tick-source decision ([`TscDecider`]), the check against an
+//!   independent clock, the live TSC calibrator, the division-free [`FastConverter`].
 //!
 //! # Caveats
 //!
-//! - **Non-invariant or unsynchronised TSC.** At start the TSC is checked (shift between CPUs, a CAS-ordered
-//!   monotonicity run, the rate on every CPU); if it fails, tickline records `CLOCK_MONOTONIC` instead and
-//!   [`Timeline::tsc_fallback_reason`] says why. `tickline clock` prints the full report.
+//! - **Non-invariant or unsynchronised TSC.** The TSC is checked once per process ([`TscDecider`]): the first
+//!   timeline start runs a short check (shift between CPUs, a CAS-ordered monotonicity run, the rate on every
+//!   CPU) and a fuller one follows in the background; later starts reuse the decision. Only a failure measured
+//!   twice rejects the TSC (a preempted probe is not evidence); then tickline records `CLOCK_MONOTONIC` and
+//!   [`Timeline::tsc_fallback_reason`] says why. A timeline never switches source while it runs: if the
+//!   background check rejects the TSC after a timeline started, that timeline keeps the TSC and
+//!   [`TickSourceDecision::note_for_timeline`] states the measured problem. `tickline clock` prints the report.
 //! - **Suspend.** Timestamps are `CLOCK_MONOTONIC`, which stops while suspended; the Perfetto exporter writes
 //!   BOOTTIME and records a new clock snapshot after a suspend.
 //! - **VMs.** A hypervisor may migrate vCPUs between hosts with different TSC offsets; the reliability check
@@ -124,17 +129,21 @@ pub use calibration::{
 };
 pub use callsite::Callsite;
 pub use clock::{
-    bracketed_sample, check_tsc_reliability, monotonic_ns, monotonic_raw_ns, read_ticks, CpuRate, CpuShift,
-    FastConverter, Nanos, RawTicks, ReliabilityOptions, SkippedCpu, TickSource, TscCalibrator, TscCalibratorConfig,
-    TscDecision, TscReport,
+    bracketed_sample, check_independent_reference, check_tsc_reliability, monotonic_ns, monotonic_raw_ns, read_ticks,
+    source_name, CheckVerdict, CpuRate, CpuShift, DeciderOptions, DecisionFigures, DecisionStage, FastConverter,
+    IndependentCheck, IndependentRate, Nanos, PassSummary, RawTicks, ReferenceClock, ReliabilityOptions, SkippedCpu,
+    TickSource, TickSourceDecision, TscCalibrator, TscCalibratorConfig, TscCheck, TscDecider, TscDecision, TscReport,
+    Verdict,
 };
+#[doc(hidden)]
+pub use clock::{InjectedPreemption, ProbeFaults, ProbePhase};
 #[doc(hidden)]
 pub use collector::bench_support;
 pub use collector::TimelineStats;
 pub use error::TicklineError;
 pub use export::{
     Batch, CpuClock, Event, EventKind, ExportError, Exporter, Field, FieldValue, MemoryExporter, MemoryTrace, NameId,
-    RecordedEvent, RecordedSlice, TrackDescriptor, TrackId, TrackKind,
+    RecordedEvent, RecordedMetadata, RecordedSlice, TrackDescriptor, TrackId, TrackKind, TrackMetadata,
 };
 pub use layer::TicklineLayer;
 pub use live::{LiveSink, LiveSpanData};

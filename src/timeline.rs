@@ -5,9 +5,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Once};
 use std::time::Duration;
 
-use crate::clock::{
-    check_tsc_reliability, ReliabilityOptions, TickSource, TscCalibrator, TscCalibratorConfig, TscDecision,
-};
+use crate::clock::{TickSource, TickSourceDecision, TscCalibrator, TscCalibratorConfig, TscDecider};
 use crate::collector::capture::CaptureWriter;
 use crate::collector::drain::DrainConfig;
 use crate::collector::stats::SharedStats;
@@ -39,6 +37,7 @@ pub struct TimelineBuilder {
     poll_interval: Duration,
     chunk_budget_bytes: u64,
     tick_source: Option<TickSource>,
+    decision: Option<TickSourceDecision>,
     calibration: TscCalibratorConfig,
     gpu_calibration: GpuCalibrationConfig,
     live: Option<Arc<dyn LiveSink>>,
@@ -77,6 +76,7 @@ impl Default for TimelineBuilder {
             poll_interval: Duration::from_millis(1),
             chunk_budget_bytes: DEFAULT_CHUNK_BUDGET,
             tick_source: None,
+            decision: None,
             calibration: TscCalibratorConfig::default(),
             gpu_calibration: GpuCalibrationConfig::default(),
             live: None,
@@ -137,6 +137,14 @@ impl TimelineBuilder {
         self
     }
 
+    /// Test hook: start with this tick-source decision instead of the process's (a decider with injected
+    /// faults, say), as if the process had made it.
+    #[doc(hidden)]
+    pub fn tick_source_decision(mut self, decision: TickSourceDecision) -> Self {
+        self.decision = Some(decision);
+        self
+    }
+
     /// How the CPU clock is calibrated (burst size and interval, history).
     pub fn calibration(mut self, config: TscCalibratorConfig) -> Self {
         self.calibration = config;
@@ -189,22 +197,14 @@ impl TimelineBuilder {
 
     /// Checks the tick source, calibrates it, and starts the collector's threads.
     pub fn start(self) -> Result<Timeline, TicklineError> {
-        let (source, tsc_fallback_reason) = match self.tick_source {
-            Some(source) => (source, None),
-            None => match TickSource::hardware() {
-                Some(hw) => {
-                    let report = check_tsc_reliability(&ReliabilityOptions::quick());
-                    match report.decision {
-                        TscDecision::UseTsc => (hw, None),
-                        TscDecision::FallBack { reason } => (TickSource::Monotonic, Some(reason)),
-                    }
-                }
-                None => (
-                    TickSource::Monotonic,
-                    Some("no hardware tick counter on this architecture".into()),
-                ),
-            },
+        // The process's decision, made once (a short check now, a fuller one in the background) and reused
+        // by every later start; a running timeline never switches source.
+        let decision = match (self.tick_source, self.decision) {
+            (Some(source), _) => TickSourceDecision::forced(source),
+            (None, Some(decision)) => decision,
+            (None, None) => TscDecider::process().decide(),
         };
+        let (source, tsc_fallback_reason) = (decision.source, decision.fallback_reason.clone());
         let calibrator = TscCalibrator::new(source, self.calibration)?;
         let capture = match &self.raw_capture {
             Some(path) => Some(CaptureWriter::create(path).map_err(|e| TicklineError::Export(ExportError::Io(e)))?),
@@ -232,6 +232,7 @@ impl TimelineBuilder {
             cpu_history: self.calibration.history,
             exporters: self.exporters,
             capture,
+            decision: decision.clone(),
         };
         let collector =
             collector::spawn(&shared, control_rx, setup, stats.clone()).map_err(TicklineError::CollectorSpawn)?;
@@ -244,6 +245,7 @@ impl TimelineBuilder {
             stats,
             source,
             tsc_fallback_reason,
+            decision,
             live,
         })
     }
@@ -287,6 +289,7 @@ pub struct Timeline {
     stats: Arc<SharedStats>,
     source: TickSource,
     tsc_fallback_reason: Option<String>,
+    decision: TickSourceDecision,
     live: Option<&'static dyn LiveSink>,
 }
 
@@ -319,6 +322,12 @@ impl Timeline {
     /// Why the TSC is not used, when it is not.
     pub fn tsc_fallback_reason(&self) -> Option<&str> {
         self.tsc_fallback_reason.as_deref()
+    }
+
+    /// The tick-source decision this timeline started with (the trace carries it too, on the process track,
+    /// with any later finding of the background check).
+    pub fn tick_source_decision(&self) -> &TickSourceDecision {
+        &self.decision
     }
 
     /// Counters so far.

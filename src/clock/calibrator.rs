@@ -6,10 +6,13 @@
 //! one startup measurement (one-shot startup calibrations on this project's test VM were off by 100-260 ppm
 //! at times).
 
+use std::sync::Mutex;
 use std::time::Duration;
 
 use super::{bracketed_sample, monotonic_ns, FastConverter, Nanos, RawTicks, TickSource};
-use crate::calibration::{CalibrationError, CalibrationHistory, ClockDomain, Converted, HistoryConfig};
+use crate::calibration::{
+    CalibrationError, CalibrationHistory, CalibrationSample, ClockDomain, Converted, HistoryConfig,
+};
 
 /// How the CPU clock is sampled.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -21,6 +24,11 @@ pub struct TscCalibratorConfig {
     /// The history's filters and fit.
     pub history: HistoryConfig,
     /// How long the startup rate measurement spans (a baseline for the first fits; refined live afterwards).
+    ///
+    /// Measured once per process and counter: a later calibrator starts from the newest rate a calibrator of
+    /// this process fitted (the live fit, or the first baseline), as long as that rate's standard error is no
+    /// larger than [`HistoryConfig::nominal_rate_sigma_ppm`], so a second timeline starts without this wait.
+    /// `CLOCK_MONOTONIC` ([`TickSource::Monotonic`]) needs no baseline: its rate is 1 ns per tick by definition.
     pub startup_baseline: Duration,
 }
 
@@ -59,33 +67,52 @@ pub struct TscCalibrator {
     config: TscCalibratorConfig,
     history: CalibrationHistory,
     next_burst_ns: u64,
+    /// A calibrator started from a cached rate takes no burst before this (see [`TscCalibrator::burst`]).
+    quiet_until_ns: u64,
 }
 
 impl TscCalibrator {
-    /// Measures the counter's rate over `startup_baseline` and takes the first burst.
+    /// Measures the counter's rate over `startup_baseline` (the first time in a process; later calibrators of
+    /// the same counter start from the newest rate this process fitted) and takes the first burst.
     ///
     /// Fails only if the counter does not advance against `CLOCK_MONOTONIC` (a broken or virtualised-away
     /// counter), which the error says.
     pub fn new(source: TickSource, config: TscCalibratorConfig) -> Result<Self, CalibrationError> {
-        let burst = config.burst_samples.max(4);
-        let first = best_sample(source, burst);
-        std::thread::sleep(config.startup_baseline);
-        let second = best_sample(source, burst);
-        let ticks = second.source_ticks.wrapping_sub(first.source_ticks);
-        let ns = second.reference_ns.saturating_sub(first.reference_ns);
-        if ticks == 0 || ns == 0 || ticks > i64::MAX as u64 {
-            return Err(CalibrationError::DegenerateTicks);
-        }
-        let domain = ClockDomain::new(64, ns as f64 / ticks as f64)?;
+        let (ns_per_tick, baseline) = match (take_baseline(source), startup_rate(source, &config)) {
+            (Some(pair), _) => (pair_rate(&pair).ok_or(CalibrationError::DegenerateTicks)?, Some(pair)),
+            (None, Some(ns_per_tick)) => (ns_per_tick, None),
+            (None, None) => {
+                let burst = config.burst_samples.max(4);
+                let first = best_sample(source, burst);
+                std::thread::sleep(config.startup_baseline);
+                let second = best_sample(source, burst);
+                let pair = [first, second];
+                (pair_rate(&pair).ok_or(CalibrationError::DegenerateTicks)?, Some(pair))
+            }
+        };
+        let domain = ClockDomain::new(64, ns_per_tick)?;
         let mut history = CalibrationHistory::new(domain, config.history);
-        history.add_burst(&[first, second])?;
+        if let Some(pair) = baseline {
+            history.add_burst(&pair)?;
+        }
         let mut calibrator = TscCalibrator {
             source,
             config,
             history,
             next_burst_ns: 0,
+            quiet_until_ns: 0,
         };
         calibrator.burst()?;
+        if baseline.is_none() {
+            // Started from a known rate, without a baseline pair: the window must span the baseline before the
+            // rate can be fitted, and offset-only refits of bursts closer together than that only churn knots.
+            let span = config
+                .startup_baseline
+                .max(Duration::from_nanos(config.history.min_rate_span_ns))
+                + Duration::from_millis(1);
+            calibrator.quiet_until_ns = monotonic_ns().0 + span.as_nanos() as u64;
+            calibrator.next_burst_ns = calibrator.quiet_until_ns;
+        }
         Ok(calibrator)
     }
 
@@ -99,13 +126,23 @@ impl TscCalibrator {
         &self.history
     }
 
-    /// Takes one burst now, whatever the schedule says.
+    /// Takes one burst now, whatever the schedule says; except that a calibrator started from a cached rate
+    /// (no baseline of its own) takes none until `startup_baseline` has passed since its first burst, and
+    /// returns `Ok` without sampling: the window must span that long before its rate can be fitted.
     pub fn burst(&mut self) -> Result<(), CalibrationError> {
+        if monotonic_ns().0 < self.quiet_until_ns {
+            self.next_burst_ns = self.quiet_until_ns;
+            return Ok(());
+        }
         let samples: Vec<_> = (0..self.config.burst_samples.max(1))
             .map(|_| bracketed_sample(self.source, monotonic_ns))
             .collect();
         self.next_burst_ns = monotonic_ns().0 + self.config.interval.as_nanos() as u64;
-        self.history.add_burst(&samples)
+        self.history.add_burst(&samples)?;
+        if let Some(latest) = self.history.latest() {
+            remember_rate(self.source, latest.ns_per_tick(), latest.rate_sigma_ppm());
+        }
+        Ok(())
     }
 
     /// Takes a burst if one is due at `now`. Returns whether it did. Call this from a background thread on
@@ -134,8 +171,96 @@ impl TscCalibrator {
     }
 }
 
+/// The newest rate a calibrator of this process fitted for the hardware counter: `(ns per tick, standard error in
+/// ppm)`. One slot: a process has one hardware counter (`CLOCK_MONOTONIC` needs none).
+static HARDWARE_RATE: Mutex<Option<(f64, f64)>> = Mutex::new(None);
+
+/// A baseline pair measured alongside other start-up work ([`measure_rate_while`]), waiting for the first
+/// calibrator of the hardware counter.
+static HARDWARE_BASELINE: Mutex<Option<[CalibrationSample; 2]>> = Mutex::new(None);
+
+/// Where a new calibrator's rate comes from without a baseline: 1 ns per tick for `CLOCK_MONOTONIC`, the cached
+/// rate for the hardware counter when it is at least as good as the history assumes.
+fn startup_rate(source: TickSource, config: &TscCalibratorConfig) -> Option<f64> {
+    if source == TickSource::Monotonic {
+        return Some(1.0);
+    }
+    let cached = *HARDWARE_RATE.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    cached
+        .filter(|&(ns_per_tick, sigma_ppm)| {
+            ns_per_tick.is_finite() && ns_per_tick > 0.0 && sigma_ppm <= config.history.nominal_rate_sigma_ppm
+        })
+        .map(|(ns_per_tick, _)| ns_per_tick)
+}
+
+/// Runs `during` while measuring the hardware counter's rate over at least `baseline`: the measurement the first
+/// [`TscCalibrator::new`] of the process would otherwise make by sleeping, overlapped with other start-up work
+/// (the up-front reliability check). `wanted(&result)` says whether the counter will be used; if not, the rest
+/// of the baseline is not waited for. Does nothing beyond `during` when a rate is cached already.
+pub(crate) fn measure_rate_while<T>(
+    source: TickSource,
+    baseline: Duration,
+    during: impl FnOnce() -> T,
+    wanted: impl FnOnce(&T) -> bool,
+) -> T {
+    if source == TickSource::Monotonic || HARDWARE_RATE.lock().map_or(true, |rate| rate.is_some()) {
+        return during();
+    }
+    let burst = TscCalibratorConfig::default().burst_samples.max(4);
+    let first = best_sample(source, burst);
+    let started = std::time::Instant::now();
+    let result = during();
+    if !wanted(&result) {
+        return result;
+    }
+    std::thread::sleep(baseline.saturating_sub(started.elapsed()));
+    let second = best_sample(source, burst);
+    let ticks = second.source_ticks.wrapping_sub(first.source_ticks);
+    let ns = second.reference_ns.saturating_sub(first.reference_ns);
+    if ticks > 0 && ns > 0 && ticks <= i64::MAX as u64 {
+        // Each midpoint is off by at most its half-width: a bound, wider than the 1-sigma a fit states.
+        let bound_ppm = (first.max_deviation_ns + second.max_deviation_ns) as f64 / ns as f64 * 1e6;
+        let mut cached = HARDWARE_RATE.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if cached.is_none() {
+            *cached = Some((ns as f64 / ticks as f64, bound_ppm));
+            *HARDWARE_BASELINE
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some([first, second]);
+        }
+    }
+    result
+}
+
+/// The baseline pair [`measure_rate_while`] measured, for the next calibrator of the hardware counter, if it is
+/// still fresh (its second sample under a second old): that calibrator then starts exactly as if it had measured
+/// the pair itself. Taken once.
+fn take_baseline(source: TickSource) -> Option<[CalibrationSample; 2]> {
+    if source == TickSource::Monotonic {
+        return None;
+    }
+    let pair = HARDWARE_BASELINE
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+        .take()?;
+    (monotonic_ns().0.saturating_sub(pair[1].reference_ns) < 1_000_000_000).then_some(pair)
+}
+
+/// ns per tick between a baseline pair's samples; `None` if the counter did not advance.
+fn pair_rate(pair: &[CalibrationSample; 2]) -> Option<f64> {
+    let ticks = pair[1].source_ticks.wrapping_sub(pair[0].source_ticks);
+    let ns = pair[1].reference_ns.saturating_sub(pair[0].reference_ns);
+    (ticks > 0 && ns > 0 && ticks <= i64::MAX as u64).then(|| ns as f64 / ticks as f64)
+}
+
+/// Keeps a fitted rate for the next calibrator of `source`.
+fn remember_rate(source: TickSource, ns_per_tick: f64, sigma_ppm: f64) {
+    if source != TickSource::Monotonic && ns_per_tick.is_finite() && ns_per_tick > 0.0 && sigma_ppm.is_finite() {
+        *HARDWARE_RATE.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some((ns_per_tick, sigma_ppm));
+    }
+}
+
 /// The tightest of `n` bracketed samples.
-fn best_sample(source: TickSource, n: usize) -> crate::calibration::CalibrationSample {
+fn best_sample(source: TickSource, n: usize) -> CalibrationSample {
     (0..n)
         .map(|_| bracketed_sample(source, monotonic_ns))
         .min_by_key(|s| s.max_deviation_ns)
@@ -158,6 +283,55 @@ mod tests {
         let t = TickSource::Monotonic.read();
         let got = c.convert(t).unwrap();
         assert!(got.ns.abs_diff(t.0) < 1_000, "{got:?} vs {t:?}");
+    }
+
+    #[test]
+    fn a_rate_measured_alongside_is_reused() {
+        let Some(source) = TickSource::hardware() else {
+            eprintln!("skipped: no hardware tick counter on this architecture");
+            return;
+        };
+        // Whatever ran before in this test process may have cached a rate already; either way a cached rate
+        // must exist afterwards and a new calibrator must not sleep the baseline.
+        let value = measure_rate_while(source, Duration::from_millis(20), || 7, |_| true);
+        assert_eq!(value, 7);
+        let config = TscCalibratorConfig {
+            startup_baseline: Duration::from_secs(5),
+            ..TscCalibratorConfig::default()
+        };
+        let rate = startup_rate(source, &config).expect("a cached rate");
+        assert!(rate > 0.0 && rate < 10.0, "{rate} ns per tick");
+        let started = std::time::Instant::now();
+        let mut c = TscCalibrator::new(source, config).unwrap();
+        assert!(started.elapsed() < Duration::from_secs(1), "slept the 5 s baseline");
+        let s = bracketed_sample(source, monotonic_ns);
+        let got = c.convert(RawTicks(s.source_ticks)).unwrap();
+        assert!(
+            got.ns.abs_diff(s.reference_ns) < 50_000 + s.max_deviation_ns,
+            "{got:?} vs {s:?}"
+        );
+        // CLOCK_MONOTONIC never needs a baseline.
+        assert_eq!(startup_rate(TickSource::Monotonic, &config), Some(1.0));
+    }
+
+    #[test]
+    fn a_calibrator_from_a_cached_rate_waits_for_a_baseline_span_before_fitting() {
+        // CLOCK_MONOTONIC always starts from its known rate, without a baseline pair.
+        let mut c = TscCalibrator::new(TickSource::Monotonic, TscCalibratorConfig::default()).unwrap();
+        let bursts = c.history().stats().bursts;
+        c.burst().unwrap();
+        assert_eq!(
+            c.history().stats().bursts,
+            bursts,
+            "a burst inside the baseline span was taken"
+        );
+        assert!(!c.poll(monotonic_ns()).unwrap());
+        std::thread::sleep(Duration::from_millis(25));
+        assert!(
+            c.poll(monotonic_ns()).unwrap(),
+            "the burst after the baseline span is due"
+        );
+        assert_eq!(c.history().stats().bursts, bursts + 1);
     }
 
     #[test]

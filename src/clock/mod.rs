@@ -2,19 +2,28 @@
 //!
 //! Reading a tick does no conversion: [`read_ticks`] returns the raw counter as [`RawTicks`]. Turning ticks
 //! into nanoseconds is the calibration's job ([`crate::calibration`]), done later, off the hot path.
+//!
+//! Which counter a timeline reads is decided once per process ([`TscDecider`], `decision.rs`) from the
+//! reliability check (`reliability/`); `independent.rs` checks the TSC against a clock that does not depend on
+//! it, where the machine has one.
 
 #[cfg(target_arch = "aarch64")]
 mod aarch64;
 mod calibrator;
+mod decision;
 mod fast;
+mod independent;
 mod reliability;
 #[cfg(target_arch = "x86_64")]
 mod x86_64;
 
 pub use calibrator::{TscCalibrator, TscCalibratorConfig};
+pub use decision::{source_name, DeciderOptions, DecisionFigures, DecisionStage, TickSourceDecision, TscDecider};
 pub use fast::FastConverter;
+pub use independent::{check_independent_reference, IndependentCheck, IndependentRate, ReferenceClock};
 pub use reliability::{
-    check_tsc_reliability, CpuRate, CpuShift, ReliabilityOptions, SkippedCpu, TscDecision, TscReport,
+    check_tsc_reliability, CheckVerdict, CpuRate, CpuShift, InjectedPreemption, PassSummary, ProbeFaults, ProbePhase,
+    ReliabilityOptions, SkippedCpu, TscCheck, TscDecision, TscReport, Verdict,
 };
 
 /// A raw reading of the CPU tick counter (TSC, `cntvct_el0` or, as a fallback, `CLOCK_MONOTONIC` ns).

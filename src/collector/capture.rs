@@ -29,6 +29,7 @@
 //! | 12 | GPU read failed | device u16 |
 //! | 13 | pass end | drain ns u64, drain ticks u64, buffered bytes u64 |
 //! | 14 | end | (empty): the capture was finished cleanly |
+//! | 15 | CPU clock note | fallback u8, doubt u8, text str: the tick-source decision in words |
 //!
 //! The records inside chunks are the ring format of [`crate::codec`]. A reader stops at the first frame that
 //! is cut short or fails its check, so a file cut at any byte (a killed process) converts up to its last
@@ -68,6 +69,7 @@ mod frame {
     pub(super) const GPU_READ_FAILED: u8 = 12;
     pub(super) const PASS_END: u8 = 13;
     pub(super) const END: u8 = 14;
+    pub(super) const CPU_CLOCK_NOTE: u8 = 15;
 }
 
 fn fnv1a(parts: &[&[u8]]) -> u64 {
@@ -205,6 +207,11 @@ impl CaptureWriter {
             }),
             Input::ThreadEnd { ring } => self.emit(frame::THREAD_END, |b| b.extend_from_slice(&ring.to_le_bytes())),
             Input::CpuCalibration(samples) => self.emit(frame::CPU_CALIBRATION, |b| put_samples(b, samples)),
+            Input::CpuClockNote { fallback, doubt, text } => self.emit(frame::CPU_CLOCK_NOTE, |b| {
+                b.push(*fallback as u8);
+                b.push(*doubt as u8);
+                put_str(b, text);
+            }),
             Input::Gpu(gpu) => self.write_gpu(gpu),
             Input::PassEnd {
                 drain_ns,
@@ -606,6 +613,11 @@ impl<R: Read> CaptureReader<R> {
             }
             frame::THREAD_END => Frame::Input(Input::ThreadEnd { ring: p.u32()? }),
             frame::CPU_CALIBRATION => Frame::Input(Input::CpuCalibration(p.samples()?)),
+            frame::CPU_CLOCK_NOTE => Frame::Input(Input::CpuClockNote {
+                fallback: p.u8()? != 0,
+                doubt: p.u8()? != 0,
+                text: p.str()?,
+            }),
             frame::GPU_DEVICE => {
                 let device = p.u16()?;
                 let name = p.str()?;
@@ -762,6 +774,11 @@ mod tests {
                 ],
             }),
             Input::CpuCalibration(vec![sample(1), sample(2)]),
+            Input::CpuClockNote {
+                fallback: true,
+                doubt: false,
+                text: "CLOCK_MONOTONIC: the TSC ...".into(),
+            },
             Input::Gpu(GpuInput::Device {
                 device: 3,
                 info: GpuDeviceInfo {

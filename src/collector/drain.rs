@@ -87,6 +87,8 @@ pub(crate) struct Drain {
     /// Drop totals (records, slices) of rings whose threads ended.
     dropped_of_ended: (u64, u64),
     shared: Arc<Shared>,
+    /// The tick-source decision's revision last reported (the background check may revise it).
+    decision_revision: u64,
     /// Inputs of the pass being assembled: registrations first, then chunks, then the rest.
     registrations: Vec<Input>,
     chunks: Vec<Input>,
@@ -103,13 +105,22 @@ impl Drain {
     pub(crate) fn new(
         config: DrainConfig,
         shared: Arc<Shared>,
-        control: Receiver<Control>,
-        out: Sender<Input>,
-        budget: Arc<Budget>,
-        pool: Arc<ChunkPool>,
-        stats: Arc<SharedStats>,
+        (control, out): (Receiver<Control>, Sender<Input>),
+        (budget, pool, stats): (Arc<Budget>, Arc<ChunkPool>, Arc<SharedStats>),
+        decision: crate::clock::TickSourceDecision,
     ) -> Self {
+        let mut tail = Vec::new();
+        tail.push(Input::CpuClockNote {
+            fallback: decision.is_fallback(),
+            doubt: false,
+            text: clock_note(&decision),
+        });
         Drain {
+            decision_revision: if decision.forced {
+                u64::MAX
+            } else {
+                crate::clock::TscDecider::process().revision()
+            },
             source: shared.source,
             shared,
             dropped_of_ended: (0, 0),
@@ -124,7 +135,32 @@ impl Drain {
             stats,
             registrations: Vec::new(),
             chunks: Vec::new(),
-            tail: Vec::new(),
+            tail,
+        }
+    }
+
+    /// A later finding of the process's background clock check, for this timeline's trace.
+    fn clock_revision(&mut self) {
+        if self.decision_revision == u64::MAX {
+            return;
+        }
+        let decider = crate::clock::TscDecider::process();
+        let revision = decider.revision();
+        if revision == self.decision_revision {
+            return;
+        }
+        self.decision_revision = revision;
+        if let Some(decision) = decider.current() {
+            let note = decision.note_for_timeline(self.source);
+            let mut text = clock_note(&decision);
+            if let Some(note) = &note {
+                text = format!("{note}; {text}");
+            }
+            self.tail.push(Input::CpuClockNote {
+                fallback: self.source == crate::clock::TickSource::Monotonic && decision.hardware.is_some(),
+                doubt: note.is_some(),
+                text,
+            });
         }
     }
 
@@ -256,6 +292,7 @@ impl Drain {
                 .sum::<u64>();
         self.stats.dropped_records.store(dropped, Ordering::Relaxed);
         self.stats.dropped_slices.store(slices, Ordering::Relaxed);
+        self.clock_revision();
         let now_ns = monotonic_ns().0;
         if force || now_ns >= self.next_cpu_burst_ns {
             self.next_cpu_burst_ns = now_ns + self.config.cpu_burst_interval.as_nanos() as u64;
@@ -360,6 +397,20 @@ fn drain_ring(ring: &mut LiveRing, pool: &ChunkPool, source: TickSource, out: &m
     taken
 }
 
+/// The decision in words for the trace: its summary, its figures, its warnings.
+fn clock_note(decision: &crate::clock::TickSourceDecision) -> String {
+    let mut text = decision.summary();
+    if let Some(figures) = decision.figures_line() {
+        text.push_str("; ");
+        text.push_str(&figures);
+    }
+    for warning in &decision.warnings {
+        text.push_str("; warning: ");
+        text.push_str(warning);
+    }
+    text
+}
+
 /// A burst of bracketed CPU clock samples against CLOCK_MONOTONIC.
 pub(crate) fn cpu_burst(source: TickSource, samples: usize) -> Vec<CalibrationSample> {
     (0..samples.max(1))
@@ -416,11 +467,13 @@ mod tests {
         let drain = Drain::new(
             config,
             shared.clone(),
-            control,
-            tx,
-            Arc::new(Budget::default()),
-            Arc::new(ChunkPool::new(4)),
-            Arc::new(SharedStats::default()),
+            (control, tx),
+            (
+                Arc::new(Budget::default()),
+                Arc::new(ChunkPool::new(4)),
+                Arc::new(SharedStats::default()),
+            ),
+            crate::clock::TickSourceDecision::forced(TickSource::Monotonic),
         );
         (drain, rx)
     }
@@ -465,7 +518,14 @@ mod tests {
             .collect();
         assert_eq!(
             kinds,
-            ["Thread", "CpuCalibration", "PassEnd", "Chunk", "PassEnd"],
+            [
+                "Thread",
+                "CpuClockNote",
+                "CpuCalibration",
+                "PassEnd",
+                "Chunk",
+                "PassEnd"
+            ],
             "registrations first; a ring is drained from the pass after it registered"
         );
         assert_eq!(drain.stats.records.load(Ordering::Relaxed), group.len() as u64 + 1);

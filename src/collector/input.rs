@@ -182,6 +182,14 @@ pub(crate) enum Input {
     },
     /// A burst of CPU calibration samples (ticks of the timeline's tick source against CLOCK_MONOTONIC).
     CpuCalibration(Vec<CalibrationSample>),
+    /// What the process's tick-source decision says about this timeline's CPU clock: at start, and again when
+    /// the background check changes its mind. `fallback`: the timeline records CLOCK_MONOTONIC instead of the
+    /// hardware counter; `doubt`: the hardware counter in use was found unreliable after the start.
+    CpuClockNote {
+        fallback: bool,
+        doubt: bool,
+        text: String,
+    },
     Gpu(GpuInput),
     /// A drain pass ended at `drain_ns` (reference ns; `drain_ticks` in CPU ticks). `buffered_bytes`: chunk
     /// memory in flight towards the processing stage at that moment.

@@ -51,6 +51,8 @@ pub(crate) struct CollectorSetup {
     pub(crate) cpu_history: HistoryConfig,
     pub(crate) exporters: Vec<Box<dyn Exporter>>,
     pub(crate) capture: Option<CaptureWriter>,
+    /// The CPU tick-source decision the timeline started with.
+    pub(crate) decision: crate::clock::TickSourceDecision,
 }
 
 /// The collector's two threads.
@@ -94,7 +96,13 @@ pub(crate) fn spawn(
             .name("tickline-collector".into())
             .spawn(move || run_processing(rx, processor, capture, &budget, &pool, &stats, &shared))?
     };
-    let drain = Drain::new(setup.drain, shared.clone(), control, tx, budget, pool, stats);
+    let drain = Drain::new(
+        setup.drain,
+        shared.clone(),
+        (control, tx),
+        (budget, pool, stats),
+        setup.decision,
+    );
     let drain = std::thread::Builder::new()
         .name("tickline-drain".into())
         .spawn(move || drain.run())?;

@@ -162,6 +162,19 @@ impl Output {
         self.batch.events.last_mut().expect("just pushed")
     }
 
+    /// Adds a fact about `track` (no event).
+    pub(crate) fn push_metadata(&mut self, ts_ns: u64, track: TrackId, name: NameId, fields: &[Field]) {
+        let start = self.batch.fields.len() as u32;
+        self.batch.fields.extend_from_slice(fields);
+        let end = self.batch.fields.len() as u32;
+        self.batch.metadata.push(crate::export::TrackMetadata {
+            track,
+            ts_ns,
+            name,
+            fields: start..end,
+        });
+    }
+
     /// Appends a GPU slice event (a flow ends at its begin).
     pub(crate) fn push_gpu_event(
         &mut self,

@@ -162,6 +162,10 @@ struct OwnNames {
     truncated: NameId,
     fields_truncated: NameId,
     dropped_inside: NameId,
+    clock: NameId,
+    clock_decision: NameId,
+    clock_fallback: NameId,
+    clock_doubt: NameId,
 }
 
 /// Counter tracks of the timeline's own state.
@@ -171,6 +175,9 @@ struct OwnTracks {
     buffered: TrackId,
     cpu_drift: TrackId,
     cpu_error: TrackId,
+    /// 0: the hardware counter; 1: CLOCK_MONOTONIC instead (a fallback); 2: the hardware counter, found
+    /// unreliable after the start.
+    cpu_clock: TrackId,
 }
 
 /// Counts that end up in [`crate::TimelineStats`].
@@ -217,6 +224,8 @@ pub(crate) struct Processor {
     dropped_of_ended: u64,
     hold_limit_ns: u64,
     finished: bool,
+    /// The newest CPU clock note not exported yet: `(fallback, doubt, text)`.
+    clock_note: Option<(bool, bool, String)>,
 }
 
 /// What happened to a record.
@@ -242,6 +251,10 @@ impl Processor {
             truncated: out.intern("tickline.truncated"),
             fields_truncated: out.intern("tickline.fields_truncated"),
             dropped_inside: out.intern("tickline.dropped_inside"),
+            clock: out.intern("tickline: CPU clock"),
+            clock_decision: out.intern("decision"),
+            clock_fallback: out.intern("fallback"),
+            clock_doubt: out.intern("doubt"),
         };
         let tracks = OwnTracks {
             dropped: out.new_counter_track("tickline dropped records", "records"),
@@ -249,6 +262,7 @@ impl Processor {
             buffered: out.new_counter_track("tickline buffered records", "bytes"),
             cpu_drift: out.new_counter_track("tickline TSC drift", "ppm"),
             cpu_error: out.new_counter_track("tickline TSC error bound", "ns"),
+            cpu_clock: out.new_counter_track("tickline CPU clock fallback", ""),
         };
         Processor {
             out,
@@ -274,6 +288,7 @@ impl Processor {
             dropped_of_ended: 0,
             hold_limit_ns: HOLD_LIMIT_NS,
             finished: false,
+            clock_note: None,
         }
     }
 
@@ -320,6 +335,7 @@ impl Processor {
                 }
             }
             Input::CpuCalibration(samples) => self.cpu_burst(&samples),
+            Input::CpuClockNote { fallback, doubt, text } => self.clock_note = Some((fallback, doubt, text)),
             Input::Gpu(gpu) => self.gpu.input(&mut self.out, gpu),
             Input::PassEnd {
                 drain_ns,
@@ -991,6 +1007,33 @@ impl Processor {
     /// Counter tracks of the timeline's own state, and the stats.
     fn report(&mut self, drain_ns: u64) {
         let value = self.out.value_name();
+        if let Some((fallback, doubt, text)) = self.clock_note.take() {
+            // The CPU clock decision, on the process track, loud: what the timeline records and why.
+            let fields = vec![
+                Field {
+                    name: self.names.clock_decision,
+                    value: FieldValue::Str(text),
+                },
+                Field {
+                    name: self.names.clock_fallback,
+                    value: FieldValue::Bool(fallback),
+                },
+                Field {
+                    name: self.names.clock_doubt,
+                    value: FieldValue::Bool(doubt),
+                },
+            ];
+            let process = self.out.process_track();
+            self.out.push_metadata(drain_ns, process, self.names.clock, &fields);
+            let level = if fallback {
+                1.0
+            } else if doubt {
+                2.0
+            } else {
+                0.0
+            };
+            self.out.push_counter(self.tracks.cpu_clock, drain_ns, value, level);
+        }
         let dropped = self.dropped_of_ended
             + self
                 .active

@@ -483,3 +483,68 @@ fn spans_without_field_values_are_named_and_take_later_values() {
     assert_eq!(stats.unknown_spans, 0, "{stats:?}");
     assert_eq!(stats.dropped_records, 0, "{stats:?}");
 }
+
+#[test]
+fn a_timeline_that_falls_back_to_clock_monotonic_says_so_in_its_trace() {
+    use tickline::{DeciderOptions, ProbeFaults, ReliabilityOptions, TscDecider};
+    let _x = exclusive();
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if cpus < 2 || tickline::TickSource::hardware().is_none() {
+        eprintln!("SKIP: a shifted TSC needs two CPUs and a hardware counter");
+        return;
+    }
+    // A truly unusable TSC, simulated: CPU 1 reads far ahead of CPU 0.
+    let faults = ProbeFaults {
+        preempt: None,
+        shifted_cpu: Some((1, 520_000)),
+    };
+    let decider = TscDecider::new(DeciderOptions {
+        up_front: ReliabilityOptions {
+            faults: faults.clone(),
+            ..ReliabilityOptions::up_front()
+        },
+        full: ReliabilityOptions {
+            faults,
+            attempts: 3,
+            ..ReliabilityOptions::quick()
+        },
+        background: false,
+    });
+    let decision = decider.wait_final(std::time::Duration::from_secs(20));
+    if decision.source != tickline::TickSource::Monotonic {
+        eprintln!("SKIP: the pinned probes could not run on two CPUs here: {decision}");
+        return;
+    }
+    let memory = MemoryExporter::default();
+    let timeline = Timeline::builder()
+        .tick_source_decision(decision.clone())
+        .exporter(memory.clone())
+        .start()
+        .unwrap();
+    assert_eq!(timeline.tick_source(), tickline::TickSource::Monotonic);
+    let reason = timeline.tsc_fallback_reason().expect("a reason").to_owned();
+    drop(tickline::scope!("work"));
+    timeline.shutdown().unwrap();
+    let trace = memory.snapshot();
+    let note = trace
+        .metadata
+        .iter()
+        .find(|m| m.name == "tickline: CPU clock")
+        .expect("the decision on the process track");
+    assert!(matches!(
+        trace.track(note.track).map(|t| &t.kind),
+        Some(TrackKind::Process { .. })
+    ));
+    assert_eq!(note.field("fallback"), Some(&FieldValue::Bool(true)));
+    let Some(FieldValue::Str(text)) = note.field("decision") else {
+        panic!("{note:?}")
+    };
+    assert!(text.contains(&reason), "{text} / {reason}");
+    let counter = trace
+        .tracks
+        .iter()
+        .find(|t| matches!(&t.kind, TrackKind::Counter { name, .. } if name == "tickline CPU clock fallback"))
+        .unwrap()
+        .id;
+    assert!(trace.events_on(counter).any(|e| e.kind == EventKind::Counter(1.0)));
+}

@@ -503,6 +503,19 @@ impl<W: Write + Send> Exporter for PerfettoExporter<W> {
                 self.write_out()?;
             }
         }
+        // Facts about tracks (the CPU clock decision on the process track): an instant carrying them.
+        for m in &batch.metadata {
+            let event = Event {
+                ts_ns: m.ts_ns,
+                track: m.track,
+                kind: EventKind::Instant,
+                name: m.name,
+                fields: m.fields.clone(),
+                flow_out: None,
+                flow_in: None,
+            };
+            self.write_event(batch, &event);
+        }
         Ok(())
     }
 
