@@ -375,6 +375,41 @@ impl<B: GpuBackend> GpuQueue<B> {
     pub fn index(&self) -> u16 {
         self.queue
     }
+
+    /// Opens a scope whose timestamps the caller writes, for APIs that cannot go through
+    /// [`GpuBackend::write_timestamp`]: wgpu's encoders and passes record through `&mut`, and a pass's
+    /// boundary timestamps are written by the pass itself. Takes a free pair, calls `write_begin(pair)`, and
+    /// pushes the scope's begin record, as [`GpuScope::begin`] does; `None` (counted as starved and dropped)
+    /// when no pair is free. The caller writes slots `2 * pair` (begin) and `2 * pair + 1` (end).
+    #[cfg_attr(not(feature = "wgpu"), allow(dead_code))]
+    #[inline]
+    pub(crate) fn begin_external(
+        &self,
+        callsite: &'static Callsite,
+        fields: Option<&dyn Fn(&mut GpuFieldEncoder<'_>)>,
+        write_begin: impl FnOnce(u32),
+    ) -> Option<u32> {
+        let shared = &*self.shared;
+        let Some(pair) = shared.free_pairs.pop() else {
+            shared.starved.fetch_add(1, Ordering::Relaxed);
+            crate::recorder::count_drop(&shared.timeline);
+            return None;
+        };
+        write_begin(pair);
+        let key = scope_key(shared.device, self.queue, pair);
+        let encode = fields.map(|f| {
+            move |buf: &mut Vec<u8>| {
+                f(&mut GpuFieldEncoder {
+                    inner: FieldEncoder { buf },
+                })
+            }
+        });
+        if !record_gpu_begin(&shared.timeline, callsite.addr(), key, encode) {
+            // As in `GpuScope::begin`: the timestamps are still written, the collector recycles the pair.
+            let _ = shared.orphans.push(pair);
+        }
+        Some(pair)
+    }
 }
 
 /// The key a scope's record carries: device, queue and timestamp pair.
