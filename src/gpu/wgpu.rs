@@ -466,7 +466,7 @@ impl WgpuGpu {
     /// ```no_run
     /// # #[allow(dead_code)]
     /// # fn demo<A: tickline::gpu::wgpu::hal::Api>(device: &A::Device, queue: &A::Queue) {
-    /// use tickline::gpu::vulkan::{wgpu::WgpuGpu, VulkanOptions};
+    /// use tickline::gpu::{vulkan::VulkanOptions, wgpu::WgpuGpu};
     /// // SAFETY: the handles outlive the backend; see `WgpuGpu::new`.
     /// match unsafe { WgpuGpu::from_hal::<A>(device, queue, VulkanOptions::default()) } {
     ///     Ok(backend) => println!("{:?}", backend.vulkan().calibration_path()),

@@ -245,8 +245,8 @@ impl WgpuProfiler {
     /// let mut encoder = device.create_command_encoder(&Default::default());
     /// {
     ///     let mut frame = profiler.scope("frame", &mut encoder);
-    ///     let mut simulate = frame.scoped_compute_pass("simulate");
-    ///     // ... simulate.set_pipeline(..); simulate.dispatch_workgroups(..) ...
+    ///     let _simulate = frame.scoped_compute_pass("simulate");
+    ///     // ... _simulate.set_pipeline(..); _simulate.dispatch_workgroups(..) ...
     /// }
     /// profiler.resolve_queries(&mut encoder);
     /// # }
