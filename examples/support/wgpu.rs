@@ -317,10 +317,10 @@ pub const TARGET: u32 = 256;
 /// One frame of GPU work: a compute pass over a storage buffer, then a render pass drawing a full-screen triangle
 /// into an offscreen texture.
 pub struct FrameWork {
-    compute: wgpu::ComputePipeline,
-    bind_group: wgpu::BindGroup,
-    render: wgpu::RenderPipeline,
-    target: wgpu::TextureView,
+    pub compute: wgpu::ComputePipeline,
+    pub bind_group: wgpu::BindGroup,
+    pub render: wgpu::RenderPipeline,
+    pub target: wgpu::TextureView,
 }
 
 /// GPU scopes per profiled frame: "frame" > "simulate" > "dispatch", "draw" > "triangle" (the inner two where the
@@ -401,7 +401,8 @@ impl FrameWork {
         }
     }
 
-    fn attachment(&self) -> wgpu::RenderPassColorAttachment<'_> {
+    /// The render pass's color attachment: the offscreen target, cleared.
+    pub fn attachment(&self) -> wgpu::RenderPassColorAttachment<'_> {
         wgpu::RenderPassColorAttachment {
             view: &self.target,
             depth_slice: None,
