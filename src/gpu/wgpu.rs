@@ -59,7 +59,7 @@
 //! ## Read-back without stalling
 //!
 //! Query sets (4096 timestamps each) are pooled for the profiler's life; a pair returns to the pool once the
-//! collector has read it. [`resolve_queries`](WgpuProfiler::resolve_queries) resolves the frame's pairs into a
+//! collector has converted its slice. [`resolve_queries`](WgpuProfiler::resolve_queries) resolves the frame's pairs into a
 //! pooled read-back buffer and asks wgpu to map it when the command buffer is submitted
 //! (`CommandEncoder::map_buffer_on_submit`); the collector thread polls the device without blocking
 //! (`Device::poll(PollType::Poll)`, at most every 200 µs) and copies out what was mapped. Nothing ever waits on

@@ -109,9 +109,9 @@ pub(super) fn vulkan_route(device: &wgpu::Device) -> Option<VulkanRoute> {
              tickline::gpu::wgpu::request_device to have them where offered)"
                 .to_owned(),
         ),
-        // SAFETY: the handles come from one live hal device (held by the guard, and afterwards by the
-        // profiler's `wgpu::Device`), and the extension is enabled on it.
         Some(extension) => {
+            // SAFETY: the handles come from one live hal device (held by the guard, and afterwards by the
+            // profiler's `wgpu::Device`, which the backend owning the clock holds), with the extension enabled.
             unsafe { VulkanClock::new(entry, instance, physical, hal_device.raw_device(), extension, mask) }
                 .map(|clock| (clock, extension))
         }
