@@ -9,8 +9,9 @@
 //!   running its collector (no exporter).
 //! - `wgpu_profiler`: the same five scopes with wgpu-profiler, plus its `process_finished_frame` each frame.
 //!
-//! Group `wgpu_frame_record`: recording alone (encoder creation, passes, scopes, resolve; no submit), the CPU side
-//! of the same three.
+//! Group `wgpu_frame_record`: the application thread's CPU per frame, without the submit and the wait: encoder
+//! creation, passes, scopes, resolve, `finish`, `end_frame`, and for wgpu-profiler `process_finished_frame` (its
+//! results are read on the application's thread; tickline's on the collector's).
 //!
 //! Both profilers with debug groups off. Without a Vulkan adapter with timestamps inside encoders and passes it
 //! prints `SKIP` and exits.
@@ -138,8 +139,9 @@ fn main() {
     group.bench_function("wgpu_profiler", |b| b.iter(|| peer_frame(&mut peer)));
     group.finish();
 
-    // Recording alone, timed up to `finish`; each frame is then submitted and waited for, untimed, so tickline's
-    // pairs return and wgpu-profiler's frames complete.
+    // The application thread's CPU per frame: recording up to `finish`, then `end_frame` after the (untimed)
+    // submit, and for wgpu-profiler `process_finished_frame` after the (untimed) wait: the results a wgpu-profiler
+    // user reads on their own thread, and tickline's collector reads on its thread.
     let mut group = c.benchmark_group("wgpu_frame_record");
     group.bench_function("untimed", |b| {
         b.iter_custom(|iters| {
@@ -167,7 +169,9 @@ fn main() {
                 let commands = encoder.finish();
                 total += start.elapsed();
                 queue.submit([commands]);
+                let start = Instant::now();
                 profiler.end_frame().unwrap();
+                total += start.elapsed();
                 setup.wait().unwrap();
             }
             total
@@ -183,9 +187,14 @@ fn main() {
                 let commands = encoder.finish();
                 total += start.elapsed();
                 queue.submit([commands]);
+                let start = Instant::now();
                 peer.end_frame().unwrap();
+                total += start.elapsed();
                 setup.wait().unwrap();
-                peer.process_finished_frame(queue.get_timestamp_period());
+                let start = Instant::now();
+                let results = peer.process_finished_frame(queue.get_timestamp_period());
+                total += start.elapsed();
+                assert!(results.is_some());
             }
             total
         })

@@ -107,6 +107,8 @@ pub struct WgpuProfilerStats {
     /// Pairs given up after 4 such read-backs: their scopes' commands never ran (the timeline counts them as
     /// lost once its `lost_after` passes).
     pub unreadable_pairs: u64,
+    /// The collector's `Device::poll` calls that failed (a lost device: its scopes are lost).
+    pub failed_polls: u64,
 }
 
 /// What a scope wrote when it opened, so that its end writes the rest.
@@ -452,6 +454,7 @@ impl WgpuProfiler {
             deferred_resolves: counters.deferred_resolves.load(Ordering::Relaxed),
             retried_pairs: counters.retried_pairs.load(Ordering::Relaxed),
             unreadable_pairs: counters.unreadable_pairs.load(Ordering::Relaxed),
+            failed_polls: counters.failed_polls.load(Ordering::Relaxed),
         }
     }
 

@@ -293,14 +293,28 @@ impl WgpuQueries {
         count
     }
 
-    /// Polls the device without blocking (at most every `POLL_GAP_NS`), then takes in what was mapped.
+    /// Takes in what was mapped; while a read-back is still waiting for its mapping, polls the device without
+    /// blocking (at most every `POLL_GAP_NS`: wgpu-core's `maintain` takes locks the application's recording
+    /// and submits take too) and takes in again.
     fn pump(&self) {
+        let waiting = {
+            let mut readback = lock(&self.readback);
+            self.harvest(&mut readback);
+            // Acquire: as in `harvest`.
+            readback
+                .in_flight
+                .iter()
+                .any(|s| s.state.load(Ordering::Acquire) == WAITING)
+        };
         let now = monotonic_ns().0;
-        if now.saturating_sub(self.last_poll_ns.load(Ordering::Relaxed)) >= POLL_GAP_NS {
-            self.last_poll_ns.store(now, Ordering::Relaxed);
-            if self.device.poll(wgpu::PollType::Poll).is_err() {
-                self.counters.failed_polls.fetch_add(1, Ordering::Relaxed);
-            }
+        if !waiting || now.saturating_sub(self.last_poll_ns.load(Ordering::Relaxed)) < POLL_GAP_NS {
+            return;
+        }
+        self.last_poll_ns.store(now, Ordering::Relaxed);
+        // Outside the read-back lock: `resolve_queries` never waits for a poll. The mapping callbacks only store
+        // an atomic.
+        if self.device.poll(wgpu::PollType::Poll).is_err() {
+            self.counters.failed_polls.fetch_add(1, Ordering::Relaxed);
         }
         let mut readback = lock(&self.readback);
         self.harvest(&mut readback);
