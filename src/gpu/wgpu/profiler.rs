@@ -22,7 +22,7 @@ use crate::{TicklineError, Timeline};
 ///     enable_debug_groups: false,
 ///     ..WgpuProfilerSettings::default()
 /// };
-/// assert_eq!((settings.max_num_pending_frames, settings.timestamp_slots), (3, 16384));
+/// assert_eq!((settings.max_num_pending_frames, settings.timestamp_slots), (3, 65536));
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WgpuProfilerSettings {
@@ -38,10 +38,11 @@ pub struct WgpuProfilerSettings {
     /// ([`WgpuProfilerStats::deferred_resolves`]).
     pub max_num_pending_frames: usize,
     /// Timestamp queries (even, 2 ..= 1 Mi; wgpu query sets of 4096 each): every scope holds two from when it
-    /// opens until the collector has converted its slice, which waits for the device clock's next calibration
-    /// point (a burst every 250 ms by default, [`GpuCalibrationConfig`](crate::gpu::GpuCalibrationConfig)). So
-    /// this bounds the scopes per calibration period: the default, 16384, holds 8192 scopes, 250 ms of 32 scopes a
-    /// frame at 1000 frames/s. A scope that finds none free is not recorded and is counted
+    /// opens until the collector has converted its slice, which waits until a calibration point of the device
+    /// clock lies after the slice: with the default [`GpuCalibrationConfig`](crate::gpu::GpuCalibrationConfig)
+    /// (a window of 16 bursts 250 ms apart, its knot at the middle) about 2 s. So this bounds the scopes per 2 s:
+    /// the default, 65536, holds 32768 scopes (2 s of 16 k scopes/s; about 3 MiB of host memory and 512 KiB of
+    /// query sets). A scope that finds none free is not recorded and is counted
     /// ([`WgpuProfilerStats::starved_scopes`]).
     pub timestamp_slots: u32,
     /// The name of the queue's track in the trace.
@@ -49,13 +50,13 @@ pub struct WgpuProfilerSettings {
 }
 
 impl Default for WgpuProfilerSettings {
-    /// Timer queries and debug groups on, 3 read-backs in flight, 16384 timestamps, the track "wgpu queue".
+    /// Timer queries and debug groups on, 3 read-backs in flight, 65536 timestamps, the track "wgpu queue".
     fn default() -> Self {
         WgpuProfilerSettings {
             enable_timer_queries: true,
             enable_debug_groups: true,
             max_num_pending_frames: 3,
-            timestamp_slots: 16384,
+            timestamp_slots: 65536,
             queue_name: "wgpu queue".to_owned(),
         }
     }
