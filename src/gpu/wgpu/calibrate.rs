@@ -426,18 +426,25 @@ pub(super) fn choose(
         Some(Err(reason)) => reason,
         Some(Ok((clock, extension))) => {
             let mut bracket = Vec::with_capacity(2);
-            clock.calibrate(1, Duration::from_secs(1), &mut bracket)?;
+            let first = clock.calibrate(1, Duration::from_secs(1), &mut bracket);
             let probed = trial(&mut probe)?;
-            clock.calibrate(1, Duration::from_secs(1), &mut bracket)?;
-            let (before, after) = (bracket[0].source_ticks, bracket[1].source_ticks);
-            if (before..=after).contains(&probed.source_ticks) {
-                return Ok((Calibrator::Vulkan(clock), CalibrationPath::Extension(extension)));
+            let second = clock.calibrate(1, Duration::from_secs(1), &mut bracket);
+            match (first.and(second), &bracket[..]) {
+                (Ok(()), [before, after]) => {
+                    let (before, after) = (before.source_ticks, after.source_ticks);
+                    if (before..=after).contains(&probed.source_ticks) {
+                        return Ok((Calibrator::Vulkan(clock), CalibrationPath::Extension(extension)));
+                    }
+                    format!(
+                        "wgpu resolved a timestamp ({}) outside the extension's device clock reads around it \
+                         ({before}..{after}): resolved timestamps are rescaled \
+                         (InstanceFlags::AUTOMATIC_TIMESTAMP_NORMALIZATION?)",
+                        probed.source_ticks
+                    )
+                }
+                (Err(e), _) => format!("{} is enabled but failed: {e}", extension.name().to_string_lossy()),
+                (Ok(()), _) => format!("{} gave no sample", extension.name().to_string_lossy()),
             }
-            format!(
-                "wgpu resolved a timestamp ({}) outside the extension's device clock reads around it \
-                 ({before}..{after}): resolved timestamps are rescaled (InstanceFlags::AUTOMATIC_TIMESTAMP_NORMALIZATION?)",
-                probed.source_ticks
-            )
         }
     };
     trial(&mut probe)?;
