@@ -133,7 +133,12 @@
 //! ## Caveats
 //!
 //! - The collector's `Device::poll` runs whatever mapping and work-done callbacks are due, the application's
-//!   included, on the collector thread (wgpu runs callbacks on whichever thread polls).
+//!   included, on the collector thread (wgpu runs callbacks on whichever thread polls); and wgpu's own `log`
+//!   records from those polls show up on the collector's track when `log` is bridged into `tracing`
+//!   (`tracing_subscriber`'s `init()` installs that bridge; `examples/wgpu_frame.rs` does without it).
+//! - On the probe path, each calibration burst submits probes to the application's queue and polls for them
+//!   for up to the burst budget (2 ms by default), as often as every 20 ms while the fit is less certain than
+//!   1 µs, which a probe's bracket always is.
 //! - [`resolve_queries`](WgpuProfiler::resolve_queries)' encoder must be submitted after the encoders whose
 //!   scopes it resolves; one submitted earlier reads nothing and its pairs are resolved again at the next frame
 //!   ([`WgpuProfilerStats::retried_pairs`]).
