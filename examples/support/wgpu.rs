@@ -1,9 +1,13 @@
-//! A wgpu-hal Vulkan device with a small copy workload, shared by `examples/wgpu_compute.rs`, the wgpu-hal
-//! integration tests and `benches/wgpu_scope.rs` (each includes this file with `#[path]`).
+//! Shared by the wgpu examples, the wgpu integration tests and the wgpu benches (each includes this file with
+//! `#[path]`):
 //!
-//! Everything here is plain wgpu-hal; the only tickline calls are [`open_device`] (hal's `open`, plus the
-//! calibrated-timestamps extension and `hostQueryReset`) and [`WgpuGpu::submit`] (hal's submit under the
-//! backend's queue lock).
+//! - [`HalDevice`] and [`HalWork`]: a wgpu-hal Vulkan device with a small copy workload (`examples/wgpu_compute.rs`,
+//!   the wgpu-hal tests, `benches/wgpu_scope.rs`). Plain wgpu-hal; the only tickline calls are [`open_device`]
+//!   (hal's `open`, plus the calibrated-timestamps extension and `hostQueryReset`) and [`WgpuGpu::submit`] (hal's
+//!   submit under the backend's queue lock).
+//! - [`WgpuSetup`] and [`FrameWork`]: a `wgpu::Device` and one frame of a compute pass and an offscreen render pass
+//!   (`examples/wgpu_frame.rs`, the wgpu-level tests, `benches/wgpu_frame.rs`, `benches/wgpu_level_scope.rs`),
+//!   recorded with or without a [`WgpuProfiler`].
 
 #![allow(dead_code)]
 
@@ -11,7 +15,7 @@ use std::error::Error;
 use std::time::Duration;
 
 use tickline::gpu::vulkan::VulkanOptions;
-use tickline::gpu::wgpu::{hal, open_device, wgt, WgpuCommands, WgpuGpu};
+use tickline::gpu::wgpu::{hal, open_device, request_device, wgt, WgpuCommands, WgpuGpu, WgpuProfiler};
 
 use hal::{CommandEncoder as _, Device as _, Instance as _};
 
@@ -216,5 +220,244 @@ pub fn ready<T>(future: impl std::future::Future<Output = T>) -> T {
     match future.as_mut().poll(&mut context) {
         std::task::Poll::Ready(value) => value,
         std::task::Poll::Pending => panic!("a native wgpu future was pending"),
+    }
+}
+
+/// A `wgpu::Device` on the first Vulkan adapter with `TIMESTAMP_QUERY`, or why not.
+pub struct WgpuSetup {
+    pub device: wgpu::Device,
+    pub queue: wgpu::Queue,
+    pub adapter: wgpu::Adapter,
+    pub instance: wgpu::Instance,
+    pub name: String,
+    /// The device is lavapipe: its clock is `CLOCK_MONOTONIC`.
+    pub lavapipe: bool,
+}
+
+impl WgpuSetup {
+    /// `features` (those the adapter offers) on a Vulkan adapter; `calibrated`: opened with
+    /// [`request_device`] (calibrated timestamps where offered) rather than wgpu's own `request_device`.
+    pub fn new(features: wgpu::Features, calibrated: bool) -> Result<WgpuSetup, Box<dyn Error>> {
+        let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
+        desc.backends = wgpu::Backends::VULKAN;
+        let instance = wgpu::Instance::new(desc);
+        let adapter = ready(instance.request_adapter(&wgpu::RequestAdapterOptions::default()))
+            .map_err(|e| format!("no wgpu Vulkan adapter: {e} (no Vulkan loader or driver?)"))?;
+        if !adapter.features().contains(wgpu::Features::TIMESTAMP_QUERY) {
+            return Err("the wgpu adapter has no TIMESTAMP_QUERY".into());
+        }
+        let descriptor = wgpu::DeviceDescriptor {
+            label: Some("tickline"),
+            required_features: features & adapter.features(),
+            ..Default::default()
+        };
+        let (device, queue) = if calibrated {
+            request_device(&adapter, &descriptor)?
+        } else {
+            ready(adapter.request_device(&descriptor))?
+        };
+        let name = adapter.get_info().name;
+        Ok(WgpuSetup {
+            lavapipe: name.starts_with("llvmpipe"),
+            name,
+            device,
+            queue,
+            adapter,
+            instance,
+        })
+    }
+
+    /// Waits for everything submitted so far.
+    pub fn wait(&self) -> Result<(), Box<dyn Error>> {
+        self.device.poll(wgpu::PollType::wait_indefinitely())?;
+        Ok(())
+    }
+}
+
+/// The shaders of [`FrameWork`]: a compute step over a storage buffer, and a full-screen triangle whose
+/// fragments iterate a little.
+const FRAME_SHADER: &str = r#"
+@group(0) @binding(0) var<storage, read_write> data: array<f32>;
+
+@compute @workgroup_size(64)
+fn simulate(@builtin(global_invocation_id) id: vec3<u32>) {
+    let i = id.x;
+    if (i >= arrayLength(&data)) {
+        return;
+    }
+    var x = data[i] + f32(i) * 0.001;
+    for (var k = 0u; k < 64u; k = k + 1u) {
+        x = fract(x * 1.618034 + 0.5);
+    }
+    data[i] = x;
+}
+
+@vertex
+fn vs(@builtin(vertex_index) v: u32) -> @builtin(position) vec4<f32> {
+    let x = f32((v << 1u) & 2u) * 2.0 - 1.0;
+    let y = f32(v & 2u) * 2.0 - 1.0;
+    return vec4<f32>(x, y, 0.0, 1.0);
+}
+
+@fragment
+fn fs(@builtin(position) p: vec4<f32>) -> @location(0) vec4<f32> {
+    var c = p.xy / 256.0;
+    for (var k = 0; k < 16; k = k + 1) {
+        c = fract(c * 1.7 + vec2<f32>(0.3, 0.1));
+    }
+    return vec4<f32>(c, 0.5, 1.0);
+}
+"#;
+
+/// Elements of the compute step's buffer (256 workgroups of 64).
+pub const ELEMENTS: u32 = 16 * 1024;
+/// The offscreen target's side, in pixels.
+pub const TARGET: u32 = 256;
+
+/// One frame of GPU work: a compute pass over a storage buffer, then a render pass drawing a full-screen triangle
+/// into an offscreen texture.
+pub struct FrameWork {
+    pub compute: wgpu::ComputePipeline,
+    pub bind_group: wgpu::BindGroup,
+    pub render: wgpu::RenderPipeline,
+    pub target: wgpu::TextureView,
+}
+
+/// GPU scopes per profiled frame: "frame" > "simulate" > "dispatch", "draw" > "triangle" (the inner two where the
+/// device has `TIMESTAMP_QUERY_INSIDE_PASSES`, "frame" where it has `TIMESTAMP_QUERY_INSIDE_ENCODERS`).
+pub const FRAME_SCOPES: [&str; 5] = ["frame", "simulate", "dispatch", "draw", "triangle"];
+
+impl FrameWork {
+    pub fn new(device: &wgpu::Device) -> FrameWork {
+        let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+            label: Some("frame"),
+            source: wgpu::ShaderSource::Wgsl(FRAME_SHADER.into()),
+        });
+        let compute = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+            label: Some("simulate"),
+            layout: None,
+            module: &module,
+            entry_point: Some("simulate"),
+            compilation_options: Default::default(),
+            cache: None,
+        });
+        let data = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("simulation state"),
+            size: u64::from(ELEMENTS) * 4,
+            usage: wgpu::BufferUsages::STORAGE,
+            mapped_at_creation: false,
+        });
+        let bind_group = device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: Some("simulation state"),
+            layout: &compute.get_bind_group_layout(0),
+            entries: &[wgpu::BindGroupEntry {
+                binding: 0,
+                resource: data.as_entire_binding(),
+            }],
+        });
+        let format = wgpu::TextureFormat::Rgba8Unorm;
+        let render = device.create_render_pipeline(&wgpu::RenderPipelineDescriptor {
+            label: Some("draw"),
+            layout: None,
+            vertex: wgpu::VertexState {
+                module: &module,
+                entry_point: Some("vs"),
+                compilation_options: Default::default(),
+                buffers: &[],
+            },
+            primitive: wgpu::PrimitiveState::default(),
+            depth_stencil: None,
+            multisample: wgpu::MultisampleState::default(),
+            fragment: Some(wgpu::FragmentState {
+                module: &module,
+                entry_point: Some("fs"),
+                compilation_options: Default::default(),
+                targets: &[Some(format.into())],
+            }),
+            multiview_mask: None,
+            cache: None,
+        });
+        let target = device
+            .create_texture(&wgpu::TextureDescriptor {
+                label: Some("offscreen target"),
+                size: wgpu::Extent3d {
+                    width: TARGET,
+                    height: TARGET,
+                    depth_or_array_layers: 1,
+                },
+                mip_level_count: 1,
+                sample_count: 1,
+                dimension: wgpu::TextureDimension::D2,
+                format,
+                usage: wgpu::TextureUsages::RENDER_ATTACHMENT,
+                view_formats: &[],
+            })
+            .create_view(&Default::default());
+        FrameWork {
+            compute,
+            bind_group,
+            render,
+            target,
+        }
+    }
+
+    /// The render pass's color attachment: the offscreen target, cleared.
+    pub fn attachment(&self) -> wgpu::RenderPassColorAttachment<'_> {
+        wgpu::RenderPassColorAttachment {
+            view: &self.target,
+            depth_slice: None,
+            resolve_target: None,
+            ops: wgpu::Operations {
+                load: wgpu::LoadOp::Clear(wgpu::Color::BLACK),
+                store: wgpu::StoreOp::Store,
+            },
+        }
+    }
+
+    /// Records the frame, timed by `profiler` ([`FRAME_SCOPES`], the frame's number as a field of "frame") and
+    /// resolved for it, or untimed.
+    pub fn record(&self, encoder: &mut wgpu::CommandEncoder, profiler: Option<&WgpuProfiler>, frame: u64) {
+        let Some(profiler) = profiler else {
+            {
+                let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                    label: Some("simulate"),
+                    timestamp_writes: None,
+                });
+                pass.set_pipeline(&self.compute);
+                pass.set_bind_group(0, &self.bind_group, &[]);
+                pass.dispatch_workgroups(ELEMENTS / 64, 1, 1);
+            }
+            let attachment = [Some(self.attachment())];
+            let mut pass = encoder.begin_render_pass(&wgpu::RenderPassDescriptor {
+                label: Some("draw"),
+                color_attachments: &attachment,
+                ..Default::default()
+            });
+            pass.set_pipeline(&self.render);
+            pass.draw(0..3, 0..1);
+            return;
+        };
+        {
+            let mut scope = tickline::wgpu_scope!(profiler, &mut *encoder, "frame", frame = frame);
+            {
+                let mut pass = scope.scoped_compute_pass("simulate");
+                pass.set_pipeline(&self.compute);
+                pass.set_bind_group(0, &self.bind_group, &[]);
+                let mut dispatch = pass.scope("dispatch");
+                dispatch.dispatch_workgroups(ELEMENTS / 64, 1, 1);
+            }
+            let attachment = [Some(self.attachment())];
+            let mut pass = scope.scoped_render_pass(
+                "draw",
+                wgpu::RenderPassDescriptor {
+                    color_attachments: &attachment,
+                    ..Default::default()
+                },
+            );
+            pass.set_pipeline(&self.render);
+            let mut triangle = pass.scope("triangle");
+            triangle.draw(0..3, 0..1);
+        }
+        profiler.resolve_queries(encoder);
     }
 }

@@ -367,6 +367,30 @@ fn raise_priority() -> DrainPriority {
     DrainPriority::Normal
 }
 
+/// Runs `f` at the scheduler's default priority, then restores the drain thread's: for calls into GPU
+/// backends that may wait for the GPU (a calibration probe submits work and waits for it), which a real-time
+/// thread must not do (it would starve the driver's own threads on its core).
+pub(crate) fn at_normal_priority<R>(f: impl FnOnce() -> R) -> R {
+    #[cfg(target_os = "linux")]
+    {
+        let mut policy = 0;
+        let mut param = libc::sched_param { sched_priority: 0 };
+        // SAFETY: `pthread_self()` is this live thread; `policy` and `param` are valid, writable and
+        // initialised; the call only writes them.
+        let got = unsafe { libc::pthread_getschedparam(libc::pthread_self(), &mut policy, &mut param) } == 0;
+        if got && policy == libc::SCHED_FIFO {
+            let normal = libc::sched_param { sched_priority: 0 };
+            // SAFETY: as above; lowering one's own priority needs no permission.
+            unsafe { libc::pthread_setschedparam(libc::pthread_self(), libc::SCHED_OTHER, &normal) };
+            let result = f();
+            // SAFETY: as above; restores the policy this thread had (it had the permission then).
+            unsafe { libc::pthread_setschedparam(libc::pthread_self(), policy, &param) };
+            return result;
+        }
+    }
+    f()
+}
+
 /// Longest a shutdown waits for GPU scopes still in flight (the program should wait for its GPU work
 /// before it shuts the timeline down).
 const GPU_SHUTDOWN_WAIT: Duration = Duration::from_secs(1);

@@ -86,9 +86,10 @@ impl GpuLive {
             };
             if due {
                 self.samples.clear();
-                let result = d
-                    .link
-                    .calibrate(config.burst_samples, config.burst_budget, &mut self.samples);
+                let samples = &mut self.samples;
+                let result = crate::collector::drain::at_normal_priority(|| {
+                    d.link.calibrate(config.burst_samples, config.burst_budget, samples)
+                });
                 let at_ns = monotonic_ns().0;
                 d.last_burst_ns = Some(at_ns);
                 out.push(Input::Gpu(GpuInput::Calibration {

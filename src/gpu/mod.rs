@@ -436,6 +436,51 @@ impl<B: GpuBackend> GpuQueue<B> {
     pub fn index(&self) -> u16 {
         self.queue
     }
+
+    /// Opens a scope whose timestamps the caller writes, for APIs that cannot go through
+    /// [`GpuBackend::write_timestamp`]: wgpu's encoders and passes record through `&mut`, and a pass's
+    /// boundary timestamps are written by the pass itself. Takes a free pair, calls `write_begin(pair)`, and
+    /// pushes the scope's begin record, as [`GpuScope::begin`] does; `None` (counted as starved and dropped)
+    /// when no pair is free. The caller writes slots `2 * pair` (begin) and `2 * pair + 1` (end).
+    #[cfg_attr(not(feature = "wgpu"), allow(dead_code))]
+    #[inline]
+    pub(crate) fn begin_external(
+        &self,
+        callsite: &'static Callsite,
+        fields: Option<&dyn Fn(&mut GpuFieldEncoder<'_, '_>)>,
+        write_begin: impl FnOnce(u32),
+    ) -> Option<u32> {
+        self.open_pair(callsite, fields, write_begin)
+    }
+
+    /// Takes a free timestamp pair, marks it held, has `write_begin` write its begin slot (`2 * pair`) and
+    /// records the scope's begin group. `None` when every pair is in flight (counted as starved and dropped).
+    #[inline]
+    fn open_pair(
+        &self,
+        callsite: &'static Callsite,
+        fields: Option<&dyn Fn(&mut GpuFieldEncoder<'_, '_>)>,
+        write_begin: impl FnOnce(u32),
+    ) -> Option<u32> {
+        let shared = &*self.shared;
+        let Some(pair) = shared.free_pairs.pop() else {
+            shared.starved.fetch_add(1, Ordering::Relaxed);
+            recorder::count_drop(&shared.timeline, 1);
+            return None;
+        };
+        let state = &shared.pairs[pair as usize];
+        let generation = pair_state::generation(state.load(Ordering::Relaxed).wrapping_add(1));
+        // Release: marks the pair held before its timestamps can be written; the drain stage's Acquire load
+        // reads it, and reads the pair only while it is held.
+        state.store(pair_state::ALLOCATED | generation, Ordering::Release);
+        write_begin(pair);
+        let key = scope_key(shared.device, self.queue, pair, generation);
+        let encode = fields.map(|f| move |encoder: &mut FieldEncoder<'_>| f(&mut GpuFieldEncoder { inner: encoder }));
+        // If the record is dropped (full ring) the pair is still read back and released by the drain stage:
+        // its read then matches no scope.
+        recorder::gpu_begin(&shared.timeline, callsite, key, encode);
+        Some(pair)
+    }
 }
 
 /// Bits of a pair's use count kept in a scope key.
@@ -504,28 +549,11 @@ impl<'a, B: GpuBackend> GpuScope<'a, B> {
         callsite: &'static Callsite,
         fields: Option<&dyn Fn(&mut GpuFieldEncoder<'_, '_>)>,
     ) -> Self {
-        let shared = &*queue.shared;
-        let Some(pair) = shared.free_pairs.pop() else {
-            shared.starved.fetch_add(1, Ordering::Relaxed);
-            recorder::count_drop(&shared.timeline, 1);
-            return GpuScope {
-                queue,
-                commands,
-                pair: NO_PAIR,
-                _not_send: PhantomData,
-            };
-        };
-        let state = &shared.pairs[pair as usize];
-        let generation = pair_state::generation(state.load(Ordering::Relaxed).wrapping_add(1));
-        // Release: marks the pair held before its timestamps can be written; the drain stage's Acquire load
-        // reads it, and reads the pair only while it is held.
-        state.store(pair_state::ALLOCATED | generation, Ordering::Release);
-        shared.backend.write_timestamp(commands, 2 * pair);
-        let key = scope_key(shared.device, queue.queue, pair, generation);
-        let encode = fields.map(|f| move |encoder: &mut FieldEncoder<'_>| f(&mut GpuFieldEncoder { inner: encoder }));
-        // If the record is dropped (full ring) the pair is still read back and released by the drain stage:
-        // its read then matches no scope and is counted as such.
-        recorder::gpu_begin(&shared.timeline, callsite, key, encode);
+        let pair = queue
+            .open_pair(callsite, fields, |pair| {
+                queue.shared.backend.write_timestamp(commands, 2 * pair)
+            })
+            .unwrap_or(NO_PAIR);
         GpuScope {
             queue,
             commands,

@@ -1,5 +1,156 @@
-//! The wgpu-hal backend (feature `wgpu`): [`WgpuGpu`] puts scopes recorded into wgpu-hal command encoders on the
-//! timeline, aligned to the CPU clock.
+//! wgpu on the timeline (feature `wgpu`), at two levels:
+//!
+//! - **wgpu-level scopes**, [`WgpuProfiler`]: scopes on `wgpu::CommandEncoder`s, on compute and render passes
+//!   (timed by the pass descriptor's `timestamp_writes`) and inside passes, on every backend wgpu runs, safe to
+//!   call. The replacement for wgpu-profiler, with its API's shape, that places each GPU slice on the CPU's time
+//!   axis, with its uncertainty and a flow from the CPU code that recorded it.
+//! - **hal-level scopes**, [`WgpuGpu`]: [`gpu_scope!`](macro@crate::gpu_scope) on wgpu-hal Vulkan command
+//!   encoders (`unsafe` to set up; for code that records hal commands itself). See
+//!   [below](#wgpu-hal-scopes-wgpugpu).
+//!
+//! # wgpu-level scopes: `WgpuProfiler`
+//!
+//! ```no_run
+//! use tickline::gpu::wgpu::{request_device, WgpuProfiler, WgpuProfilerSettings};
+//!
+//! # #[allow(dead_code)]
+//! # fn demo(adapter: &wgpu::Adapter, pipeline: &wgpu::ComputePipeline) -> Result<(), Box<dyn std::error::Error>> {
+//! // `adapter.request_device`, plus calibrated timestamps where wgpu runs on Vulkan.
+//! let (device, queue) = request_device(adapter, &wgpu::DeviceDescriptor {
+//!     required_features: adapter.features() & WgpuProfiler::ALL_WGPU_TIMER_FEATURES,
+//!     ..Default::default()
+//! })?;
+//! let timeline = tickline::Timeline::builder().start()?; // with an exporter: a Perfetto file, Tracy...
+//! let profiler = WgpuProfiler::new(&timeline, &device, &queue, WgpuProfilerSettings::default())?;
+//!
+//! for frame in 0..3u64 {
+//!     let mut encoder = device.create_command_encoder(&Default::default());
+//!     {
+//!         // On the encoder (needs TIMESTAMP_QUERY_INSIDE_ENCODERS), with a field:
+//!         let mut scope = tickline::wgpu_scope!(profiler, &mut encoder, "frame", frame = frame);
+//!         // A pass timed by its own boundary timestamps (needs only TIMESTAMP_QUERY):
+//!         let mut pass = scope.scoped_compute_pass("simulate");
+//!         pass.set_pipeline(pipeline);
+//!         // Inside the pass (needs TIMESTAMP_QUERY_INSIDE_PASSES):
+//!         let mut step = pass.scope("step 1");
+//!         step.dispatch_workgroups(64, 1, 1);
+//!     }
+//!     profiler.resolve_queries(&mut encoder);
+//!     queue.submit([encoder.finish()]);
+//!     profiler.end_frame()?;
+//! }
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! ## How a scope reaches the timeline
+//!
+//! A [`WgpuProfiler`] is a GPU device on the timeline like any other (its backend is a [`GpuBackend`] registered
+//! with [`Timeline::gpu`](crate::Timeline::gpu), with one queue track), so its scopes go through the same machinery
+//! as [`gpu_scope!`](macro@crate::gpu_scope): a scope takes a timestamp pair from the device's free list and
+//! pushes one record group into the CPU thread's ring (the CPU tick, the call site, the device/queue/pair key,
+//! the fields); the collector reads the pair back, converts it with the device clock's live calibration, and
+//! exports the slice with its `uncertainty_ns` and a flow from the scope's CPU point. What differs is only who
+//! writes the timestamps: wgpu records through `&mut` encoders and passes, so the guard ([`WgpuScope`],
+//! [`WgpuOwningScope`]) borrows the encoder or pass, dereferences to it for the scope's own commands, and writes
+//! the end timestamp when dropped; a pass scope hands its pair to the pass descriptor's `timestamp_writes`. No
+//! handle outlives its encoder: the guard borrows it (or owns the pass).
+//!
+//! ## Read-back without stalling
+//!
+//! Query sets (4096 timestamps each) are pooled for the profiler's life; a pair returns to the pool once the
+//! collector has converted its slice. [`resolve_queries`](WgpuProfiler::resolve_queries) resolves the frame's pairs into a
+//! pooled read-back buffer and asks wgpu to map it when the command buffer is submitted
+//! (`CommandEncoder::map_buffer_on_submit`); the collector thread polls the device without blocking
+//! (`Device::poll(PollType::Poll)`, at most every 200 µs) and copies out what was mapped. Nothing ever waits on
+//! the application's queue or device. At most `max_num_pending_frames` read-backs are in flight; a frame that finds
+//! none free is deferred to the next (counted), never dropped; the timestamp pool bounds what is pending, and a
+//! scope that finds it empty is counted as starved ([`WgpuProfiler::stats`]).
+//!
+//! ## Calibration
+//!
+//! Where wgpu runs on Vulkan and the device has `VK_KHR/EXT_calibrated_timestamps` enabled (open it with
+//! [`request_device`]), the device clock is sampled through the hal device's raw handle (`as_hal`), a few ns
+//! each, never touching the queue. Everywhere else (Metal, DX12, GL, or Vulkan without the extension) a tiny probe
+//! submitted to the queue writes one timestamp, bracketed by `CLOCK_MONOTONIC` reads before the submit and when
+//! wgpu's mapping callback runs: an honest, wide uncertainty (tens to hundreds of µs; the calibration keeps the
+//! tightest samples). [`WgpuProfiler::calibration_path`] says which, and why. A device without
+//! `Features::TIMESTAMP_QUERY` is refused with an error that names it.
+//!
+//! ## Moving from wgpu-profiler 0.28
+//!
+//! The same frame, with wgpu-profiler:
+//!
+//! ```text
+//! let mut profiler = GpuProfiler::new(&device, GpuProfilerSettings::default())?;
+//! // per frame:
+//! {
+//!     let mut scope = profiler.scope("frame", &mut encoder);
+//!     let mut pass = scope.scoped_compute_pass("simulate");
+//!     pass.set_pipeline(&pipeline);
+//!     pass.dispatch_workgroups(64, 1, 1);
+//! }
+//! profiler.resolve_queries(&mut encoder);
+//! queue.submit([encoder.finish()]);
+//! profiler.end_frame()?;
+//! if let Some(results) = profiler.process_finished_frame(queue.get_timestamp_period()) {
+//!     wgpu_profiler::chrometrace::write_chrometrace(Path::new("trace.json"), &results)?;
+//! }
+//! ```
+//!
+//! and with tickline (the scope and pass lines do not change):
+//!
+//! ```text
+//! let timeline = tickline::Timeline::builder()
+//!     .exporter(tickline_perfetto::PerfettoExporter::create("trace.pftrace")?)
+//!     .start()?;
+//! let profiler = WgpuProfiler::new(&timeline, &device, &queue, WgpuProfilerSettings::default())?;
+//! // per frame:
+//! {
+//!     let mut scope = profiler.scope("frame", &mut encoder);
+//!     let mut pass = scope.scoped_compute_pass("simulate");
+//!     pass.set_pipeline(&pipeline);
+//!     pass.dispatch_workgroups(64, 1, 1);
+//! }
+//! profiler.resolve_queries(&mut encoder);
+//! queue.submit([encoder.finish()]);
+//! profiler.end_frame()?;
+//! // no process_finished_frame: the GPU slices are in the trace, on the CPU's time axis.
+//! ```
+//!
+//! - `GpuProfiler::new(&device, settings)` becomes `WgpuProfiler::new(&timeline, &device, &queue, settings)`;
+//!   `GpuProfilerSettings`' three fields keep their names and defaults ([`WgpuProfilerSettings`]).
+//! - `scope`, `owning_scope`, `Scope::scope`, `scoped_compute_pass`, `scoped_render_pass`, `resolve_queries` and
+//!   `end_frame` keep their signatures (they take `&self` where wgpu-profiler takes `&mut self`); the guards
+//!   dereference to the encoder or pass as wgpu-profiler's do. `begin_query`/`end_query` and
+//!   `ManualOwningScope` have no counterpart: drop a guard to end its scope.
+//! - `process_finished_frame` goes: results are on the timeline (Perfetto, Tracy, or
+//!   [`MemoryExporter`](crate::MemoryExporter) for in-process use), in `CLOCK_MONOTONIC` ns rather than device
+//!   ticks, with an uncertainty.
+//! - Create the device with [`request_device`] (instead of `adapter.request_device`) for ns-tight calibration on
+//!   Vulkan; [`wgpu_scope!`](macro@crate::wgpu_scope) is the cheaper `scope` with fields.
+//!
+//! ## Caveats
+//!
+//! - The collector's `Device::poll` runs whatever mapping and work-done callbacks are due, the application's
+//!   included, on the collector thread (wgpu runs callbacks on whichever thread polls); and wgpu's own `log`
+//!   records from those polls show up on the collector's track when `log` is bridged into `tracing`
+//!   (`tracing_subscriber`'s `init()` installs that bridge; `examples/wgpu_frame.rs` does without it).
+//! - On the probe path, each calibration burst submits probes to the application's queue and polls for them
+//!   for up to the burst budget (2 ms by default), as often as every 20 ms while the fit is less certain than
+//!   1 µs, which a probe's bracket always is.
+//! - [`resolve_queries`](WgpuProfiler::resolve_queries)' encoder must be submitted after the encoders whose
+//!   scopes it resolves; one submitted earlier reads nothing and its pairs are resolved again at the next frame
+//!   ([`WgpuProfilerStats::retried_pairs`]).
+//! - With `InstanceFlags::AUTOMATIC_TIMESTAMP_NORMALIZATION` on a device whose timestamp period is not 1 ns,
+//!   resolved timestamps are no longer the device clock the Vulkan extension samples: the profiler notices at
+//!   setup and uses the probe.
+//! - Timestamps inside a pass or encoder are not ordered against its other commands on every backend (wgpu's
+//!   `write_timestamp` docs); pass boundary timestamps are.
+//!
+//! # wgpu-hal scopes: `WgpuGpu`
+//!
+//! [`WgpuGpu`] puts scopes recorded into wgpu-hal command encoders on the timeline, aligned to the CPU clock.
 //!
 //! wgpu-hal has timestamp query sets but no calibration API (its `get_presentation_timestamp` only reads a host
 //! clock), does no masking by valid bits, and reads results by copying them with `WAIT`. So this backend works
@@ -47,9 +198,9 @@
 //! # }
 //! ```
 //!
-//! # From a `wgpu::Device`
+//! ## From a `wgpu::Device`
 //!
-//! tickline does not depend on `wgpu` (only its tests and bench do). A `wgpu` user reaches this backend through
+//! A `wgpu` user who records hal commands reaches this backend through
 //! wgpu's `as_hal` accessors: open the device through [`open_device`] and hand it to wgpu with
 //! `Adapter::create_device_from_hal` (so the calibrated-timestamps extension is enabled), then take the hal
 //! device and queue back out. wgpu and tickline must agree on the wgpu-hal version (30).
@@ -97,21 +248,32 @@
 //! wgpu 30 panics when one `wgpu::CommandEncoder` mixes its own encoding API with `as_hal_mut` ("Mixing the
 //! wgpu encoding API with the raw encoding API is not permitted"), and a scope's two timestamps go into one
 //! command buffer: so with a `wgpu::Device`, scopes bracket hal commands recorded inside `as_hal_mut`, not
-//! wgpu-level passes (those need a scope whose end lands in a later command buffer of the same submission,
-//! which [`GpuScope`](crate::gpu::GpuScope) does not offer). `tests/it/wgpu.rs` runs this path on lavapipe.
+//! wgpu-level passes: time those with [`WgpuProfiler`]. `tests/it/wgpu.rs` runs this path on lavapipe.
 //!
-//! # Other hal backends
+//! ## Other hal backends
 //!
 //! Metal, DX12 and GLES are not supported: [`WgpuGpu::from_hal`] returns [`GpuError::Invalid`] naming what is
 //! missing (non-blocking timestamp reads with availability, and a way to sample the device clock against
 //! `CLOCK_MONOTONIC`, which hal does not expose on those backends).
 //!
-//! # Submitting
+//! ## Submitting
 //!
 //! When the device offers no calibrated-timestamps extension the backend calibrates by submitting a probe to the
 //! queue from tickline's collector thread (see [the Vulkan backend](super#calibration)); Vulkan wants submits
 //! externally synchronised, so every `hal::Queue::submit` (and `present`) to the queue happens under
 //! [`WgpuGpu::lock_queue`], or through [`WgpuGpu::submit`].
+
+mod calibrate;
+mod device;
+mod profiler;
+mod queries;
+mod scope;
+
+pub use device::request_device;
+pub use profiler::{EndFrameError, WgpuProfiler, WgpuProfilerSettings, WgpuProfilerStats};
+#[doc(hidden)]
+pub use queries::RawTicksLog;
+pub use scope::{WgpuOwningScope, WgpuRecorder, WgpuScope};
 
 use std::any::Any;
 use std::sync::MutexGuard;
@@ -309,7 +471,7 @@ impl WgpuGpu {
     /// ```no_run
     /// # #[allow(dead_code)]
     /// # fn demo<A: tickline::gpu::wgpu::hal::Api>(device: &A::Device, queue: &A::Queue) {
-    /// use tickline::gpu::vulkan::{wgpu::WgpuGpu, VulkanOptions};
+    /// use tickline::gpu::{vulkan::VulkanOptions, wgpu::WgpuGpu};
     /// // SAFETY: the handles outlive the backend; see `WgpuGpu::new`.
     /// match unsafe { WgpuGpu::from_hal::<A>(device, queue, VulkanOptions::default()) } {
     ///     Ok(backend) => println!("{:?}", backend.vulkan().calibration_path()),

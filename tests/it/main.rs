@@ -12,6 +12,8 @@ mod pipeline;
 mod vulkan;
 #[cfg(feature = "wgpu")]
 mod wgpu;
+#[cfg(feature = "wgpu")]
+mod wgpu_level;
 
 /// Native macros record into the most recently started timeline, so every test that starts a timeline holds
 /// this lock: one at a time.

@@ -6,7 +6,7 @@
 //! with timestamps every test prints `SKIP: <reason>` to stderr and returns.
 
 #[path = "../../examples/support/wgpu.rs"]
-mod support;
+pub(crate) mod support;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
