@@ -3,7 +3,9 @@
 
 usage: check_perfetto.py TRACE [--expect-slices NAME=COUNT ...] [--expect-total-slices N]
                                [--expect-thread-tracks N] [--require-annotation NAME]
-                               [--expect-gpu-devices N] [--expect-gpu-slices N]
+                               [--expect-gpu-devices N] [--expect-gpu-slices N] [--allow-cut-tail]
+                               [--check-cross-flows] [--min-cross-flows N]
+                               [--check-truth] [--truth-slack-ns NS] [--expect-processes N]
 
 Asserts, streaming packet by packet: a clock snapshot comes first and the first packet clears the incremental
 state; every track uuid is described before use; interned ids are defined before use; timestamps never go
@@ -12,6 +14,16 @@ has both ends. GPU: a device track is named "GPU: ...", every slice that is not 
 track whose parent is a device track, carries the `uncertainty_ns` annotation and ends a flow (from the CPU
 code that recorded it). With the options, slice counts per name, the total, the thread track count, the GPU
 device count and the GPU slice count must match.
+
+--allow-cut-tail accepts a file that ends inside a packet (a killed process): it is read up to its last whole
+packet, and slices or flows left open by the cut are not errors.
+
+Merged traces (`tickline merge`): interned names are per packet sequence. --check-cross-flows requires every
+flow between two processes to go forward in time (its end at or after its start); --min-cross-flows N that there
+are at least N. --check-truth checks the alignment against known truth: every event with a `probe` annotation
+must lie within [truth_lo_ns - U - slack, truth_hi_ns + U + slack], where truth_lo_ns/truth_hi_ns come from the
+event with the same `probe_truth` value on the same track (real clock reads before and after the probe) and U is
+the process's `tickline alignment uncertainty` counter at that time.
 Exits non-zero with one clear line on the first failure.
 """
 import argparse
@@ -41,15 +53,27 @@ def read_varint(data, pos):
         shift += 7
 
 
-def packets(data):
+class CutTail(Exception):
+    pass
+
+
+def packets(data, allow_cut=False):
     """Yields each TracePacket of the outer `Trace` message (field 1, length-delimited), one at a time."""
     pos = 0
     while pos < len(data):
-        key, pos = read_varint(data, pos)
-        if key != (1 << 3 | 2):
-            raise TraceError(f"unexpected outer field key {key} at byte {pos}: not a Trace.packet")
-        length, pos = read_varint(data, pos)
+        start = pos
+        try:
+            key, pos = read_varint(data, pos)
+            if key != (1 << 3 | 2):
+                raise TraceError(f"unexpected outer field key {key} at byte {pos}: not a Trace.packet")
+            length, pos = read_varint(data, pos)
+        except TraceError as e:
+            if allow_cut and "truncated varint" in str(e):
+                raise CutTail(start)
+            raise
         if pos + length > len(data):
+            if allow_cut:
+                raise CutTail(start)
             raise TraceError(f"the last packet is cut short ({len(data) - pos} of {length} bytes)")
         packet = pb.TracePacket()
         packet.ParseFromString(data[pos:pos + length])
@@ -61,8 +85,12 @@ GPU_DEVICE_PREFIX = "GPU: "
 UNCERTAINTY = "uncertainty_ns"
 
 
+ALIGNMENT_TRACK = "tickline alignment uncertainty"
+
+
 def check(path, expect_slices, expect_total, expect_threads, require_annotations, expect_gpu_devices=None,
-          expect_gpu_slices=None):
+          expect_gpu_slices=None, allow_cut=False, check_cross_flows=False, min_cross_flows=None,
+          check_truth=False, truth_slack_ns=0, expect_processes=None):
     with open(path, "rb") as f:
         data = f.read()
     if not data:
@@ -76,7 +104,20 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
     annotated = collections.Counter()
     n_packets = n_events = gpu_slices = 0
     gpu_devices = set()
-    for index, packet in enumerate(packets(data)):
+    flow_out_at, flow_in_at = {}, {}
+    counters = collections.defaultdict(list)  # counter track uuid -> [(ts, value)]
+    probes, truths = [], {}
+    cut_at = None
+
+    def each_packet():
+        nonlocal cut_at
+        try:
+            yield from packets(data, allow_cut)
+        except CutTail as c:
+            cut_at = c.args[0]
+
+    for index, packet in enumerate(each_packet()):
+        seq = packet.trusted_packet_sequence_id
         n_packets += 1
         if index == 0:
             if not packet.HasField("clock_snapshot"):
@@ -94,9 +135,9 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
                 gpu_devices.add(td.uuid)
         if packet.HasField("interned_data"):
             for n in packet.interned_data.event_names:
-                event_names[n.iid] = n.name
+                event_names[(seq, n.iid)] = n.name
             for n in packet.interned_data.debug_annotation_names:
-                annotation_names[n.iid] = n.name
+                annotation_names[(seq, n.iid)] = n.name
         if not packet.HasField("track_event"):
             continue
         n_events += 1
@@ -108,22 +149,35 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
         if ts < last_ts.get(uuid, 0):
             raise TraceError(f"packet {index}: time goes backwards on track {uuid}: {ts} < {last_ts[uuid]}")
         last_ts[uuid] = ts
-        if ev.HasField("name_iid") and ev.name_iid not in event_names:
+        if ev.HasField("name_iid") and (seq, ev.name_iid) not in event_names:
             raise TraceError(f"packet {index}: event name iid {ev.name_iid} is not interned")
         names_here = set()
+        values = {}
         for a in ev.debug_annotations:
             if a.HasField("name_iid"):
-                if a.name_iid not in annotation_names:
+                if (seq, a.name_iid) not in annotation_names:
                     raise TraceError(f"packet {index}: annotation name iid {a.name_iid} is not interned")
-                annotated[annotation_names[a.name_iid]] += 1
-                names_here.add(annotation_names[a.name_iid])
+                aname = annotation_names[(seq, a.name_iid)]
+                annotated[aname] += 1
             elif a.HasField("name"):
-                names_here.add(a.name)
+                aname = a.name
+            else:
+                continue
+            names_here.add(aname)
+            for kind in ("uint_value", "int_value", "string_value"):
+                if a.HasField(kind):
+                    values[aname] = getattr(a, kind)
         for flow in ev.flow_ids:
             flows_out[flow] += 1
+            flow_out_at[flow] = (ts, uuid)
         for flow in ev.terminating_flow_ids:
             flows_in[flow] += 1
-        name = event_names.get(ev.name_iid, ev.name)
+            flow_in_at[flow] = (ts, uuid)
+        if "probe" in values:
+            probes.append((index, ts, uuid, values["probe"]))
+        if "probe_truth" in values:
+            truths[(uuid, values["probe_truth"])] = (values.get("truth_lo_ns", 0), values.get("truth_hi_ns", 0))
+        name = event_names.get((seq, ev.name_iid), ev.name)
         if ev.type == TYPE_SLICE_BEGIN:
             open_slices[uuid].append(name)
             slice_counts[name] += 1
@@ -145,14 +199,75 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
         elif ev.type == TYPE_COUNTER:
             if not described[uuid].HasField("counter"):
                 raise TraceError(f"packet {index}: counter value on non-counter track {uuid}")
+            counters[uuid].append((ts, ev.double_counter_value))
         elif ev.type != TYPE_INSTANT:
             raise TraceError(f"packet {index}: unexpected track event type {ev.type}")
     still_open = {u: s for u, s in open_slices.items() if s}
-    if still_open:
+    if still_open and not allow_cut:
         raise TraceError(f"slices never ended: {still_open}")
     for flow in set(flows_out) | set(flows_in):
-        if flows_out[flow] != 1 or flows_in[flow] != 1:
+        if flows_out[flow] > 1 or flows_in[flow] > 1 or (not allow_cut and flows_out[flow] != flows_in[flow]):
             raise TraceError(f"flow {flow} has {flows_out[flow]} start(s) and {flows_in[flow]} end(s)")
+
+    def process_of(uuid):
+        """The root process track above a track (its own uuid for a root)."""
+        seen = 0
+        while described[uuid].HasField("parent_uuid") and seen < 64:
+            uuid = described[uuid].parent_uuid
+            seen += 1
+        return uuid
+
+    cross = 0
+    for flow, (ts_out, track_out) in flow_out_at.items():
+        if flow not in flow_in_at:
+            continue
+        ts_in, track_in = flow_in_at[flow]
+        if process_of(track_out) == process_of(track_in):
+            continue
+        cross += 1
+        if check_cross_flows and ts_in < ts_out:
+            raise TraceError(f"flow {flow} from process track {process_of(track_out)} to "
+                             f"{process_of(track_in)} goes back in time by {ts_out - ts_in} ns")
+    if min_cross_flows is not None and cross < min_cross_flows:
+        raise TraceError(f"expected at least {min_cross_flows} cross-process flows, found {cross}")
+    truth_line = ""
+    if check_truth:
+        alignment = {}
+        for uuid, td in described.items():
+            if td.name == ALIGNMENT_TRACK and td.HasField("parent_uuid"):
+                alignment[td.parent_uuid] = sorted(counters[uuid])
+        if not probes:
+            raise TraceError("--check-truth: no event carries a `probe` annotation")
+        worst = {}
+        for index, ts, uuid, seq_no in probes:
+            if (uuid, seq_no) not in truths:
+                continue
+            lo, hi = truths[(uuid, seq_no)]
+            proc = process_of(uuid)
+            values = alignment.get(proc)
+            if not values:
+                raise TraceError(f"--check-truth: process track {proc} has no {ALIGNMENT_TRACK!r} counter")
+            u = values[0][1]
+            for t, v in values:
+                if t <= ts:
+                    u = v
+                else:
+                    break
+            error = max(lo - ts, ts - hi, 0)
+            if error > u + truth_slack_ns:
+                raise TraceError(f"packet {index}: probe {seq_no} of process track {proc} is {error} ns from its "
+                                 f"truth [{lo}, {hi}], beyond the stated uncertainty {u:.0f} ns + {truth_slack_ns} ns")
+            w = worst.setdefault(proc, [0, 0.0, 0, 0])
+            w[0] = max(w[0], error)
+            w[1] = max(w[1], u)
+            w[2] += 1
+            w[3] = max(w[3], abs(ts - (lo + hi) // 2))
+        truth_line = "; truth: " + ", ".join(
+            f"process {p}: {n} probes, worst {e} ns outside the truth bracket ({m} ns from its middle) within the "
+            f"stated {u:.0f} ns" for p, (e, u, n, m) in worst.items())
+    processes = sum(1 for td in described.values() if td.HasField("process") and not td.HasField("parent_uuid"))
+    if expect_processes is not None and processes != expect_processes:
+        raise TraceError(f"expected {expect_processes} process tracks, found {processes}")
     for name, count in expect_slices.items():
         if slice_counts[name] != count:
             raise TraceError(f"expected {count} slices named {name!r}, found {slice_counts[name]}")
@@ -169,9 +284,10 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
     for name in require_annotations:
         if not annotated[name]:
             raise TraceError(f"no event carries the annotation {name!r}")
-    return (f"ok: {path}: {n_packets} packets, {n_events} track events, {total} slices on "
+    cut = f" (cut at byte {cut_at}: read up to it)" if cut_at is not None else ""
+    return (f"ok: {path}: {n_packets} packets{cut}, {n_events} track events, {total} slices on "
             f"{len(described)} tracks ({threads} threads, {len(gpu_devices)} GPU devices, {gpu_slices} GPU slices), "
-            f"{len(flows_out)} flows")
+            f"{len(flows_out)} flows ({cross} across processes){truth_line}")
 
 
 def main():
@@ -183,6 +299,12 @@ def main():
     parser.add_argument("--require-annotation", action="append", default=[], metavar="NAME")
     parser.add_argument("--expect-gpu-devices", type=int)
     parser.add_argument("--expect-gpu-slices", type=int)
+    parser.add_argument("--allow-cut-tail", action="store_true")
+    parser.add_argument("--check-cross-flows", action="store_true")
+    parser.add_argument("--min-cross-flows", type=int)
+    parser.add_argument("--check-truth", action="store_true")
+    parser.add_argument("--truth-slack-ns", type=int, default=0)
+    parser.add_argument("--expect-processes", type=int)
     args = parser.parse_args()
     expect = {}
     for item in args.expect_slices:
@@ -192,7 +314,9 @@ def main():
         expect[name] = int(count)
     try:
         print(check(args.trace, expect, args.expect_total_slices, args.expect_thread_tracks,
-                    args.require_annotation, args.expect_gpu_devices, args.expect_gpu_slices))
+                    args.require_annotation, args.expect_gpu_devices, args.expect_gpu_slices, args.allow_cut_tail,
+                    args.check_cross_flows, args.min_cross_flows, args.check_truth, args.truth_slack_ns,
+                    args.expect_processes))
     except (TraceError, OSError) as e:
         print(f"check_perfetto: {args.trace}: {e}", file=sys.stderr)
         sys.exit(1)

@@ -52,7 +52,20 @@ fn final_decision(wait: Duration) -> String {
         return "null".to_string();
     }
     let decision = tickline::TscDecider::process().wait_final(wait);
-    decision.to_json().to_string()
+    let figures = &decision.figures;
+    serde_json::json!({
+        "source": format!("{:?}", decision.source),
+        "stage": decision.stage.name(),
+        "fallback": decision.is_fallback(),
+        "reason": decision.fallback_reason,
+        "warnings": decision.warnings,
+        "passes": figures.passes,
+        "check_ms": figures.check_time.as_secs_f64() * 1e3,
+        "cpus_tested": figures.cpus_tested,
+        "max_shift_ns": figures.max_shift_ns,
+        "rate_spread_ppm": figures.rate_spread_ppm,
+    })
+    .to_string()
 }
 
 fn json_string(s: Option<&str>) -> String {

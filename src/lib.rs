@@ -72,6 +72,9 @@
 //!   per-track order, batches for the [`Exporter`]s.
 //! - [`gpu`]: the backend trait, the scope guard and handles; on the collector side, per device, the scopes in
 //!   flight, the clock tracker ([`gpu::GpuCalibrationConfig`]) and the queue lanes.
+//! - `sync`: what makes traces of several processes and hosts mergeable: [`HostInfo`] (machine id, host),
+//!   [`TraceUuid`], bracketed [`read_host_clocks`], the kernel's [`time_sync_state`], and the
+//!   [`ClockExchange`] between two processes over a socket.
 //! - [`calibration`]: pure math (fits, histories, the simulated clock pair); `clock`: reading counters, the
 //!   TSC reliability check and the process's cached tick-source decision ([`TscDecider`]), the check against an
 //!   independent clock, the live TSC calibrator, the division-free [`FastConverter`].
@@ -121,6 +124,7 @@ mod recorder;
 mod ring;
 mod scope;
 mod span_table;
+mod sync;
 mod timeline;
 
 pub use calibration::{
@@ -153,6 +157,12 @@ pub use scope::{
     record_counter_value as __record_counter, record_frame_mark as __record_frame_mark,
     record_instant as __record_instant,
 };
+pub use sync::{
+    host_boottime_ns, process_name, read_host_clocks, time_sync_state, ClockExchange, ClockExchangeConfig,
+    ClockReadings, ExchangeSample, HostInfo, MachineId, MachineIdSource, TimeSyncState, TraceUuid, MACHINE_ID_ENV,
+};
+#[doc(hidden)]
+pub use sync::{read_real_clocks, simulation, SimulatedClock, SIMULATE_CLOCK_ENV};
 pub use timeline::{Timeline, TimelineBuilder};
 
 /// Most bytes of fields one span, `record` or event carries (a ring smaller than 8 Ki records allows less);

@@ -67,40 +67,6 @@ pub struct IndependentCheck {
     pub skipped: Option<String>,
 }
 
-impl IndependentCheck {
-    /// The check as JSON, for `tickline clock --json`.
-    pub fn to_json(&self) -> serde_json::Value {
-        let clocks: Vec<serde_json::Value> = self
-            .clocks
-            .iter()
-            .map(|c| {
-                serde_json::json!({
-                    "name": c.name,
-                    "independent_of_tsc": c.independent_of_tsc,
-                    "about": c.about,
-                    "unreadable": c.unreadable,
-                })
-            })
-            .collect();
-        let measurement = self.measurement.as_ref().map(|m| {
-            serde_json::json!({
-                "reference": m.reference,
-                "interval_ns": m.interval_ns,
-                "hz_vs_reference": m.hz_vs_reference,
-                "hz_vs_monotonic": m.hz_vs_monotonic,
-                "monotonic_error_ppm": m.monotonic_error_ppm,
-                "uncertainty_ppm": m.uncertainty_ppm,
-            })
-        });
-        serde_json::json!({
-            "current_clocksource": self.current_clocksource,
-            "clocks": clocks,
-            "measurement": measurement,
-            "skipped": self.skipped,
-        })
-    }
-}
-
 impl fmt::Display for IndependentCheck {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
@@ -435,7 +401,7 @@ mod tests {
     #[test]
     fn the_check_measures_or_says_why_not() {
         let check = check_independent_reference(Duration::from_millis(10));
-        println!("{check}\n{}", check.to_json());
+        println!("{check}");
         assert!(check.measurement.is_some() ^ check.skipped.is_some(), "{check:?}");
         let text = check.to_string();
         assert!(text.starts_with("independent reference:"), "{text}");

@@ -27,7 +27,7 @@
 //! | 10 | GPU reads | device u16, read ns u64, count u32, (pair u32, generation u32, begin ticks u64, end ticks u64)... |
 //! | 11 | GPU lost | device u16, pair u32, generation u32 |
 //! | 12 | GPU read failed | device u16 |
-//! | 13 | pass end | drain ns u64, drain ticks u64, buffered bytes u64 |
+//! | 13 | pass end | drain ns u64, drain ticks u64, buffered bytes u64, rings drained u8 (1: every ring was drained) |
 //! | 14 | end | (empty): the capture was finished cleanly |
 //! | 15 | CPU clock note | fallback u8, doubt u8, text str: the tick-source decision in words |
 //!
@@ -217,11 +217,13 @@ impl CaptureWriter {
                 drain_ns,
                 drain_ticks,
                 buffered_bytes,
+                rings_drained,
             } => {
                 let result = self.emit(frame::PASS_END, |b| {
                     b.extend_from_slice(&drain_ns.to_le_bytes());
                     b.extend_from_slice(&drain_ticks.to_le_bytes());
                     b.extend_from_slice(&buffered_bytes.to_le_bytes());
+                    b.push(u8::from(*rings_drained));
                 });
                 if result.is_ok() && self.last_flush.elapsed() >= FLUSH_INTERVAL {
                     self.last_flush = Instant::now();
@@ -675,6 +677,7 @@ impl<R: Read> CaptureReader<R> {
                 drain_ns: p.u64()?,
                 drain_ticks: p.u64()?,
                 buffered_bytes: p.u64()?,
+                rings_drained: p.u8()? != 0,
             }),
             frame::END => Frame::End,
             // A frame type this version does not know: skipped.
@@ -821,6 +824,7 @@ mod tests {
                 drain_ns: 11,
                 drain_ticks: 22,
                 buffered_bytes: 33,
+                rings_drained: true,
             },
         ]
     }

@@ -300,12 +300,12 @@ impl Drain {
             self.tail.push(Input::CpuCalibration(samples));
         }
         self.gpu.poll(now_ns, force, &mut self.tail);
-        self.end_pass();
+        self.end_pass(!(over_budget || paused));
         requests
     }
 
-    /// Sends the pass's inputs in order and its end.
-    fn end_pass(&mut self) {
+    /// Sends the pass's inputs in order and its end (`rings_drained`: see [`Input::PassEnd`]).
+    fn end_pass(&mut self, rings_drained: bool) {
         let drain_ticks = self.source.read().0;
         let drain_ns = monotonic_ns().0;
         let registrations = std::mem::take(&mut self.registrations);
@@ -318,6 +318,7 @@ impl Drain {
             drain_ns,
             drain_ticks,
             buffered_bytes: self.budget.used(),
+            rings_drained,
         });
     }
 

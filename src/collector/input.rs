@@ -192,11 +192,15 @@ pub(crate) enum Input {
     },
     Gpu(GpuInput),
     /// A drain pass ended at `drain_ns` (reference ns; `drain_ticks` in CPU ticks). `buffered_bytes`: chunk
-    /// memory in flight towards the processing stage at that moment.
+    /// memory in flight towards the processing stage at that moment. `rings_drained`: every ring was drained
+    /// to its end in this pass (false when the chunk budget was full or draining was paused). Only such
+    /// passes count towards deciding that a record that should have come (a span's announcement, a GPU
+    /// scope's begin) was dropped: the others could not have brought it.
     PassEnd {
         drain_ns: u64,
         drain_ticks: u64,
         buffered_bytes: u64,
+        rings_drained: bool,
     },
     /// Live only: export and flush everything so far, then answer.
     Flush(crate::control::Reply),

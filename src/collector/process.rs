@@ -319,7 +319,7 @@ impl Processor {
     /// Processes what is queued and returns the batch, without releasing, reporting or exporting (benches).
     pub(crate) fn process_for_bench(&mut self) -> &crate::export::Batch {
         let drain = self.last_drain_ns;
-        self.process_rings(drain, false);
+        self.process_rings(drain, false, true);
         &self.out.batch
     }
 
@@ -340,9 +340,10 @@ impl Processor {
             Input::PassEnd {
                 drain_ns,
                 buffered_bytes,
+                rings_drained,
                 ..
             } => {
-                self.pass_end(drain_ns, false);
+                self.pass_end(drain_ns, false, rings_drained);
                 let value = self.out.value_name();
                 self.out
                     .push_counter(self.tracks.buffered, drain_ns, value, buffered_bytes as f64);
@@ -350,7 +351,8 @@ impl Processor {
             }
             Input::Flush(reply) => {
                 let drain_ns = self.last_drain_ns;
-                self.pass_end(drain_ns, true);
+                // The flush's own drain pass came just before (its `PassEnd`); nothing new was drained.
+                self.pass_end(drain_ns, true, false);
                 self.export(drain_ns, true);
                 let result = self.out.flush_exporters(&self.stats, false);
                 let _ = reply.send(result);
@@ -440,13 +442,15 @@ impl Processor {
     }
 
     /// Processes every ring as far as it can go, then releases holds, converts GPU slices and reports.
-    fn pass_end(&mut self, drain_ns: u64, force: bool) {
-        self.process_rings(drain_ns, force);
-        self.finish_pass(force);
+    /// `rings_drained`: see [`Input::PassEnd`].
+    fn pass_end(&mut self, drain_ns: u64, force: bool, rings_drained: bool) {
+        self.process_rings(drain_ns, force, rings_drained);
+        self.finish_pass(force, rings_drained);
     }
 
-    /// Processes every ring as far as it can go (`force`: past records that name unknown spans).
-    fn process_rings(&mut self, drain_ns: u64, force: bool) {
+    /// Processes every ring as far as it can go (`force`: past records that name unknown spans). A stall
+    /// counts towards giving up only in a pass that drained every ring (`rings_drained`).
+    fn process_rings(&mut self, drain_ns: u64, force: bool, rings_drained: bool) {
         self.pass += 1;
         self.last_drain_ns = self.last_drain_ns.max(drain_ns);
         // Rings wait on each other (a span created on one, entered on another): go round until nothing moves.
@@ -468,7 +472,7 @@ impl Processor {
             if stalled {
                 self.process_ring(ring, true);
             } else if let Some(r) = self.rings[ring as usize].as_mut() {
-                if !r.input.pending.is_empty() {
+                if !r.input.pending.is_empty() && rings_drained {
                     r.input.stalled_passes += 1;
                 }
             }
@@ -477,7 +481,7 @@ impl Processor {
     }
 
     /// Releases what the holds allow (`force`: everything), converts GPU slices, reports.
-    fn finish_pass(&mut self, force: bool) {
+    fn finish_pass(&mut self, force: bool, rings_drained: bool) {
         let drain = self.last_drain_ns;
         for k in 0..self.active.len() {
             let ring = self.active[k];
@@ -492,7 +496,7 @@ impl Processor {
                 self.rings[ring as usize] = Some(r);
             }
         }
-        self.gpu.pass_end(&mut self.out, drain, force);
+        self.gpu.pass_end(&mut self.out, drain, force, rings_drained);
         self.report(drain);
         self.spans.sweep(self.pass);
     }
@@ -1107,7 +1111,7 @@ impl Processor {
 
     fn shutdown(&mut self) -> Result<(), String> {
         let end = self.last_drain_ns;
-        self.process_rings(end, true);
+        self.process_rings(end, true, false);
         // Threads still running: their open slices go on past the end of the trace.
         for k in 0..self.active.len() {
             let ring = self.active[k];
@@ -1116,7 +1120,7 @@ impl Processor {
                 self.rings[ring as usize] = Some(r);
             }
         }
-        self.finish_pass(true);
+        self.finish_pass(true, false);
         self.gpu.abandon();
         self.report(end);
         self.export(end, true);
@@ -1242,6 +1246,7 @@ mod tests {
             drain_ns: 1_000_000,
             drain_ticks: 1_000_000,
             buffered_bytes: 0,
+            rings_drained: true,
         });
     }
 
@@ -1450,7 +1455,7 @@ mod tests {
                 all.extend_from_slice(&group);
             }
             p.input(Input::Chunk(Chunk { ring: 1, now_ticks: 2_000_000, dropped_total: 0, records: all }));
-            p.input(Input::PassEnd { drain_ns: 2_000_000, drain_ticks: 2_000_000, buffered_bytes: 0 });
+            p.input(Input::PassEnd { drain_ns: 2_000_000, drain_ticks: 2_000_000, buffered_bytes: 0, rings_drained: true });
             let (tx, rx) = crossbeam_channel::bounded(1);
             p.input(Input::Shutdown(tx));
             prop_assert!(rx.recv().unwrap().is_ok());

@@ -79,8 +79,10 @@ pub(crate) struct GpuStats {
     pub(crate) read_failures: u64,
 }
 
-/// Passes a read waits for its scope's begin record before it is dropped (the record was lost to a full
-/// ring, which counted it).
+/// Passes that drained every ring a read waits for its scope's begin record before it is dropped (the record
+/// was lost to a full ring, which counted it). The begin was recorded before the GPU wrote the ticks, so the
+/// second such pass after the read has brought it if it was kept; passes that left the rings alone (a full
+/// chunk budget, a paused drain) do not count.
 const UNMATCHED_READ_PASSES: u64 = 3;
 
 /// Every GPU device of one timeline.
@@ -89,7 +91,8 @@ pub(crate) struct GpuCollector {
     config: GpuCalibrationConfig,
     devices: HashMap<u16, DeviceState>,
     next_flow: u64,
-    pass: u64,
+    /// Passes that drained every ring (see [`UNMATCHED_READ_PASSES`]).
+    drained_passes: u64,
     pub(crate) stats: GpuStats,
     uncertainty_name: Option<NameId>,
 }
@@ -138,7 +141,7 @@ impl GpuCollector {
                             end: read.end,
                             read_ns,
                         }),
-                        None => d.unmatched_reads.push((read, read_ns, self.pass)),
+                        None => d.unmatched_reads.push((read, read_ns, self.drained_passes)),
                     }
                 }
             }
@@ -259,10 +262,10 @@ impl GpuCollector {
 
     /// End of a drain pass at `drain_ns` (reference ns): every scope recorded before it has been seen. Converts
     /// what is ready, lays slices out and exports them, exports calibration counters. `force` (flush,
-    /// shutdown) converts and exports every finished slice now.
-    pub(crate) fn pass_end(&mut self, out: &mut Output, drain_ns: u64, force: bool) {
-        self.pass += 1;
-        let pass = self.pass;
+    /// shutdown) converts and exports every finished slice now. `rings_drained`: the pass drained every ring.
+    pub(crate) fn pass_end(&mut self, out: &mut Output, drain_ns: u64, force: bool, rings_drained: bool) {
+        self.drained_passes += u64::from(rings_drained);
+        let pass = self.drained_passes;
         let uncertainty_name = *self
             .uncertainty_name
             .get_or_insert_with(|| out.intern("uncertainty_ns"));

@@ -357,7 +357,41 @@ fn scopes_whose_begin_record_is_dropped_are_counted_and_their_timestamp_pairs_re
     assert!(stats.dropped_records > 0, "{stats:?}");
     // Each scope is a two-record group: recorded or dropped whole.
     assert_eq!(stats.gpu_scopes * 2 + stats.dropped_records, 600, "{stats:?}");
-    assert_eq!(memory.snapshot().slice_count("dispatch") as u64, stats.gpu_scopes);
+    assert_eq!(
+        memory.snapshot().slice_count("dispatch") as u64,
+        stats.gpu_scopes,
+        "{stats:?}"
+    );
+}
+
+#[test]
+fn gpu_ticks_read_while_the_cpu_rings_wait_still_find_their_scopes() {
+    let _one_at_a_time = crate::exclusive();
+    let memory = MemoryExporter::default();
+    // The CPU rings are not drained (a paused drain stands for a full chunk budget), but the GPU is polled
+    // every millisecond: its ticks come hundreds of passes before the scopes' begin records. Those passes
+    // could not have brought the begins, so the reads must wait for them rather than be thrown away.
+    let timeline = Timeline::builder()
+        .exporter(memory.clone())
+        .poll_interval(Duration::from_millis(1))
+        .start()
+        .unwrap();
+    let gpu = timeline.gpu(SimGpu::new(SimGpuConfig::default()).unwrap()).unwrap();
+    let queue = gpu.queue("compute").unwrap();
+    timeline.pause_drain(true);
+    let commands = SimCommands::new();
+    for _ in 0..20 {
+        let _scope = tickline::gpu_scope!(queue, &commands, "dispatch");
+        commands.work(Duration::from_micros(5));
+    }
+    let _ = gpu.backend().submit(commands).wait();
+    std::thread::sleep(Duration::from_millis(300));
+    timeline.pause_drain(false);
+    timeline.flush().unwrap();
+    let stats = timeline.shutdown().unwrap();
+    assert_eq!(stats.dropped_records, 0, "{stats:?}");
+    assert_eq!((stats.gpu_scopes, stats.gpu_lost_scopes), (20, 0), "{stats:?}");
+    assert_eq!(memory.snapshot().slice_count("dispatch"), 20, "{stats:?}");
 }
 
 /// A backend whose clock cannot be calibrated (a driver that fails every calibrated read).

@@ -1,7 +1,6 @@
 //! Integration tests, built as one binary.
 
 mod capture;
-mod cli;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod gpu;

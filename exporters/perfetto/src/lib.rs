@@ -12,10 +12,42 @@
 //! suspended). A clock snapshot of BOOTTIME, MONOTONIC and REALTIME comes first in the file, and a new one
 //! after a suspend changes the offset, so the trace lines up with a Perfetto system trace of the same machine.
 //!
+//! Clock snapshots of BOOTTIME, MONOTONIC, MONOTONIC_RAW and REALTIME, each read inside one tight bracket,
+//! are written at the start, every [`snapshot_interval`](PerfettoExporter::snapshot_interval) (2 s by
+//! default) and at the end, so `tickline merge` can follow this host's clocks between them.
+//!
+//! # A trace that says where it came from
+//!
+//! Besides the timeline, a trace holds what merging it with other processes' and hosts' traces needs, in
+//! Perfetto's own fields where they exist: a `TraceUuid` packet, a `SystemInfo` packet (`uname`, CPUs, page
+//! size), the process track's `process_labels` (`host=...`, `machine=...`), and the periodic
+//! `ClockSnapshot`s. What Perfetto has no field for sits on a track named `tickline clock` as instants with
+//! debug annotations (visible in the UI, and read back by `tickline merge`):
+//!
+//! - `tickline trace` (once): `trace_uuid`, `machine_id` (16 hex digits), `machine_id_source`, `boot_id`,
+//!   `host`, `pid`, `process`, `tickline_version`;
+//! - `tickline clock snapshot` (with every `ClockSnapshot`): `boottime_ns`, `monotonic_ns`,
+//!   `monotonic_raw_ns`, `realtime_ns`, `bracket_ns`, and the kernel's time-sync state `sync_synchronized`,
+//!   `sync_est_error_ns`, `sync_max_error_ns`, `sync_status`;
+//! - `tickline clock exchange` (one per round of a [`ClockExchange`], on a child track per peer): `role`,
+//!   `client_machine`, `server_machine`, `burst`, `t1_ns` .. `t4_ns`.
+//!
+//! These are written by the collector thread as it exports, a few packets per second: nothing on the
+//! application's hot path.
+//!
+//! # Durability
+//!
+//! Packets are written to the file whole, at the latest every [`flush_interval`](PerfettoExporter::flush_interval)
+//! (1 s by default) while the timeline exports (it calls [`Exporter::export`] at least every ~100 ms, with
+//! an empty batch when idle), so a killed process loses about the last second; a file cut at any byte still
+//! loads up to its last whole packet.
+//!
 //! # Caveats
 //!
-//! Perfetto's importer silently drops a packed `flow_ids`, so flow ids are written unpacked. Track uuids are
-//! the timeline's track ids salted with the process id, unique within one trace file.
+//! Perfetto's importer silently drops a packed `flow_ids`, so flow ids are written unpacked. Track uuids and
+//! flow ids are the timeline's ids XORed with a 32-bit salt drawn from the trace UUID (in the high half), so
+//! they are unique within a trace and, to one chance in 2^32 per pair of traces, across traces; `tickline
+//! merge` checks.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
@@ -23,9 +55,13 @@
 use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use prost::encoding::{encode_key, encode_varint, WireType};
-use tickline::{Batch, Event, EventKind, ExportError, Exporter, FieldValue, TrackDescriptor, TrackKind};
+use tickline::{
+    Batch, ClockExchange, ClockReadings, Event, EventKind, ExchangeSample, ExportError, Exporter, FieldValue, HostInfo,
+    MachineId, MachineIdSource, SimulatedClock, TraceUuid, TrackDescriptor, TrackKind,
+};
 
 /// The one packet sequence this writer emits.
 const SEQUENCE_ID: u64 = 1;
@@ -33,7 +69,18 @@ const SEQ_INCREMENTAL_STATE_CLEARED: u64 = 1;
 const SEQ_NEEDS_INCREMENTAL_STATE: u64 = 2;
 const CLOCK_REALTIME: u64 = 1;
 const CLOCK_MONOTONIC: u64 = 3;
+const CLOCK_MONOTONIC_RAW: u64 = 5;
 const CLOCK_BOOTTIME: u64 = 6;
+/// Event names of tickline's own instants (written with a plain `name`, never interned).
+pub const TRACE_INFO_EVENT: &str = "tickline trace";
+/// See [`TRACE_INFO_EVENT`].
+pub const CLOCK_SNAPSHOT_EVENT: &str = "tickline clock snapshot";
+/// See [`TRACE_INFO_EVENT`].
+pub const CLOCK_EXCHANGE_EVENT: &str = "tickline clock exchange";
+/// The name of the track holding them.
+pub const CLOCK_TRACK_NAME: &str = "tickline clock";
+/// Track ids at and above this are the exporter's own (the timeline's are small counters).
+const OWN_TRACKS: u64 = 0xffff_ff00;
 /// Write the buffer out when it holds this much: big writes, bounded memory.
 const FLUSH_AT_BYTES: usize = 1 << 20;
 /// A suspend shorter than this does not warrant a new clock snapshot.
@@ -45,6 +92,8 @@ mod field {
     pub mod packet {
         pub const CLOCK_SNAPSHOT: u32 = 6;
         pub const TIMESTAMP: u32 = 8;
+        pub const SYSTEM_INFO: u32 = 45;
+        pub const TRACE_UUID: u32 = 89;
         pub const TRUSTED_PACKET_SEQUENCE_ID: u32 = 10;
         pub const TRACK_EVENT: u32 = 11;
         pub const INTERNED_DATA: u32 = 12;
@@ -57,8 +106,22 @@ mod field {
         pub const CLOCK_ID: u32 = 1;
         pub const TIMESTAMP: u32 = 2;
     }
+    pub mod uuid {
+        pub const MSB: u32 = 1;
+        pub const LSB: u32 = 2;
+    }
+    pub mod system_info {
+        pub const UTSNAME: u32 = 1;
+        pub const PAGE_SIZE: u32 = 6;
+        pub const NUM_CPUS: u32 = 8;
+        pub const SYSNAME: u32 = 1;
+        pub const VERSION: u32 = 2;
+        pub const RELEASE: u32 = 3;
+        pub const MACHINE: u32 = 4;
+    }
     pub mod event {
         pub const DEBUG_ANNOTATIONS: u32 = 4;
+        pub const NAME: u32 = 23;
         pub const TYPE: u32 = 9;
         pub const NAME_IID: u32 = 10;
         pub const TRACK_UUID: u32 = 11;
@@ -77,6 +140,7 @@ mod field {
         pub const INT_VALUE: u32 = 4;
         pub const DOUBLE_VALUE: u32 = 5;
         pub const STRING_VALUE: u32 = 6;
+        pub const NAME: u32 = 10;
     }
     pub mod interned {
         pub const EVENT_NAMES: u32 = 2;
@@ -93,6 +157,7 @@ mod field {
         pub const COUNTER: u32 = 8;
         pub const PID: u32 = 1;
         pub const PROCESS_NAME: u32 = 6;
+        pub const PROCESS_LABELS: u32 = 8;
         pub const TID: u32 = 2;
         pub const THREAD_NAME: u32 = 5;
         pub const UNIT_NAME: u32 = 6;
@@ -106,15 +171,20 @@ pub struct PerfettoStats {
     pub packets: u64,
     /// Bytes handed to the writer.
     pub bytes_written: u64,
-    /// Clock snapshots written (one at start, one after each suspend).
+    /// Clock snapshots written (at start, periodically, after a suspend and at the end).
     pub clock_snapshots: u64,
+    /// Clock-exchange rounds written.
+    pub exchange_samples: u64,
 }
 
 /// An [`Exporter`] writing a Perfetto trace.
 ///
 /// ```
+/// use std::time::Duration;
 /// let path = std::env::temp_dir().join("tickline-doc-example.pftrace");
-/// let exporter = tickline_perfetto::PerfettoExporter::create(&path).unwrap();
+/// let exporter = tickline_perfetto::PerfettoExporter::create(&path)
+///     .unwrap()
+///     .flush_interval(Duration::from_millis(500));
 /// let timeline = tickline::Timeline::builder().exporter(exporter).start().unwrap();
 /// {
 ///     let _s = tickline::scope!("work");
@@ -129,17 +199,36 @@ pub struct PerfettoExporter<W: Write + Send = File> {
     packet: Vec<u8>,
     body: Vec<u8>,
     nested: Vec<u8>,
+    /// XORed into the high half of every track uuid and flow id: the trace's own.
     uuid_salt: u64,
     boot_offset_ns: i64,
     started: bool,
     failed: Option<(std::io::ErrorKind, String)>,
     stats: PerfettoStats,
+    trace_uuid: TraceUuid,
+    host: HostInfo,
+    simulate: Option<SimulatedClock>,
+    flush_interval: Duration,
+    snapshot_interval: Duration,
+    last_write: Instant,
+    last_snapshot: Instant,
+    /// The process track's uuid, once the timeline described it (the clock track hangs under it).
+    process_uuid: Option<u64>,
+    clock_track_described: bool,
+    exchange: Option<ClockExchange>,
+    exchange_cursor: usize,
+    /// Peer machines that have a clock-exchange track, and the last timestamp written on each.
+    exchange_tracks: Vec<(MachineId, u64)>,
+    last_clock_ts: u64,
+    /// The first snapshot's readings, until the clock track exists to hold its instant.
+    pending_snapshot: Option<ClockReadings>,
 }
 
 impl<W: Write + Send> std::fmt::Debug for PerfettoExporter<W> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PerfettoExporter")
             .field("path", &self.path)
+            .field("trace_uuid", &self.trace_uuid)
             .field("stats", &self.stats)
             .finish()
     }
@@ -172,12 +261,33 @@ fn clock_ns(clock: libc::clockid_t) -> i64 {
     ns
 }
 
-/// `(BOOTTIME, MONOTONIC, REALTIME)` now, MONOTONIC read between the others.
-fn read_clocks() -> (i64, i64, i64) {
-    let boot = clock_ns(libc::CLOCK_BOOTTIME);
-    let mono = clock_ns(libc::CLOCK_MONOTONIC);
-    let real = clock_ns(libc::CLOCK_REALTIME);
-    (boot, mono, real)
+/// The host's `uname()`: (sysname, release, version, machine).
+fn uname() -> Option<[String; 4]> {
+    // SAFETY: an all-zero `utsname` is a valid value of this plain C struct of byte arrays.
+    let mut u: libc::utsname = unsafe { std::mem::zeroed() };
+    // SAFETY: `u` is a valid, writable utsname.
+    if unsafe { libc::uname(&mut u) } != 0 {
+        return None;
+    }
+    let text = |field: &[libc::c_char]| {
+        let bytes: Vec<u8> = field.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    };
+    Some([text(&u.sysname), text(&u.release), text(&u.version), text(&u.machine)])
+}
+
+fn sysconf(name: libc::c_int) -> Option<u64> {
+    // SAFETY: sysconf takes any name and returns -1 for unknown ones.
+    let v = unsafe { libc::sysconf(name) };
+    (v > 0).then_some(v as u64)
+}
+
+/// One debug annotation with a plain (not interned) name, for tickline's own instants.
+enum Annotation<'a> {
+    U64(&'a str, u64),
+    I64(&'a str, i64),
+    Bool(&'a str, bool),
+    Str(&'a str, &'a str),
 }
 
 fn put_varint_field(buf: &mut Vec<u8>, tag: u32, value: u64) {
@@ -223,8 +333,11 @@ fn patch_length(buf: &mut Vec<u8>, body_start: usize) {
 }
 
 impl<W: Write + Send> PerfettoExporter<W> {
-    /// A writer of a Perfetto trace to `writer` (a file, a `Vec<u8>`, a socket).
+    /// A writer of a Perfetto trace to `writer` (a file, a `Vec<u8>`, a socket), with a fresh [`TraceUuid`]
+    /// and this machine's [`HostInfo`].
     pub fn new(writer: W) -> Self {
+        let trace_uuid = TraceUuid::new_random();
+        let now = Instant::now();
         PerfettoExporter {
             writer,
             path: None,
@@ -232,12 +345,73 @@ impl<W: Write + Send> PerfettoExporter<W> {
             packet: Vec::with_capacity(256),
             body: Vec::with_capacity(256),
             nested: Vec::with_capacity(256),
-            uuid_salt: (std::process::id() as u64) << 32,
+            uuid_salt: u64::from(trace_uuid.salt32()) << 32,
             boot_offset_ns: 0,
             started: false,
             failed: None,
             stats: PerfettoStats::default(),
+            trace_uuid,
+            host: HostInfo::current().clone(),
+            simulate: tickline::simulation().copied(),
+            flush_interval: Duration::from_secs(1),
+            snapshot_interval: Duration::from_secs(2),
+            last_write: now,
+            last_snapshot: now,
+            process_uuid: None,
+            clock_track_described: false,
+            exchange: None,
+            exchange_cursor: 0,
+            exchange_tracks: Vec::new(),
+            last_clock_ts: 0,
+            pending_snapshot: None,
         }
+    }
+
+    /// Writes whole packets to the writer at least this often while the timeline exports (default 1 s), so
+    /// a killed process loses at most about this much. `Duration::ZERO` writes on every export.
+    pub fn flush_interval(mut self, interval: Duration) -> Self {
+        self.flush_interval = interval;
+        self
+    }
+
+    /// Takes a bracketed clock snapshot this often (default 2 s; at least 10 ms): what lets `tickline merge`
+    /// follow this host's clocks against each other (and NTP's corrections) between the start and the end.
+    pub fn snapshot_interval(mut self, interval: Duration) -> Self {
+        self.snapshot_interval = interval.max(Duration::from_millis(10));
+        self
+    }
+
+    /// Stores the rounds of `exchange` in the trace (as `tickline clock exchange` instants), so `tickline
+    /// merge` can align this trace with its peer's by them; at [`finish`](Exporter::finish) a client side runs
+    /// one last burst first. The trace takes the exchange's machine id (they must agree for the rounds to
+    /// mean anything).
+    pub fn clock_exchange(mut self, exchange: ClockExchange) -> Self {
+        if exchange.machine_id() != self.host.machine_id {
+            self.host.machine_id = exchange.machine_id();
+            self.host.machine_id_source = MachineIdSource::Override;
+        }
+        self.exchange = Some(exchange);
+        self
+    }
+
+    /// Claims another machine identity than [`HostInfo::current`]'s (e.g. one per container image whose
+    /// clocks are the host's: better left alone; or to tell simulated machines apart in tests).
+    pub fn machine_id(mut self, id: MachineId) -> Self {
+        self.host.machine_id = id;
+        self.host.machine_id_source = MachineIdSource::Override;
+        self
+    }
+
+    /// The test hook: writes every timestamp as a machine whose clocks run off this one's would.
+    #[doc(hidden)]
+    pub fn simulate_clock(mut self, sim: Option<SimulatedClock>) -> Self {
+        self.simulate = sim;
+        self
+    }
+
+    /// This trace's UUID (also in its `TraceUuid` packet).
+    pub fn trace_uuid(&self) -> TraceUuid {
+        self.trace_uuid
     }
 
     /// What was written so far.
@@ -252,7 +426,39 @@ impl<W: Write + Send> PerfettoExporter<W> {
     }
 
     fn uuid(&self, track: tickline::TrackId) -> u64 {
-        self.uuid_salt | track.0
+        self.uuid_salt ^ track.0
+    }
+
+    /// A reference-clock (MONOTONIC) timestamp as the trace shows it: BOOTTIME, through the test hook when
+    /// `SIM` (a const, so the event loop without the hook has no branch for it).
+    #[inline(always)]
+    fn trace_ts<const SIM: bool>(&self, mono_ns: u64) -> u64 {
+        let mut ts = (mono_ns as i64).saturating_add(self.boot_offset_ns);
+        if SIM {
+            if let Some(sim) = &self.simulate {
+                ts = ts.saturating_add(sim.shift_ns(mono_ns));
+            }
+        }
+        ts.max(0) as u64
+    }
+
+    /// The events of a batch, in order.
+    fn write_events<const SIM: bool>(&mut self, batch: &Batch) -> Result<(), ExportError> {
+        for event in &batch.events {
+            self.write_event::<SIM>(batch, event);
+            if self.buf.len() >= FLUSH_AT_BYTES {
+                self.write_out()?;
+            }
+        }
+        Ok(())
+    }
+
+    fn read_clocks(&self) -> ClockReadings {
+        let real = tickline::read_real_clocks();
+        match &self.simulate {
+            Some(sim) => sim.apply(real),
+            None => real,
+        }
     }
 
     /// Frames `self.packet` as one `Trace.packet` in the output buffer.
@@ -262,18 +468,29 @@ impl<W: Write + Send> PerfettoExporter<W> {
         self.stats.packets += 1;
     }
 
+    /// A bracketed snapshot of the four clocks, and (once the clock track exists) its instant with the
+    /// bracket and the time-sync state.
     fn write_clock_snapshot(&mut self, first: bool) {
-        let (boot, mono, real) = read_clocks();
-        self.boot_offset_ns = boot - mono;
+        let real = tickline::read_real_clocks();
+        self.boot_offset_ns = real.boottime_ns as i64 - real.monotonic_ns as i64;
+        let r = match &self.simulate {
+            Some(sim) => sim.apply(real),
+            None => real,
+        };
         self.body.clear();
-        for (id, ts) in [(CLOCK_BOOTTIME, boot), (CLOCK_MONOTONIC, mono), (CLOCK_REALTIME, real)] {
+        for (id, ts) in [
+            (CLOCK_BOOTTIME, r.boottime_ns),
+            (CLOCK_MONOTONIC, r.monotonic_ns),
+            (CLOCK_MONOTONIC_RAW, r.monotonic_raw_ns),
+            (CLOCK_REALTIME, r.realtime_ns),
+        ] {
             self.nested.clear();
             put_varint_field(&mut self.nested, field::snapshot::CLOCK_ID, id);
-            put_varint_field(&mut self.nested, field::snapshot::TIMESTAMP, ts as u64);
+            put_varint_field(&mut self.nested, field::snapshot::TIMESTAMP, ts);
             put_bytes_field(&mut self.body, field::snapshot::CLOCKS, &self.nested);
         }
         put_varint_field(&mut self.body, field::snapshot::PRIMARY_TRACE_CLOCK, CLOCK_BOOTTIME);
-        put_varint_field(&mut self.packet, field::packet::TIMESTAMP, boot as u64);
+        put_varint_field(&mut self.packet, field::packet::TIMESTAMP, r.boottime_ns);
         put_bytes_field(&mut self.packet, field::packet::CLOCK_SNAPSHOT, &self.body);
         put_varint_field(&mut self.packet, field::packet::TRUSTED_PACKET_SEQUENCE_ID, SEQUENCE_ID);
         if first {
@@ -285,6 +502,224 @@ impl<W: Write + Send> PerfettoExporter<W> {
         }
         self.commit_packet();
         self.stats.clock_snapshots += 1;
+        self.last_snapshot = Instant::now();
+        if self.clock_track_described {
+            self.write_snapshot_instant(&r);
+        } else {
+            self.pending_snapshot = Some(r);
+        }
+    }
+
+    fn write_snapshot_instant(&mut self, r: &ClockReadings) {
+        let sync = tickline::time_sync_state();
+        let mut annotations = vec![
+            Annotation::U64("boottime_ns", r.boottime_ns),
+            Annotation::U64("monotonic_ns", r.monotonic_ns),
+            Annotation::U64("monotonic_raw_ns", r.monotonic_raw_ns),
+            Annotation::U64("realtime_ns", r.realtime_ns),
+            Annotation::U64("bracket_ns", r.bracket_ns),
+        ];
+        if let Some(sync) = &sync {
+            annotations.extend([
+                Annotation::Bool("sync_synchronized", sync.synchronized),
+                Annotation::U64("sync_est_error_ns", sync.est_error_ns),
+                Annotation::U64("sync_max_error_ns", sync.max_error_ns),
+                Annotation::I64("sync_status", i64::from(sync.status)),
+            ]);
+        }
+        // The clock track's timestamps never go backwards, even if a snapshot's BOOTTIME did (it cannot).
+        let ts = r.boottime_ns.max(self.last_clock_ts);
+        self.last_clock_ts = ts;
+        let track = self.uuid_salt ^ OWN_TRACKS;
+        self.write_own_instant(ts, track, CLOCK_SNAPSHOT_EVENT, &annotations);
+    }
+
+    /// `SystemInfo`, `TraceUuid`: once, after the first snapshot.
+    fn write_identity_packets(&mut self) {
+        self.body.clear();
+        put_varint_field(&mut self.body, field::uuid::MSB, self.trace_uuid.msb() as u64);
+        put_varint_field(&mut self.body, field::uuid::LSB, self.trace_uuid.lsb() as u64);
+        put_bytes_field(&mut self.packet, field::packet::TRACE_UUID, &self.body);
+        put_varint_field(&mut self.packet, field::packet::TRUSTED_PACKET_SEQUENCE_ID, SEQUENCE_ID);
+        self.commit_packet();
+
+        self.body.clear();
+        if let Some([sysname, release, version, machine]) = uname() {
+            self.nested.clear();
+            put_bytes_field(&mut self.nested, field::system_info::SYSNAME, sysname.as_bytes());
+            put_bytes_field(&mut self.nested, field::system_info::VERSION, version.as_bytes());
+            put_bytes_field(&mut self.nested, field::system_info::RELEASE, release.as_bytes());
+            put_bytes_field(&mut self.nested, field::system_info::MACHINE, machine.as_bytes());
+            put_bytes_field(&mut self.body, field::system_info::UTSNAME, &self.nested);
+        }
+        if let Some(page) = sysconf(libc::_SC_PAGESIZE) {
+            put_varint_field(&mut self.body, field::system_info::PAGE_SIZE, page);
+        }
+        if let Some(cpus) = sysconf(libc::_SC_NPROCESSORS_CONF) {
+            put_varint_field(&mut self.body, field::system_info::NUM_CPUS, cpus);
+        }
+        put_bytes_field(&mut self.packet, field::packet::SYSTEM_INFO, &self.body);
+        put_varint_field(&mut self.packet, field::packet::TRUSTED_PACKET_SEQUENCE_ID, SEQUENCE_ID);
+        self.commit_packet();
+    }
+
+    /// The `tickline clock` track (under the process track when the timeline described one) and the
+    /// `tickline trace` instant; then the first snapshot's instant.
+    fn write_clock_track(&mut self) {
+        let uuid = self.uuid_salt ^ OWN_TRACKS;
+        self.write_named_track(uuid, self.process_uuid, CLOCK_TRACK_NAME);
+        self.clock_track_described = true;
+        let first = self.pending_snapshot.take().unwrap_or_else(|| self.read_clocks());
+        let (uuid_text, machine) = (self.trace_uuid.to_string(), self.host.machine_id.to_string());
+        let host = self.host.clone();
+        let process = tickline::process_name();
+        let annotations = [
+            Annotation::Str("trace_uuid", &uuid_text),
+            Annotation::Str("machine_id", &machine),
+            Annotation::Str("machine_id_source", host.machine_id_source.as_str()),
+            Annotation::Str("boot_id", &host.boot_id),
+            Annotation::Str("host", &host.host_name),
+            Annotation::U64("pid", u64::from(std::process::id())),
+            Annotation::Str("process", &process),
+            Annotation::Str("tickline_version", env!("CARGO_PKG_VERSION")),
+        ];
+        self.last_clock_ts = first.boottime_ns;
+        self.write_own_instant(first.boottime_ns, uuid, TRACE_INFO_EVENT, &annotations);
+        self.write_snapshot_instant(&first);
+    }
+
+    fn write_named_track(&mut self, uuid: u64, parent: Option<u64>, name: &str) {
+        self.body.clear();
+        put_varint_field(&mut self.body, field::track::UUID, uuid);
+        if let Some(parent) = parent {
+            put_varint_field(&mut self.body, field::track::PARENT_UUID, parent);
+        }
+        put_bytes_field(&mut self.body, field::track::NAME, name.as_bytes());
+        put_bytes_field(&mut self.packet, field::packet::TRACK_DESCRIPTOR, &self.body);
+        put_varint_field(&mut self.packet, field::packet::TRUSTED_PACKET_SEQUENCE_ID, SEQUENCE_ID);
+        self.commit_packet();
+    }
+
+    /// An instant with a plain name and plain-named annotations on one of the exporter's own tracks.
+    fn write_own_instant(&mut self, ts: u64, track: u64, name: &str, annotations: &[Annotation<'_>]) {
+        self.body.clear();
+        put_varint_field(&mut self.body, field::event::TYPE, field::event::TYPE_INSTANT);
+        put_varint_field(&mut self.body, field::event::TRACK_UUID, track);
+        put_bytes_field(&mut self.body, field::event::NAME, name.as_bytes());
+        for a in annotations {
+            self.nested.clear();
+            let n = &mut self.nested;
+            match a {
+                Annotation::U64(k, v) => {
+                    put_bytes_field(n, field::annotation::NAME, k.as_bytes());
+                    put_varint_field(n, field::annotation::UINT_VALUE, *v);
+                }
+                Annotation::I64(k, v) => {
+                    put_bytes_field(n, field::annotation::NAME, k.as_bytes());
+                    put_varint_field(n, field::annotation::INT_VALUE, *v as u64);
+                }
+                Annotation::Bool(k, v) => {
+                    put_bytes_field(n, field::annotation::NAME, k.as_bytes());
+                    put_varint_field(n, field::annotation::BOOL_VALUE, u64::from(*v));
+                }
+                Annotation::Str(k, v) => {
+                    put_bytes_field(n, field::annotation::NAME, k.as_bytes());
+                    put_bytes_field(n, field::annotation::STRING_VALUE, v.as_bytes());
+                }
+            }
+            put_bytes_field(&mut self.body, field::event::DEBUG_ANNOTATIONS, &self.nested);
+        }
+        put_varint_field(&mut self.packet, field::packet::TIMESTAMP, ts);
+        put_bytes_field(&mut self.packet, field::packet::TRACK_EVENT, &self.body);
+        put_varint_field(&mut self.packet, field::packet::TRUSTED_PACKET_SEQUENCE_ID, SEQUENCE_ID);
+        self.commit_packet();
+    }
+
+    /// Writes the exchange rounds finished since the last call, on one track per peer machine.
+    fn write_exchange_samples(&mut self) {
+        let Some(exchange) = &self.exchange else {
+            return;
+        };
+        let (samples, next) = exchange.samples_since(self.exchange_cursor);
+        if samples.is_empty() {
+            return;
+        }
+        self.exchange_cursor = next;
+        let local = exchange.machine_id();
+        let peers = exchange.peers();
+        for s in samples {
+            self.write_exchange_sample(&s, local, &peers);
+        }
+    }
+
+    fn write_exchange_sample(&mut self, s: &ExchangeSample, local: MachineId, peers: &[(MachineId, String)]) {
+        let is_client = s.client == local;
+        let peer = if is_client { s.server } else { s.client };
+        let index = match self.exchange_tracks.iter().position(|(m, _)| *m == peer) {
+            Some(i) => i,
+            None => {
+                let host = peers
+                    .iter()
+                    .find(|(m, _)| *m == peer)
+                    .map_or_else(|| peer.to_string(), |(_, h)| h.clone());
+                let uuid = self.uuid_salt ^ (OWN_TRACKS + 1 + self.exchange_tracks.len() as u64);
+                let name = format!("{CLOCK_EXCHANGE_EVENT} with {host} ({peer})");
+                self.write_named_track(uuid, Some(self.uuid_salt ^ OWN_TRACKS), &name);
+                self.exchange_tracks.push((peer, 0));
+                self.exchange_tracks.len() - 1
+            }
+        };
+        let local_ts = if is_client {
+            s.t4_client_receive_ns
+        } else {
+            s.t3_server_send_ns
+        };
+        let ts = local_ts.max(self.exchange_tracks[index].1);
+        self.exchange_tracks[index].1 = ts;
+        let uuid = self.uuid_salt ^ (OWN_TRACKS + 1 + index as u64);
+        let (client, server) = (s.client.to_string(), s.server.to_string());
+        let annotations = [
+            Annotation::Str("role", if is_client { "client" } else { "server" }),
+            Annotation::Str("client_machine", &client),
+            Annotation::Str("server_machine", &server),
+            Annotation::U64("burst", s.burst),
+            Annotation::U64("t1_ns", s.t1_client_send_ns),
+            Annotation::U64("t2_ns", s.t2_server_receive_ns),
+            Annotation::U64("t3_ns", s.t3_server_send_ns),
+            Annotation::U64("t4_ns", s.t4_client_receive_ns),
+        ];
+        self.write_own_instant(ts, uuid, CLOCK_EXCHANGE_EVENT, &annotations);
+        self.stats.exchange_samples += 1;
+    }
+
+    /// The start of the file: snapshot (clearing the sequence's state), `TraceUuid`, `SystemInfo`.
+    fn start(&mut self) {
+        if !self.started {
+            self.write_clock_snapshot(true);
+            self.write_identity_packets();
+            self.started = true;
+        }
+    }
+
+    /// What the exporter writes on its own: the clock track once the timeline's tracks are in, periodic
+    /// snapshots, exchange rounds, and the timed write-out.
+    fn housekeeping(&mut self, force_write: bool) -> Result<(), ExportError> {
+        if !self.clock_track_described {
+            self.write_clock_track();
+        }
+        let now = Instant::now();
+        if now.duration_since(self.last_snapshot) >= self.snapshot_interval {
+            self.write_clock_snapshot(false);
+        }
+        self.write_exchange_samples();
+        if force_write || now.duration_since(self.last_write) >= self.flush_interval {
+            self.last_write = now;
+            self.write_out()?;
+            if let Err(e) = self.writer.flush() {
+                return Err(self.fail(e, "flushing Perfetto trace"));
+            }
+        }
+        Ok(())
     }
 
     fn write_track(&mut self, track: &TrackDescriptor) {
@@ -299,7 +734,15 @@ impl<W: Write + Send> PerfettoExporter<W> {
             TrackKind::Process { pid, name } => {
                 put_varint_field(&mut self.nested, field::track::PID, *pid as u64);
                 put_bytes_field(&mut self.nested, field::track::PROCESS_NAME, name.as_bytes());
+                // Shown beside the process name in the UI: which host and machine (boot) it ran on.
+                let host = format!("host={}", self.host.host_name);
+                let machine = format!("machine={}", self.host.machine_id);
+                put_bytes_field(&mut self.nested, field::track::PROCESS_LABELS, host.as_bytes());
+                put_bytes_field(&mut self.nested, field::track::PROCESS_LABELS, machine.as_bytes());
                 put_bytes_field(&mut self.body, field::track::PROCESS, &self.nested);
+                if self.process_uuid.is_none() && parent.is_none() {
+                    self.process_uuid = Some(uuid);
+                }
             }
             TrackKind::Thread { pid, tid, name } => {
                 put_varint_field(&mut self.nested, field::track::PID, *pid as u64);
@@ -354,11 +797,11 @@ impl<W: Write + Send> PerfettoExporter<W> {
     /// The hot path: an event with no fields and no flows (most slice ends, most begins, every counter)
     /// is assembled on the stack with hand-rolled varints and appended in one copy.
     #[inline]
-    fn write_plain_event(&mut self, event: &Event) {
+    fn write_plain_event<const SIM: bool>(&mut self, event: &Event) {
         let mut b = [0u8; 64];
         // b[0] = Trace.packet key, b[1] = packet length, then the packet body from b[2].
         b[0] = 0x0a; // field 1, length-delimited
-        let ts = (event.ts_ns as i64).saturating_add(self.boot_offset_ns).max(0) as u64;
+        let ts = self.trace_ts::<SIM>(event.ts_ns);
         b[2] = 0x40; // TracePacket.timestamp (8), varint
         let mut pos = put_varint(&mut b, 3, ts);
         b[pos] = 0x5a; // TracePacket.track_event (11), length-delimited
@@ -373,7 +816,7 @@ impl<W: Write + Send> PerfettoExporter<W> {
             EventKind::Counter(_) => field::event::TYPE_COUNTER,
         } as u8;
         b[pos + 2] = 0x58; // TrackEvent.track_uuid (11)
-        pos = put_varint(&mut b, pos + 3, self.uuid_salt | event.track.0);
+        pos = put_varint(&mut b, pos + 3, self.uuid_salt ^ event.track.0);
         match event.kind {
             EventKind::SliceBegin | EventKind::Instant => {
                 b[pos] = 0x50; // TrackEvent.name_iid (10)
@@ -397,19 +840,19 @@ impl<W: Write + Send> PerfettoExporter<W> {
         self.stats.packets += 1;
     }
 
-    fn write_event(&mut self, batch: &Batch, event: &Event) {
+    fn write_event<const SIM: bool>(&mut self, batch: &Batch, event: &Event) {
         if event.fields.is_empty() && event.flow_out.is_none() && event.flow_in.is_none() {
-            return self.write_plain_event(event);
+            return self.write_plain_event::<SIM>(event);
         }
         // Encoded straight into the output buffer: `Trace.packet { timestamp, track_event { .. }, sequence id,
         // flags }`. Both length prefixes get one byte up front, the common case (a packet under 128 bytes);
         // a longer one is widened in place after the fact.
+        let ts = self.trace_ts::<SIM>(event.ts_ns);
         let buf = &mut self.buf;
         let packet_start = buf.len();
         encode_key(field::TRACE_PACKET, WireType::LengthDelimited, buf);
         buf.push(0);
         let packet_body = buf.len();
-        let ts = (event.ts_ns as i64).saturating_add(self.boot_offset_ns).max(0) as u64;
         put_varint_field(buf, field::packet::TIMESTAMP, ts);
         encode_key(field::packet::TRACK_EVENT, WireType::LengthDelimited, buf);
         buf.push(0);
@@ -421,7 +864,7 @@ impl<W: Write + Send> PerfettoExporter<W> {
             EventKind::Counter(_) => field::event::TYPE_COUNTER,
         };
         put_varint_field(buf, field::event::TYPE, kind);
-        put_varint_field(buf, field::event::TRACK_UUID, self.uuid_salt | event.track.0);
+        put_varint_field(buf, field::event::TRACK_UUID, self.uuid_salt ^ event.track.0);
         match event.kind {
             EventKind::SliceBegin | EventKind::Instant => {
                 put_varint_field(buf, field::event::NAME_IID, event.name.0 as u64);
@@ -445,11 +888,12 @@ impl<W: Write + Send> PerfettoExporter<W> {
             put_bytes_field(buf, field::event::DEBUG_ANNOTATIONS, nested);
         }
         // Unpacked, one key per id: Perfetto's importer drops packed flow ids without a word.
+        // Salted like track uuids: unique across the traces of several processes.
         if let Some(flow) = event.flow_out {
-            put_fixed64_field(buf, field::event::FLOW_IDS, flow);
+            put_fixed64_field(buf, field::event::FLOW_IDS, self.uuid_salt ^ flow);
         }
         if let Some(flow) = event.flow_in {
-            put_fixed64_field(buf, field::event::TERMINATING_FLOW_IDS, flow);
+            put_fixed64_field(buf, field::event::TERMINATING_FLOW_IDS, self.uuid_salt ^ flow);
         }
         patch_length(buf, event_body);
         put_varint_field(buf, field::packet::TRUSTED_PACKET_SEQUENCE_ID, SEQUENCE_ID);
@@ -466,19 +910,24 @@ impl<W: Write + Send> PerfettoExporter<W> {
         }
     }
 
+    /// Records a write failure (the exporter stays failed) and returns it as an error naming the target.
+    fn fail(&mut self, e: std::io::Error, what: &str) -> ExportError {
+        let target = self
+            .path
+            .as_ref()
+            .map_or_else(|| "the trace writer".to_owned(), |p| p.display().to_string());
+        let message = format!("{what} to {target}: {e}");
+        self.failed = Some((e.kind(), message.clone()));
+        self.buf.clear();
+        ExportError::Io(std::io::Error::new(e.kind(), message))
+    }
+
     fn write_out(&mut self) -> Result<(), ExportError> {
         if self.buf.is_empty() {
             return Ok(());
         }
         if let Err(e) = self.writer.write_all(&self.buf) {
-            let target = self
-                .path
-                .as_ref()
-                .map_or_else(|| "the trace writer".to_owned(), |p| p.display().to_string());
-            let message = format!("writing Perfetto trace to {target}: {e}");
-            self.failed = Some((e.kind(), message.clone()));
-            self.buf.clear();
-            return Err(ExportError::Io(std::io::Error::new(e.kind(), message)));
+            return Err(self.fail(e, "writing Perfetto trace"));
         }
         self.stats.bytes_written += self.buf.len() as u64;
         self.buf.clear();
@@ -489,19 +938,20 @@ impl<W: Write + Send> PerfettoExporter<W> {
 impl<W: Write + Send> Exporter for PerfettoExporter<W> {
     fn export(&mut self, batch: &Batch) -> Result<(), ExportError> {
         self.check_failed()?;
-        if !self.started {
-            self.write_clock_snapshot(true);
-            self.started = true;
-        }
+        self.start();
         for track in &batch.new_tracks {
+            debug_assert!(
+                track.id.0 < OWN_TRACKS,
+                "track id {} collides with the exporter's own",
+                track.id.0
+            );
             self.write_track(track);
         }
         self.write_interned(&batch.new_names);
-        for event in &batch.events {
-            self.write_event(batch, event);
-            if self.buf.len() >= FLUSH_AT_BYTES {
-                self.write_out()?;
-            }
+        if self.simulate.is_some() {
+            self.write_events::<true>(batch)?;
+        } else {
+            self.write_events::<false>(batch)?;
         }
         // Facts about tracks (the CPU clock decision on the process track): an instant carrying them.
         for m in &batch.metadata {
@@ -514,29 +964,41 @@ impl<W: Write + Send> Exporter for PerfettoExporter<W> {
                 flow_out: None,
                 flow_in: None,
             };
-            self.write_event(batch, &event);
+            if self.simulate.is_some() {
+                self.write_event::<true>(batch, &event);
+            } else {
+                self.write_event::<false>(batch, &event);
+            }
         }
-        Ok(())
+        self.housekeeping(false)
     }
 
     fn flush(&mut self) -> Result<(), ExportError> {
         self.check_failed()?;
-        if !self.started {
-            self.write_clock_snapshot(true);
-            self.started = true;
-        } else {
+        if self.started {
             // A suspend since the last snapshot moves BOOTTIME against MONOTONIC: record it.
-            let (boot, mono, _) = read_clocks();
-            if ((boot - mono) - self.boot_offset_ns).abs() > SNAPSHOT_TOLERANCE_NS {
+            let offset = clock_ns(libc::CLOCK_BOOTTIME) - clock_ns(libc::CLOCK_MONOTONIC);
+            if (offset - self.boot_offset_ns).abs() > SNAPSHOT_TOLERANCE_NS {
                 self.write_clock_snapshot(false);
             }
         }
-        self.write_out()?;
-        if let Err(e) = self.writer.flush() {
-            let message = format!("flushing Perfetto trace: {e}");
-            self.failed = Some((e.kind(), message.clone()));
-            return Err(ExportError::Io(std::io::Error::new(e.kind(), message)));
+        self.start();
+        self.housekeeping(true)
+    }
+
+    fn finish(&mut self) -> Result<(), ExportError> {
+        self.check_failed()?;
+        self.start();
+        if let Some(exchange) = &self.exchange {
+            // One last burst so the trace's end is bracketed by rounds (a server side returns at once).
+            let _ = exchange.sync_now();
         }
-        Ok(())
+        if !self.clock_track_described {
+            self.write_clock_track();
+        }
+        self.write_exchange_samples();
+        // The closing snapshot: the end of the trace is bracketed too.
+        self.write_clock_snapshot(false);
+        self.housekeeping(true)
     }
 }

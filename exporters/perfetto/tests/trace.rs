@@ -452,3 +452,205 @@ fn a_simulated_gpu_timeline_round_trips_through_the_checker() {
     };
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+/// A writer whose bytes the test can read while the exporter owns it.
+#[derive(Clone, Default)]
+struct Shared(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl Write for Shared {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Shared {
+    fn len(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
+    fn bytes(&self) -> Vec<u8> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+#[test]
+fn whole_packets_reach_the_writer_every_flush_interval() {
+    let out = Shared::default();
+    let mut exporter = PerfettoExporter::new(out.clone()).flush_interval(std::time::Duration::from_millis(100));
+    exporter.export(&sample_batch(false)).unwrap();
+    // Inside the interval, the packets wait in the buffer (big writes)...
+    assert_eq!(out.len(), 0);
+    std::thread::sleep(std::time::Duration::from_millis(120));
+    // ... and the next export after it, even an empty one (the collector sends those when idle), writes them.
+    exporter.export(&Batch::default()).unwrap();
+    let bytes = out.bytes();
+    assert!(!bytes.is_empty());
+    assert_eq!(
+        frames(&bytes).last().map(|f| f.1),
+        Some(bytes.len()),
+        "only whole packets are written"
+    );
+    // Zero writes on every export.
+    let out = Shared::default();
+    let mut exporter = PerfettoExporter::new(out.clone()).flush_interval(std::time::Duration::ZERO);
+    exporter.export(&sample_batch(false)).unwrap();
+    assert!(out.len() > 0);
+}
+
+/// The fields of one message, as (field number, varint or length-delimited bytes).
+fn fields_of(msg: &[u8]) -> Vec<(u32, u64, Vec<u8>)> {
+    fn varint(data: &[u8], pos: &mut usize) -> u64 {
+        let (mut v, mut shift) = (0u64, 0);
+        loop {
+            let b = data[*pos];
+            *pos += 1;
+            v |= u64::from(b & 0x7f) << shift;
+            if b & 0x80 == 0 {
+                return v;
+            }
+            shift += 7;
+        }
+    }
+    let (mut out, mut pos) = (Vec::new(), 0);
+    while pos < msg.len() {
+        let key = varint(msg, &mut pos);
+        match key & 7 {
+            0 => out.push(((key >> 3) as u32, varint(msg, &mut pos), Vec::new())),
+            1 => {
+                out.push((
+                    (key >> 3) as u32,
+                    u64::from_le_bytes(msg[pos..pos + 8].try_into().unwrap()),
+                    Vec::new(),
+                ));
+                pos += 8;
+            }
+            2 => {
+                let len = varint(msg, &mut pos) as usize;
+                out.push(((key >> 3) as u32, 0, msg[pos..pos + len].to_vec()));
+                pos += len;
+            }
+            t => panic!("wire type {t}"),
+        }
+    }
+    out
+}
+
+#[test]
+fn the_trace_describes_itself() {
+    let exporter = PerfettoExporter::new(Vec::new());
+    let uuid = exporter.trace_uuid();
+    let mut exporter = exporter;
+    exporter.export(&sample_batch(false)).unwrap();
+    exporter.finish().unwrap();
+    assert_eq!(exporter.stats().clock_snapshots, 2, "one at the start, one at the end");
+    let bytes = exporter.into_inner().unwrap();
+    let packets: Vec<Vec<(u32, u64, Vec<u8>)>> = frames(&bytes).iter().map(|&(s, e)| fields_of(&bytes[s..e])).collect();
+    let has = |p: &Vec<(u32, u64, Vec<u8>)>, n: u32| p.iter().any(|f| f.0 == n);
+    // First: a snapshot of BOOTTIME (6), MONOTONIC (3), MONOTONIC_RAW (5), REALTIME (1).
+    let snapshot = packets[0].iter().find(|f| f.0 == 6).expect("clock snapshot first");
+    let clocks: Vec<u64> = fields_of(&snapshot.2)
+        .iter()
+        .filter(|f| f.0 == 1)
+        .map(|f| fields_of(&f.2)[0].1)
+        .collect();
+    assert_eq!(clocks, vec![6, 3, 5, 1]);
+    // TraceUuid (89) with our UUID, SystemInfo (45).
+    let trace_uuid = packets
+        .iter()
+        .find_map(|p| p.iter().find(|f| f.0 == 89))
+        .expect("TraceUuid");
+    let parts = fields_of(&trace_uuid.2);
+    assert_eq!(parts[0].1, uuid.msb() as u64);
+    assert_eq!(parts[1].1, uuid.lsb() as u64);
+    assert!(packets.iter().any(|p| has(p, 45)), "SystemInfo");
+    // The process track carries host= and machine= labels (ProcessDescriptor.process_labels, 8).
+    let text = String::from_utf8_lossy(&bytes);
+    assert!(text.contains("host="), "process labels");
+    assert!(text.contains(&format!("machine={}", tickline::MachineId::current())));
+    // tickline's instants, with plain names.
+    for name in [
+        tickline_perfetto::TRACE_INFO_EVENT,
+        tickline_perfetto::CLOCK_SNAPSHOT_EVENT,
+        tickline_perfetto::CLOCK_TRACK_NAME,
+    ] {
+        assert!(text.contains(name), "{name}");
+    }
+    assert!(text.contains(&uuid.to_string()));
+    // Perfetto's bindings still accept it.
+    if let Some(out) = run_checker(&bytes, "identity", &["--expect-total-slices", "3"]) {
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+}
+
+#[test]
+fn track_uuids_and_flow_ids_differ_between_traces() {
+    let a = encode(&sample_batch(false));
+    let b = encode(&sample_batch(false));
+    let uuids = |bytes: &[u8]| -> std::collections::HashSet<u64> {
+        frames(bytes)
+            .iter()
+            .flat_map(|&(s, e)| fields_of(&bytes[s..e]))
+            .filter(|f| f.0 == 60)
+            .map(|f| fields_of(&f.2)[0].1)
+            .collect()
+    };
+    let (ua, ub) = (uuids(&a), uuids(&b));
+    assert!(ua.len() >= 4);
+    assert!(ua.is_disjoint(&ub), "two traces share track uuids");
+}
+
+/// A real trace (a timeline with threads, a simulated GPU and flows) cut at many byte positions: every prefix
+/// holds exactly the whole packets before the cut, and Perfetto's bindings read the cut files up to there.
+#[test]
+fn a_real_trace_cut_at_any_byte_loads_up_to_its_last_whole_packet() {
+    use std::time::Duration;
+    use tickline::gpu::sim::{SimCommands, SimGpu, SimGpuConfig};
+
+    let _one_at_a_time = exclusive();
+    let path = std::env::temp_dir().join(format!("tickline-perfetto-{}-cut.pftrace", std::process::id()));
+    let timeline = tickline::Timeline::builder()
+        .exporter(PerfettoExporter::create(&path).unwrap())
+        .start()
+        .unwrap();
+    let gpu = timeline.gpu(SimGpu::new(SimGpuConfig::default()).unwrap()).unwrap();
+    let queue = gpu.queue("compute").unwrap();
+    for i in 0..20u32 {
+        let _frame = tickline::scope!("frame");
+        let commands = SimCommands::new();
+        {
+            let _k = tickline::gpu_scope!(queue, &commands, "kernel", index = i);
+            commands.work(Duration::from_micros(20));
+        }
+        let _ = gpu.backend().submit(commands).wait();
+    }
+    timeline.shutdown().unwrap();
+    let bytes = std::fs::read(&path).unwrap();
+    let _ = std::fs::remove_file(&path);
+    let all = frames(&bytes);
+    assert!(all.len() > 100, "{} packets", all.len());
+    for cut in 0..=bytes.len() {
+        let complete = all.iter().filter(|(_, end)| *end <= cut).count();
+        assert_eq!(frames(&bytes[..cut]).len(), complete, "cut at {cut}");
+    }
+    // Perfetto's own decoder on a spread of cuts, some inside packets, some on their edges.
+    let step = bytes.len() / 12;
+    for cut in (1..12).map(|k| k * step).chain([all[all.len() / 2].1, bytes.len() - 1]) {
+        let Some(out) = run_checker(&bytes[..cut], &format!("cut{cut}"), &["--allow-cut-tail"]) else {
+            return;
+        };
+        assert!(
+            out.status.success(),
+            "cut at {cut}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // Without the option, a cut inside a packet is reported.
+    let inside = all[all.len() / 2].1 + 3;
+    if let Some(out) = run_checker(&bytes[..inside], "cut-strict", &[]) {
+        assert!(!out.status.success());
+        assert!(String::from_utf8_lossy(&out.stderr).contains("cut short"));
+    }
+}

@@ -150,7 +150,7 @@ pub(crate) mod tests {
     fn check_runs_and_reports_finite_numbers() {
         // Where the kernel itself clocks with an invariant TSC (this machine), the check must agree.
         let report = run(&ReliabilityOptions::default());
-        println!("{report}\n{}", report.to_json());
+        println!("{report}");
         if TickSource::hardware().is_none() {
             assert!(!report.is_reliable());
             return;
@@ -167,7 +167,6 @@ pub(crate) mod tests {
             report.elapsed < Duration::from_secs(4),
             "default check too slow: {report}"
         );
-        assert_eq!(report.to_json()["cpus_tested"], report.cpus_tested);
         if report.cpus_tested == 1 {
             assert_eq!(report.max_shift_ticks, 0);
         }

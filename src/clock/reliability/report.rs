@@ -295,85 +295,6 @@ impl TscReport {
         self.decision == TscDecision::UseTsc
     }
 
-    /// The report as JSON, for `tickline clock --json` and for logs. Non-finite numbers become `null`.
-    pub fn to_json(&self) -> serde_json::Value {
-        let (decision, reason) = match &self.decision {
-            TscDecision::UseTsc => ("use_tsc", None),
-            TscDecision::FallBack { reason } => ("fall_back", Some(reason.clone())),
-        };
-        let skipped: Vec<serde_json::Value> = self
-            .skipped
-            .iter()
-            .map(|s| serde_json::json!({ "cpu": s.cpu, "reason": s.reason }))
-            .collect();
-        let shifts: Vec<serde_json::Value> = self
-            .shifts
-            .iter()
-            .map(|s| {
-                let measured = s.is_measured();
-                serde_json::json!({
-                    "cpu": s.cpu,
-                    "lo_ticks": measured.then_some(s.lo_ticks),
-                    "hi_ticks": measured.then_some(s.hi_ticks),
-                    "rounds": s.rounds,
-                    "timed_out_rounds": s.timed_out_rounds,
-                    "interrupted_rounds": s.interrupted_rounds,
-                    "empty": s.is_empty(),
-                })
-            })
-            .collect();
-        let rates: Vec<serde_json::Value> = self
-            .rates
-            .iter()
-            .map(|r| {
-                serde_json::json!({
-                    "cpu": r.cpu,
-                    "hz": r.hz,
-                    "uncertainty_ppm": r.uncertainty_ppm,
-                    "ticks": r.ticks,
-                    "interval_ns": r.interval_ns,
-                    "advances": r.advances,
-                })
-            })
-            .collect();
-        let passes: Vec<serde_json::Value> = self.passes.iter().map(pass_json).collect();
-        serde_json::json!({
-            "source": self.source.map(|s| format!("{s:?}")),
-            "invariant_tsc": self.invariant_tsc,
-            "clocksource": self.clocksource,
-            "tsc_clocksource_available": self.tsc_clocksource_available,
-            "nominal_hz": self.nominal_hz,
-            "cpus_allowed": self.cpus_allowed,
-            "tested_cpus": self.tested_cpus,
-            "cpus_tested": self.cpus_tested,
-            "skipped": skipped,
-            "notes": self.notes,
-            "base_cpu": self.base_cpu,
-            "shifts": shifts,
-            "max_shift_ticks": self.max_shift_ticks,
-            "max_shift_ns": self.max_shift_ns,
-            "proven_shift_ticks": self.proven_shift_ticks,
-            "proven_shift_ns": self.proven_shift_ns,
-            "shift_consistent": self.shift_consistent,
-            "monotonic": self.monotonic,
-            "monotonic_reads": self.monotonic_reads,
-            "monotonic_full_loops": self.monotonic_full_loops,
-            "monotonic_cpu_switches": self.monotonic_cpu_switches,
-            "backward_steps": self.backward_steps,
-            "max_backward_ticks": self.max_backward_ticks,
-            "rates": rates,
-            "rate_hz": self.rate_hz,
-            "rate_spread_ppm": self.rate_spread_ppm,
-            "rate_uncertainty_ppm": self.rate_uncertainty_ppm,
-            "elapsed_ms": self.elapsed.as_secs_f64() * 1e3,
-            "passes": passes,
-            "warnings": self.warnings,
-            "decision": decision,
-            "reason": reason,
-            "reliable": self.is_reliable(),
-        })
-    }
-
     /// A report with the source set and nothing measured yet.
     pub(super) fn empty(source: Option<TickSource>) -> Self {
         TscReport {
@@ -420,26 +341,6 @@ impl TscReport {
     pub fn timed_out_rounds(&self) -> u64 {
         self.shifts.iter().map(|s| s.timed_out_rounds).sum()
     }
-}
-
-pub(super) fn pass_json(p: &PassSummary) -> serde_json::Value {
-    let verdicts: serde_json::Map<String, serde_json::Value> = p
-        .verdicts
-        .iter()
-        .map(|v| {
-            (
-                v.check.name().to_string(),
-                serde_json::json!({ "verdict": v.verdict.label(), "detail": v.verdict.detail() }),
-            )
-        })
-        .collect();
-    serde_json::json!({
-        "attempt": p.attempt,
-        "elapsed_ms": p.elapsed.as_secs_f64() * 1e3,
-        "interrupted_rounds": p.interrupted_rounds,
-        "timed_out_rounds": p.timed_out_rounds,
-        "verdicts": verdicts,
-    })
 }
 
 impl fmt::Display for PassSummary {
@@ -671,22 +572,9 @@ mod tests {
         );
         assert!(text.contains("warning:    the shift stayed inconclusive"), "{text}");
         assert!(text.contains("fall back to clock_gettime: because"), "{text}");
-        let json = r.to_json();
-        assert_eq!(json["decision"], "fall_back");
-        assert_eq!(json["reason"], "because");
-        assert_eq!(json["shifts"][0]["lo_ticks"], -100);
-        assert_eq!(json["shifts"][0]["interrupted_rounds"], 3);
-        assert_eq!(json["rates"][0]["cpu"], 1);
-        assert_eq!(json["passes"][0]["verdicts"]["shift"]["verdict"], "inconclusive");
-        assert_eq!(json["passes"][0]["verdicts"]["rate"]["detail"], serde_json::Value::Null);
-        assert_eq!(json["warnings"][0], "the shift stayed inconclusive");
-        assert_eq!(json["reliable"], false);
-        // Unmeasured intervals and NaN become null rather than sentinel numbers.
+        assert!(!r.is_reliable());
+        assert_eq!(r.interrupted_rounds(), 3);
         r.shifts[0] = CpuShift::unmeasured(1);
-        r.max_shift_ns = f64::NAN;
-        let json = r.to_json();
-        assert!(json["shifts"][0]["lo_ticks"].is_null());
-        assert!(json["max_shift_ns"].is_null());
         assert_eq!(r.interrupted_rounds(), 0);
     }
 }

@@ -51,9 +51,21 @@ fn bad_arguments_are_a_clear_error() {
         let out = tickline(args);
         assert_eq!(out.status.code(), Some(2), "{args:?}");
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(err.starts_with("tickline: "), "{args:?}: {err}");
-        assert!(err.contains("usage: tickline clock"), "{args:?}: {err}");
+        assert!(err.starts_with("error: "), "{args:?}: {err}");
+        assert!(err.contains("--help"), "{args:?}: {err}");
     }
-    let help = tickline(&["--help"]);
-    assert!(help.status.success());
+    // Every subcommand has its --help.
+    for command in [
+        &["--help"][..],
+        &["clock", "--help"],
+        &["stats", "--help"],
+        &["merge", "--help"],
+    ] {
+        let help = tickline(command);
+        assert!(help.status.success(), "{command:?}");
+        assert!(
+            String::from_utf8_lossy(&help.stdout).contains("Usage: tickline"),
+            "{command:?}"
+        );
+    }
 }

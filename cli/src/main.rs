@@ -1,0 +1,126 @@
+//! The `tickline` command.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "tickline",
+    version,
+    about = "tickline's command line: clock report, trace stats, trace merge"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Check the TSC's reliability, calibrate it live and report its rate and tickline's conversion error
+    /// against CLOCK_MONOTONIC and CLOCK_MONOTONIC_RAW.
+    Clock {
+        /// How long to run (the error is measured over this span), 0.5 to 86400.
+        #[arg(long, default_value_t = 10.0, value_parser = parse_seconds)]
+        seconds: f64,
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Summarise a Perfetto trace (.pftrace) written by tickline: tracks, slices, events, flows, losses, clock
+    /// snapshots and calibration counters, decoded with Perfetto's own schema.
+    Stats {
+        /// The trace file.
+        file: PathBuf,
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Merge traces of several processes and machines into one trace on one time axis, with each machine's
+    /// alignment uncertainty stated (in the report, and as a counter track per process).
+    Merge {
+        /// The traces (tickline .pftrace files).
+        #[arg(required = true, num_args = 1..)]
+        inputs: Vec<PathBuf>,
+        /// The merged trace.
+        #[arg(short, long)]
+        output: PathBuf,
+        /// The trace whose machine's clock is the time axis (default: the first input).
+        #[arg(long)]
+        reference: Option<PathBuf>,
+        /// The annotation that marks a flow's sending end (its value is the flow's id).
+        #[arg(long, default_value = tickline_cli::merge::FLOW_OUT_FIELD)]
+        flow_out: String,
+        /// The annotation that marks a flow's receiving end.
+        #[arg(long, default_value = tickline_cli::merge::FLOW_IN_FIELD)]
+        flow_in: String,
+    },
+    // `convert` (a raw `.tickline` capture to .pftrace) comes with the raw capture format.
+}
+
+fn parse_seconds(s: &str) -> Result<f64, String> {
+    s.parse::<f64>()
+        .ok()
+        .filter(|v| v.is_finite() && *v >= 0.5 && *v <= 86_400.0)
+        .ok_or_else(|| format!("must be a number from 0.5 to 86400, got `{s}`"))
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Clock { seconds, json } => tickline_cli::clock::run(seconds, json),
+        Command::Stats { file, json } => stats(file, json),
+        Command::Merge {
+            inputs,
+            output,
+            reference,
+            flow_out,
+            flow_in,
+        } => {
+            let options = tickline_cli::merge::MergeOptions {
+                inputs,
+                output,
+                reference,
+                flow_out,
+                flow_in,
+            };
+            match tickline_cli::merge::merge(&options) {
+                Ok(report) => {
+                    // A closed pipe (`| head`) is not an error worth a panic.
+                    let _ = write!(std::io::stdout(), "{report}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("tickline merge: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+    }
+}
+
+#[cfg(feature = "protos")]
+fn stats(file: PathBuf, json: bool) -> ExitCode {
+    match tickline_cli::stats::read(&file) {
+        Ok(stats) => {
+            let _ = if json {
+                writeln!(std::io::stdout(), "{}", stats.to_json())
+            } else {
+                write!(std::io::stdout(), "{stats}")
+            };
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("tickline stats: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(not(feature = "protos"))]
+fn stats(_file: PathBuf, _json: bool) -> ExitCode {
+    eprintln!("tickline stats: this build has no Perfetto schema (rebuild tickline-cli with its `protos` feature)");
+    ExitCode::FAILURE
+}
