@@ -7,7 +7,10 @@
 //! `--features vulkan`, it records real buffer fills and copies on the first Vulkan device with a compute
 //! queue that writes timestamps instead, when there is one. It prints which GPU it used.
 //!
-//! `cargo run --release --example quickstart [-- path/to/trace.pftrace]`
+//! `cargo run --release --example quickstart [-- path/to/trace.pftrace [path/to/run.tickline]]`
+//!
+//! With a second path it also writes a raw capture of the same run, for `tickline convert run.tickline -o
+//! converted.pftrace` (the same trace, converted afterwards with the whole calibration history).
 
 #[cfg(feature = "vulkan")]
 #[path = "support/vulkan.rs"]
@@ -135,6 +138,7 @@ fn main() {
     let path = std::env::args()
         .nth(1)
         .unwrap_or_else(|| "quickstart.pftrace".to_owned());
+    let raw_capture = std::env::args().nth(2);
     let exporter = match PerfettoExporter::create(&path) {
         Ok(e) => e,
         Err(e) => {
@@ -142,7 +146,11 @@ fn main() {
             std::process::exit(1);
         }
     };
-    let timeline = match Timeline::builder().exporter(exporter).start() {
+    let mut builder = Timeline::builder().exporter(exporter);
+    if let Some(raw) = &raw_capture {
+        builder = builder.raw_capture(raw);
+    }
+    let timeline = match builder.start() {
         Ok(t) => t,
         Err(e) => {
             eprintln!("quickstart: cannot start tickline: {e}");
@@ -194,6 +202,9 @@ fn main() {
         stats.gpu_lost_scopes,
         stats.gpu_causality_violations
     );
+    if let Some(raw) = &raw_capture {
+        println!("wrote {raw}: the raw capture of the same run (`tickline convert {raw} -o converted.pftrace`)");
+    }
     println!("open it at https://ui.perfetto.dev (\"Open trace file\")");
     // `vulkan` closes here, after the timeline's shutdown above released the backend.
 }

@@ -34,11 +34,11 @@ use std::sync::Arc;
 use crate::calibration::CalibrationHistory;
 use crate::clock::TscCalibratorConfig;
 use crate::collector::capture::{open, Frame};
-use crate::collector::input::Input;
+use crate::collector::input::{GpuInput, Input};
 use crate::collector::output::Output;
 use crate::collector::stats::SharedStats;
 use crate::collector::{CpuTime, Processor};
-use crate::export::{Batch, EventKind, ExportError, Exporter};
+use crate::export::{Batch, EventKind, ExportError, Exporter, RecordingOrigin};
 use crate::gpu::GpuCalibrationConfig;
 use crate::TimelineStats;
 
@@ -68,10 +68,15 @@ pub struct CaptureSummary {
     pub cpu_drift_ppm: f64,
     /// The final CPU fit's error bound, in ns.
     pub cpu_error_bound_ns: f64,
+    /// What the process's tick-source decision said about the CPU clock (the last note in the capture):
+    /// `(fell back to CLOCK_MONOTONIC, the TSC is in doubt, the decision in words)`.
+    pub cpu_clock_note: Option<(bool, bool, String)>,
     /// GPU devices, and their calibration bursts.
     pub gpu_devices: u64,
     /// GPU calibration bursts in all.
     pub gpu_calibration_bursts: u64,
+    /// Each GPU device's clock over the whole capture, in the order the devices were added.
+    pub gpu_clocks: Vec<CaptureGpuClock>,
     /// Whether the capture ended cleanly (its writer finished it). A capture cut short still converts up to
     /// its last whole frame.
     pub complete: bool,
@@ -83,6 +88,33 @@ pub struct CaptureSummary {
     pub instants: u64,
     /// The conversion's counters (truncated slices, unknown spans...).
     pub stats: TimelineStats,
+}
+
+/// One GPU device's clock in a capture: its calibration over the whole recording.
+#[derive(Clone, Debug, Default, PartialEq)]
+#[non_exhaustive]
+pub struct CaptureGpuClock {
+    /// The device's name, as its driver reported it.
+    pub name: String,
+    /// The API ("Vulkan", "CUDA", "simulated"...).
+    pub api: String,
+    /// Calibration bursts taken (failed ones included).
+    pub bursts: u64,
+    /// The device clock's rate error against CLOCK_MONOTONIC, in ppm (`NaN` when never calibrated).
+    pub drift_ppm: f64,
+    /// The last fit's error bound, in ns (`NaN` when never calibrated).
+    pub error_bound_ns: f64,
+}
+
+/// Whether `first_bytes` (a file's first 8 bytes or more) start a raw capture rather than, say, a Perfetto
+/// trace.
+///
+/// ```
+/// assert!(tickline::capture::is_capture(b"TICKLINE\0\0\0\0\x01\0\0\0"));
+/// assert!(!tickline::capture::is_capture(b"\x0a\x10"));
+/// ```
+pub fn is_capture(first_bytes: &[u8]) -> bool {
+    first_bytes.starts_with(b"TICKLINE")
 }
 
 /// Converts the raw capture at `path` into `exporter` (a Perfetto file, memory...) and returns what it held.
@@ -114,6 +146,9 @@ struct Counting {
 }
 
 impl Exporter for Counting {
+    fn origin(&mut self, origin: &RecordingOrigin) {
+        self.inner.origin(origin);
+    }
     fn export(&mut self, batch: &Batch) -> Result<(), ExportError> {
         let slices = batch.events.iter().filter(|e| e.kind == EventKind::SliceBegin).count() as u64;
         let instants = batch.events.iter().filter(|e| e.kind == EventKind::Instant).count() as u64;
@@ -141,8 +176,14 @@ fn run(path: &Path, exporter: Box<dyn Exporter>) -> Result<CaptureSummary, Captu
         });
     };
     let mut cpu = CalibrationHistory::new(header.cpu_domain, TscCalibratorConfig::default().history);
+    let mut gpus: Vec<(u16, CalibrationHistory)> = Vec::new();
+    // A capture without a host frame (none is written before it) is taken to come from this machine.
+    let mut host = None;
+    let mut clocks = Vec::new();
     for frame in reader.by_ref() {
         match frame {
+            Frame::Host(h) => host = Some(h),
+            Frame::HostClocks(readings) => clocks.push(readings),
             Frame::Input(Input::CpuCalibration(samples)) => {
                 summary.cpu_calibration_bursts += 1;
                 let _ = cpu.add_burst(&samples);
@@ -152,9 +193,29 @@ fn run(path: &Path, exporter: Box<dyn Exporter>) -> Result<CaptureSummary, Captu
             Frame::Input(Input::Chunk(chunk)) => {
                 summary.records += chunk.records.len() as u64;
             }
-            Frame::Input(Input::Gpu(crate::collector::input::GpuInput::Device { .. })) => summary.gpu_devices += 1,
-            Frame::Input(Input::Gpu(crate::collector::input::GpuInput::Calibration { .. })) => {
-                summary.gpu_calibration_bursts += 1
+            Frame::Input(Input::CpuClockNote { fallback, doubt, text }) => {
+                summary.cpu_clock_note = Some((fallback, doubt, text));
+            }
+            Frame::Input(Input::Gpu(GpuInput::Device { device, info, .. })) => {
+                summary.gpu_devices += 1;
+                gpus.push((
+                    device,
+                    CalibrationHistory::new(info.clock, GpuCalibrationConfig::default().history),
+                ));
+                summary.gpu_clocks.push(CaptureGpuClock {
+                    name: info.name,
+                    api: info.api.to_string(),
+                    drift_ppm: f64::NAN,
+                    error_bound_ns: f64::NAN,
+                    ..CaptureGpuClock::default()
+                });
+            }
+            Frame::Input(Input::Gpu(GpuInput::Calibration { device, samples, .. })) => {
+                summary.gpu_calibration_bursts += 1;
+                if let Some(k) = gpus.iter().position(|(d, _)| *d == device) {
+                    summary.gpu_clocks[k].bursts += 1;
+                    let _ = gpus[k].1.add_burst(&samples);
+                }
             }
             Frame::End => summary.complete = true,
             _ => {}
@@ -168,6 +229,12 @@ fn run(path: &Path, exporter: Box<dyn Exporter>) -> Result<CaptureSummary, Captu
         summary.cpu_drift_ppm = fit.drift_ppm();
         summary.cpu_error_bound_ns = fit.error_bound_ns();
     }
+    for (k, (_, history)) in gpus.iter().enumerate() {
+        if let Some(fit) = history.latest() {
+            summary.gpu_clocks[k].drift_ppm = fit.drift_ppm();
+            summary.gpu_clocks[k].error_bound_ns = fit.error_bound_ns();
+        }
+    }
 
     // Second pass: the same processing as live.
     let counts = Arc::new(std::sync::Mutex::new((0, 0)));
@@ -176,7 +243,14 @@ fn run(path: &Path, exporter: Box<dyn Exporter>) -> Result<CaptureSummary, Captu
         counts: counts.clone(),
     };
     let stats = Arc::new(SharedStats::default());
-    let out = Output::new(header.pid, header.process_name.clone(), vec![Box::new(counting)]);
+    let origin = RecordingOrigin {
+        host: host.unwrap_or_else(|| crate::HostInfo::current().clone()),
+        pid: header.pid,
+        process_name: header.process_name.clone(),
+        clocks,
+        replay: true,
+    };
+    let out = Output::new(&origin, vec![Box::new(counting)]);
     let mut processor = Processor::new(out, GpuCalibrationConfig::default(), None, stats.clone());
     processor.set_cpu_clock(CpuTime::Complete { history: cpu });
     let mut records = 0u64;

@@ -244,11 +244,57 @@ impl From<std::io::Error> for ExportError {
     }
 }
 
+/// Where and when the events an exporter gets were recorded: this process now, or, for a raw capture
+/// converted later ([`crate::capture::convert`]), the process that wrote the capture.
+///
+/// An exporter that writes identity or clock snapshots of its own (the Perfetto exporter does) takes them
+/// from here when [`replay`](Self::replay) is set, instead of from the process it runs in.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct RecordingOrigin {
+    /// The machine the events were recorded on.
+    pub host: crate::HostInfo,
+    /// The recording process's id.
+    pub pid: u32,
+    /// The recording process's name.
+    pub process_name: String,
+    /// The host clocks read together while recording (at its start, about every second, at its end), oldest
+    /// first; empty for a live timeline, whose exporters read the clocks themselves.
+    pub clocks: Vec<crate::ClockReadings>,
+    /// The events are a capture converted after the fact: the exporting process is not the recording one.
+    pub replay: bool,
+}
+
+impl RecordingOrigin {
+    /// This process, recording live.
+    ///
+    /// ```
+    /// let origin = tickline::RecordingOrigin::this_process();
+    /// assert_eq!(origin.pid, std::process::id());
+    /// assert!(!origin.replay);
+    /// ```
+    pub fn this_process() -> RecordingOrigin {
+        RecordingOrigin {
+            host: crate::HostInfo::current().clone(),
+            pid: std::process::id(),
+            process_name: crate::process_name(),
+            clocks: Vec::new(),
+            replay: false,
+        }
+    }
+}
+
 /// A sink for converted events: a trace file, a live viewer, memory.
 ///
-/// Called from the collector thread only. `export` gets every batch in order; `flush` makes everything
-/// exported so far durable or visible; `finish` is the last call (the timeline is shutting down).
+/// Called from the collector thread only. `origin` comes first, once; `export` gets every batch in order;
+/// `flush` makes everything exported so far durable or visible; `finish` is the last call (the timeline is
+/// shutting down).
 pub trait Exporter: Send {
+    /// Where the events were recorded (this process, or a converted capture's), before the first batch.
+    /// The default ignores it.
+    fn origin(&mut self, origin: &RecordingOrigin) {
+        let _ = origin;
+    }
     /// Takes one batch.
     fn export(&mut self, batch: &Batch) -> Result<(), ExportError>;
     /// Makes what was exported so far durable/visible.

@@ -147,7 +147,8 @@ pub use collector::TimelineStats;
 pub use error::TicklineError;
 pub use export::{
     Batch, CpuClock, Event, EventKind, ExportError, Exporter, Field, FieldValue, MemoryExporter, MemoryTrace, NameId,
-    RecordedEvent, RecordedMetadata, RecordedSlice, TrackDescriptor, TrackId, TrackKind, TrackMetadata,
+    RecordedEvent, RecordedMetadata, RecordedSlice, RecordingOrigin, TrackDescriptor, TrackId, TrackKind,
+    TrackMetadata,
 };
 pub use layer::TicklineLayer;
 pub use live::{LiveSink, LiveSpanData};

@@ -10,7 +10,7 @@ use clap::{Parser, Subcommand};
 #[command(
     name = "tickline",
     version,
-    about = "tickline's command line: clock report, trace stats, trace merge"
+    about = "tickline's command line: clock report, raw capture conversion, trace stats, trace merge"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -29,10 +29,25 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Summarise a Perfetto trace (.pftrace) written by tickline: tracks, slices, events, flows, losses, clock
-    /// snapshots and calibration counters, decoded with Perfetto's own schema.
+    /// Convert a raw capture (.tickline, written with `TimelineBuilder::raw_capture`) into a Perfetto trace,
+    /// with the whole calibration history (every timestamp placed between calibration points on both sides).
+    /// A capture cut short (a killed process) converts up to its last whole frame.
+    Convert {
+        /// The raw capture.
+        input: PathBuf,
+        /// The Perfetto trace to write.
+        #[arg(short, long)]
+        output: PathBuf,
+        /// Print the summary as one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Summarise a trace: a Perfetto trace (.pftrace) written by tickline (tracks, slices, events, flows,
+    /// losses, the CPU clock decision, clock snapshots and calibration counters, decoded with Perfetto's own
+    /// schema), or a raw capture (.tickline: threads, records kept and dropped, clock domains and their
+    /// calibration error). The kind is told by the file's content.
     Stats {
-        /// The trace file.
+        /// The trace or capture file.
         file: PathBuf,
         /// Print one JSON object instead of text.
         #[arg(long)]
@@ -57,7 +72,6 @@ enum Command {
         #[arg(long, default_value = tickline_cli::merge::FLOW_IN_FIELD)]
         flow_in: String,
     },
-    // `convert` (a raw `.tickline` capture to .pftrace) comes with the raw capture format.
 }
 
 fn parse_seconds(s: &str) -> Result<f64, String> {
@@ -71,7 +85,33 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Clock { seconds, json } => tickline_cli::clock::run(seconds, json),
-        Command::Stats { file, json } => stats(file, json),
+        Command::Convert { input, output, json } => match tickline_cli::capture::convert(&input, &output) {
+            Ok(summary) => {
+                let _ = if json {
+                    writeln!(std::io::stdout(), "{}", tickline_cli::capture::summary_json(&summary))
+                } else {
+                    write!(
+                        std::io::stdout(),
+                        "wrote {}\n{}",
+                        output.display(),
+                        tickline_cli::capture::summary_text(&summary)
+                    )
+                };
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("tickline convert: {e}");
+                ExitCode::FAILURE
+            }
+        },
+        Command::Stats { file, json } => match tickline_cli::capture::is_capture_file(&file) {
+            Ok(true) => capture_stats(&file, json),
+            Ok(false) => stats(file, json),
+            Err(e) => {
+                eprintln!("tickline stats: {}: cannot read: {e}", file.display());
+                ExitCode::FAILURE
+            }
+        },
         Command::Merge {
             inputs,
             output,
@@ -97,6 +137,23 @@ fn main() -> ExitCode {
                     ExitCode::FAILURE
                 }
             }
+        }
+    }
+}
+
+fn capture_stats(file: &std::path::Path, json: bool) -> ExitCode {
+    match tickline_cli::capture::stats(file) {
+        Ok(summary) => {
+            let _ = if json {
+                writeln!(std::io::stdout(), "{}", tickline_cli::capture::summary_json(&summary))
+            } else {
+                write!(std::io::stdout(), "{}", tickline_cli::capture::summary_text(&summary))
+            };
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("tickline stats: {e}");
+            ExitCode::FAILURE
         }
     }
 }

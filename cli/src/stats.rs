@@ -47,6 +47,8 @@ pub struct TraceStats {
     pub slices: u64,
     /// Slices begun per name.
     pub slices_by_name: BTreeMap<String, u64>,
+    /// Per name, the first and the last slice begin (trace timestamps, ns).
+    pub slice_times_by_name: BTreeMap<String, (u64, u64)>,
     /// Slices begun and never ended.
     pub open_slices: u64,
     /// Instants.
@@ -68,6 +70,10 @@ pub struct TraceStats {
     /// From each `tickline trace` instant (one per process; several in a merged trace): host, machine id, pid,
     /// process.
     pub identity: Vec<String>,
+    /// The CPU clock decision, from each `tickline: CPU clock` instant (at start, and when the decision was
+    /// revised): the decision in words, prefixed when the timeline fell back to CLOCK_MONOTONIC or the TSC
+    /// is in doubt.
+    pub cpu_clock: Vec<String>,
     /// Clock-exchange rounds stored.
     pub exchange_rounds: u64,
     /// Every counter track, by name.
@@ -102,6 +108,9 @@ fn annotation_text(a: &DebugAnnotation) -> String {
         String::new()
     }
 }
+
+/// The instant the collector writes on the process track with the CPU clock decision.
+const CPU_CLOCK_EVENT: &str = "tickline: CPU clock";
 
 /// Decodes every packet of `path` with Perfetto's schema. A file that ends inside a packet is read up to its
 /// last whole packet (and says so); a packet the schema cannot decode is an error naming it.
@@ -203,6 +212,11 @@ pub fn read(path: &Path) -> Result<TraceStats, String> {
             match ev.type_() {
                 EventType::TYPE_SLICE_BEGIN => {
                     s.slices += 1;
+                    if p.has_timestamp() {
+                        let ts = p.timestamp();
+                        let times = s.slice_times_by_name.entry(name.clone()).or_insert((ts, ts));
+                        *times = (times.0.min(ts), times.1.max(ts));
+                    }
                     *s.slices_by_name.entry(name).or_default() += 1;
                     *open.entry(ev.track_uuid()).or_default() += 1;
                 }
@@ -214,6 +228,29 @@ pub fn read(path: &Path) -> Result<TraceStats, String> {
                     s.instants += 1;
                     if name == tickline_perfetto::CLOCK_EXCHANGE_EVENT {
                         s.exchange_rounds += 1;
+                    }
+                    if name == CPU_CLOCK_EVENT {
+                        let get = |k: &str| {
+                            ev.debug_annotations
+                                .iter()
+                                .find(|a| annotation_name(a, names) == k)
+                                .map(|a| {
+                                    if a.has_bool_value() {
+                                        a.bool_value().to_string()
+                                    } else {
+                                        annotation_text(a)
+                                    }
+                                })
+                                .unwrap_or_default()
+                        };
+                        let tag = if get("fallback") == "true" {
+                            "fell back to CLOCK_MONOTONIC: "
+                        } else if get("doubt") == "true" {
+                            "in doubt: "
+                        } else {
+                            ""
+                        };
+                        s.cpu_clock.push(format!("{tag}{}", get("decision")));
                     }
                     if name == tickline_perfetto::TRACE_INFO_EVENT {
                         let get = |k: &str| {
@@ -293,6 +330,7 @@ impl TraceStats {
             "trace_uuid": self.trace_uuid,
             "system": self.system,
             "identity": self.identity,
+            "cpu_clock": self.cpu_clock,
             "exchange_rounds": self.exchange_rounds,
             "counters": counters,
             "max_gpu_uncertainty_ns": self.max_gpu_uncertainty_ns,
@@ -319,6 +357,9 @@ impl std::fmt::Display for TraceStats {
         )?;
         for id in &self.identity {
             writeln!(f, "recorded by:   {id}")?;
+        }
+        for c in &self.cpu_clock {
+            writeln!(f, "CPU clock:     {c}")?;
         }
         if let Some(u) = &self.trace_uuid {
             writeln!(f, "trace uuid:    {u}")?;

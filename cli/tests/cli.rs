@@ -59,6 +59,7 @@ fn bad_arguments_are_a_clear_error() {
         &["--help"][..],
         &["clock", "--help"],
         &["stats", "--help"],
+        &["convert", "--help"],
         &["merge", "--help"],
     ] {
         let help = tickline(command);
@@ -68,4 +69,126 @@ fn bad_arguments_are_a_clear_error() {
             "{command:?}"
         );
     }
+}
+
+/// A raw capture recorded here: spans with fields, native scopes and an event, on two threads.
+fn record_capture(path: &std::path::Path) {
+    use tracing_subscriber::layer::SubscriberExt;
+    let timeline = tickline::Timeline::builder().raw_capture(path).start().unwrap();
+    let subscriber = tracing_subscriber::registry().with(timeline.layer());
+    tracing::subscriber::with_default(subscriber, || {
+        for i in 0..50u64 {
+            let _job = tracing::info_span!("job", i).entered();
+            let _step = tickline::scope!("step");
+            tracing::info!(i, "done");
+        }
+    });
+    std::thread::spawn(|| {
+        for _ in 0..25 {
+            let _s = tickline::scope!("background");
+        }
+    })
+    .join()
+    .unwrap();
+    let stats = timeline.shutdown().unwrap();
+    assert_eq!(stats.dropped_records, 0);
+}
+
+#[test]
+fn a_raw_capture_is_summarised_and_converted_with_its_recording_process_identity() {
+    let dir = std::env::temp_dir().join(format!("tickline-cli-capture-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (capture, converted) = (dir.join("run.tickline"), dir.join("run.pftrace"));
+    record_capture(&capture);
+
+    let out = tickline(&["stats", capture.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains(&format!("raw capture of pid {}", std::process::id())),
+        "{text}"
+    );
+    assert!(text.contains("complete"), "{text}");
+    assert!(text.contains("threads:       2"), "{text}");
+    assert!(text.contains("CPU clock:") && text.contains("CPU decision:"), "{text}");
+
+    let out = tickline(&["stats", "--json", capture.to_str().unwrap()]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    assert_eq!(v["slices"], 125, "{v}");
+    assert_eq!(v["dropped_records"], 0, "{v}");
+    assert_eq!(v["complete"], true, "{v}");
+    assert!(v["cpu_clock"]["decision"].is_string(), "{v}");
+
+    let out = tickline(&["convert", capture.to_str().unwrap(), "-o", converted.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stats = tickline_cli::stats::read(&converted).expect("the converted trace loads");
+    assert_eq!(stats.slices_by_name.get("job"), Some(&50));
+    assert_eq!(stats.slices_by_name.get("step"), Some(&50));
+    assert_eq!(stats.slices_by_name.get("background"), Some(&25));
+    assert_eq!(stats.thread_tracks, 2);
+    // Recorded by this process, not by the `tickline` process that converted it.
+    assert_eq!(stats.identity.len(), 1);
+    assert!(
+        stats.identity[0].contains(&format!("pid {} ", std::process::id())),
+        "{:?}",
+        stats.identity
+    );
+    assert_eq!(
+        stats.cpu_clock.len(),
+        1,
+        "the CPU clock decision is in the trace: {stats}"
+    );
+    // Its clock snapshots are the recording's: the trace's time range is the recording's, not now.
+    let (first, last) = stats.time_range.unwrap();
+    assert!(last - first < 60_000_000_000, "{first}..{last}");
+
+    // The `stats` text of a .pftrace names the CPU clock decision too.
+    let out = tickline(&["stats", converted.to_str().unwrap()]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("CPU clock:"));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn convert_and_stats_say_clearly_what_is_wrong() {
+    let dir = std::env::temp_dir().join(format!("tickline-cli-capture-errors-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let capture = dir.join("run.tickline");
+    record_capture(&capture);
+    let not_capture = dir.join("notes.txt");
+    std::fs::write(&not_capture, b"hello").unwrap();
+    let cases: [(&[&str], &str); 4] = [
+        (
+            &["convert", "/nonexistent/run.tickline", "-o", "/tmp/x.pftrace"],
+            "cannot read",
+        ),
+        (
+            &["convert", not_capture.to_str().unwrap(), "-o", "/tmp/x.pftrace"],
+            "not a tickline raw capture",
+        ),
+        (
+            &[
+                "convert",
+                capture.to_str().unwrap(),
+                "-o",
+                "/nonexistent/dir/out.pftrace",
+            ],
+            "cannot create trace file",
+        ),
+        (&["stats", "/nonexistent/run.tickline"], "cannot read"),
+    ];
+    for (args, expected) in cases {
+        let out = tickline(args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(expected), "{args:?}: {err}");
+    }
+    // A capture cut short converts up to its last whole frame, and says so.
+    let bytes = std::fs::read(&capture).unwrap();
+    let cut = dir.join("cut.tickline");
+    std::fs::write(&cut, &bytes[..bytes.len() * 2 / 3]).unwrap();
+    let out = tickline(&["stats", cut.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("cut short"), "{text}");
+    std::fs::remove_dir_all(&dir).ok();
 }

@@ -30,6 +30,8 @@
 //! | 13 | pass end | drain ns u64, drain ticks u64, buffered bytes u64, rings drained u8 (1: every ring was drained) |
 //! | 14 | end | (empty): the capture was finished cleanly |
 //! | 15 | CPU clock note | fallback u8, doubt u8, text str: the tick-source decision in words |
+//! | 16 | host | machine id u64, machine id source u8 (0 boot id, 1 override, 2 host name), boot id str, host name str |
+//! | 17 | host clocks | BOOTTIME, MONOTONIC, MONOTONIC_RAW, REALTIME ns u64 each, bracket ns u64: read together (at the start, with each write-out, at the end) |
 //!
 //! The records inside chunks are the ring format of [`crate::codec`]. A reader stops at the first frame that
 //! is cut short or fails its check, so a file cut at any byte (a killed process) converts up to its last
@@ -52,7 +54,7 @@ const MAGIC: &[u8; 12] = b"TICKLINE\0\0\0\0";
 /// The format version this build writes and reads.
 pub(crate) const VERSION: u32 = 1;
 /// Write the buffer out at least this often, so a killed process loses at most about this much.
-const FLUSH_INTERVAL: Duration = Duration::from_secs(1);
+const FLUSH_INTERVAL: Duration = Duration::from_millis(500);
 
 mod frame {
     pub(super) const PROCESS: u8 = 1;
@@ -70,6 +72,8 @@ mod frame {
     pub(super) const PASS_END: u8 = 13;
     pub(super) const END: u8 = 14;
     pub(super) const CPU_CLOCK_NOTE: u8 = 15;
+    pub(super) const HOST: u8 = 16;
+    pub(super) const HOST_CLOCKS: u8 = 17;
 }
 
 fn fnv1a(parts: &[&[u8]]) -> u64 {
@@ -141,6 +145,42 @@ impl CaptureWriter {
         self.out.write_all(&len)?;
         self.out.write_all(&self.frame)?;
         self.out.write_all(&check.to_le_bytes())
+    }
+
+    /// The machine the capture is recorded on, and its clocks now (the first `host clocks` frame).
+    pub(crate) fn write_host(&mut self, host: &crate::HostInfo) {
+        let source = match host.machine_id_source {
+            crate::MachineIdSource::BootId => 0u8,
+            crate::MachineIdSource::Override => 1,
+            crate::MachineIdSource::HostName => 2,
+        };
+        let result = self
+            .emit(frame::HOST, |b| {
+                b.extend_from_slice(&host.machine_id.0.to_le_bytes());
+                b.push(source);
+                put_str(b, &host.boot_id);
+                put_str(b, &host.host_name);
+            })
+            .and_then(|()| self.write_clocks());
+        if result.is_err() {
+            self.failed = true;
+        }
+    }
+
+    /// The host's clocks read together: Perfetto's clock snapshots of the converted trace.
+    fn write_clocks(&mut self) -> std::io::Result<()> {
+        let r = crate::read_real_clocks();
+        self.emit(frame::HOST_CLOCKS, |b| {
+            for v in [
+                r.boottime_ns,
+                r.monotonic_ns,
+                r.monotonic_raw_ns,
+                r.realtime_ns,
+                r.bracket_ns,
+            ] {
+                b.extend_from_slice(&v.to_le_bytes());
+            }
+        })
     }
 
     /// The process frame: who recorded, and the CPU clock the chunks' ticks are in.
@@ -227,7 +267,7 @@ impl CaptureWriter {
                 });
                 if result.is_ok() && self.last_flush.elapsed() >= FLUSH_INTERVAL {
                     self.last_flush = Instant::now();
-                    self.out.flush()
+                    self.write_clocks().and_then(|()| self.out.flush())
                 } else {
                     result
                 }
@@ -305,7 +345,7 @@ impl CaptureWriter {
     /// Writes the end frame and flushes.
     pub(crate) fn finish(&mut self, stats: &SharedStats) -> Result<(), String> {
         if !self.failed {
-            if let Err(e) = self.emit(frame::END, |_| {}) {
+            if let Err(e) = self.write_clocks().and_then(|()| self.emit(frame::END, |_| {})) {
                 self.fail(stats, e);
             }
         }
@@ -425,6 +465,8 @@ impl<'a> Payload<'a> {
 #[derive(Debug)]
 pub(crate) enum Frame {
     Header(CaptureHeader),
+    Host(crate::HostInfo),
+    HostClocks(crate::ClockReadings),
     Input(Input),
     End,
 }
@@ -679,6 +721,28 @@ impl<R: Read> CaptureReader<R> {
                 buffered_bytes: p.u64()?,
                 rings_drained: p.u8()? != 0,
             }),
+            frame::HOST => {
+                let machine_id = crate::MachineId(p.u64()?);
+                let machine_id_source = match p.u8()? {
+                    0 => crate::MachineIdSource::BootId,
+                    1 => crate::MachineIdSource::Override,
+                    2 => crate::MachineIdSource::HostName,
+                    _ => return None,
+                };
+                Frame::Host(crate::HostInfo {
+                    machine_id,
+                    machine_id_source,
+                    boot_id: p.str()?,
+                    host_name: p.str()?,
+                })
+            }
+            frame::HOST_CLOCKS => Frame::HostClocks(crate::ClockReadings {
+                boottime_ns: p.u64()?,
+                monotonic_ns: p.u64()?,
+                monotonic_raw_ns: p.u64()?,
+                realtime_ns: p.u64()?,
+                bracket_ns: p.u64()?,
+            }),
             frame::END => Frame::End,
             // A frame type this version does not know: skipped.
             _ => return Some(None),
@@ -829,11 +893,21 @@ mod tests {
         ]
     }
 
+    fn host() -> crate::HostInfo {
+        crate::HostInfo {
+            machine_id: crate::MachineId(0x1234_5678_9abc_def0),
+            machine_id_source: crate::MachineIdSource::Override,
+            boot_id: "boot".into(),
+            host_name: "render-farm-7".into(),
+        }
+    }
+
     fn write_capture(dir: &Path) -> PathBuf {
         let path = dir.join(format!("frames-{}.tickline", std::process::id()));
         let stats = SharedStats::default();
         let mut writer = CaptureWriter::create(&path).unwrap();
         writer.write_header(7, "app", TickSource::Tsc, ClockDomain::new(64, 0.4).unwrap());
+        writer.write_host(&host());
         for input in inputs() {
             writer.write(&input, &stats);
         }
@@ -853,7 +927,23 @@ mod tests {
             (header.pid, header.process_name.as_str(), header.source),
             (7, "app", TickSource::Tsc)
         );
-        let read: Vec<String> = frames[1..frames.len() - 1]
+        // The host and its clocks (read when the capture starts and again when it ends).
+        assert!(matches!(&frames[1], Frame::Host(h) if *h == host()), "{:?}", frames[1]);
+        let clocks: Vec<crate::ClockReadings> = frames
+            .iter()
+            .filter_map(|f| match f {
+                Frame::HostClocks(r) => Some(*r),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(clocks.len(), 2, "{frames:?}");
+        assert!(
+            clocks[0].monotonic_ns <= clocks[1].monotonic_ns
+                && clocks[0].boottime_ns + clocks[0].bracket_ns >= clocks[0].monotonic_ns,
+            "{clocks:?}"
+        );
+        assert!(matches!(frames[2], Frame::HostClocks(_)) && matches!(frames[frames.len() - 2], Frame::HostClocks(_)));
+        let read: Vec<String> = frames[3..frames.len() - 2]
             .iter()
             .map(|f| match f {
                 Frame::Input(input) => format!("{input:?}"),
@@ -905,7 +995,7 @@ mod tests {
             bytes[at] ^= xor;
             if at >= 16 {
                 let frames: Vec<Frame> = CaptureReader::new(&bytes[..]).unwrap().collect();
-                prop_assert!(frames.len() <= inputs().len() + 2);
+                prop_assert!(frames.len() <= inputs().len() + 5);
             }
         }
     }

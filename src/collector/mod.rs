@@ -72,15 +72,17 @@ pub(crate) fn spawn(
     let budget = Arc::new(Budget::default());
     let pool = Arc::new(ChunkPool::new(POOL_BUFFERS));
     let source = shared.source;
-    let pid = std::process::id();
+    let mut origin = crate::export::RecordingOrigin::this_process();
+    origin.process_name = setup.process_name.clone();
 
     let mut capture = setup.capture;
     if let Some(capture) = &mut capture {
-        capture.write_header(pid, &setup.process_name, source, setup.cpu_domain);
+        capture.write_header(origin.pid, &origin.process_name, source, setup.cpu_domain);
+        capture.write_host(&origin.host);
     }
     // Without exporters a capture alone is kept: nothing needs converting now.
     let processor = (capture.is_none() || !setup.exporters.is_empty()).then(|| {
-        let out = Output::new(pid, setup.process_name.clone(), setup.exporters);
+        let out = Output::new(&origin, setup.exporters);
         let recycler = Recycler {
             pool: pool.clone(),
             budget: budget.clone(),
@@ -195,7 +197,7 @@ pub mod bench_support {
             let now_ticks = base + spans as u64 * 200 + 1_000;
             let domain = ClockDomain::new(64, 0.4).expect("valid domain");
             let cal = ClockCalibration::from_anchor(domain, base, 1_000_000_000, 0.4).expect("valid calibration");
-            let out = Output::new(1, "bench".into(), Vec::new());
+            let out = Output::new(&crate::export::RecordingOrigin::this_process(), Vec::new());
             let stats = Arc::new(SharedStats::default());
             let mut processor = Processor::new(out, Default::default(), None, stats);
             processor.set_cpu_clock(CpuTime::Live {

@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 
 use super::stats::SharedStats;
 use crate::export::{
-    Batch, Event, EventKind, ExportError, Exporter, Field, NameId, TrackDescriptor, TrackId, TrackKind,
+    Batch, Event, EventKind, ExportError, Exporter, Field, NameId, RecordingOrigin, TrackDescriptor, TrackId, TrackKind,
 };
 
 /// A track shared by threads (a counter): its events are ordered before they join the batch.
@@ -38,7 +38,12 @@ pub(crate) struct Output {
 }
 
 impl Output {
-    pub(crate) fn new(pid: u32, process_name: String, exporters: Vec<Box<dyn Exporter>>) -> Self {
+    /// Tells each exporter where the events come from, then describes the process track.
+    pub(crate) fn new(origin: &RecordingOrigin, mut exporters: Vec<Box<dyn Exporter>>) -> Self {
+        for exporter in &mut exporters {
+            exporter.origin(origin);
+        }
+        let (pid, process_name) = (origin.pid, origin.process_name.clone());
         let mut out = Output {
             batch: Batch::default(),
             names: HashMap::new(),

@@ -1152,7 +1152,10 @@ mod tests {
     const KNOWN: u64 = 0x1000;
 
     fn processor(memory: &MemoryExporter) -> Processor {
-        let out = Output::new(1, "test".into(), vec![Box::new(memory.clone())]);
+        let out = Output::new(
+            &crate::export::RecordingOrigin::this_process(),
+            vec![Box::new(memory.clone())],
+        );
         let mut p = Processor::new(
             out,
             GpuCalibrationConfig::default(),

@@ -38,9 +38,9 @@
 //! # Durability
 //!
 //! Packets are written to the file whole, at the latest every [`flush_interval`](PerfettoExporter::flush_interval)
-//! (1 s by default) while the timeline exports (it calls [`Exporter::export`] at least every ~100 ms, with
-//! an empty batch when idle), so a killed process loses about the last second; a file cut at any byte still
-//! loads up to its last whole packet.
+//! (500 ms by default) while the timeline exports (it calls [`Exporter::export`] at least every ~100 ms, with
+//! an empty batch when idle), so a killed process loses at most about its last 0.6 s; a file cut at any byte
+//! still loads up to its last whole packet.
 //!
 //! # Caveats
 //!
@@ -60,7 +60,7 @@ use std::time::{Duration, Instant};
 use prost::encoding::{encode_key, encode_varint, WireType};
 use tickline::{
     Batch, ClockExchange, ClockReadings, Event, EventKind, ExchangeSample, ExportError, Exporter, FieldValue, HostInfo,
-    MachineId, MachineIdSource, SimulatedClock, TraceUuid, TrackDescriptor, TrackKind,
+    MachineId, MachineIdSource, RecordingOrigin, SimulatedClock, TraceUuid, TrackDescriptor, TrackKind,
 };
 
 /// The one packet sequence this writer emits.
@@ -220,8 +220,14 @@ pub struct PerfettoExporter<W: Write + Send = File> {
     /// Peer machines that have a clock-exchange track, and the last timestamp written on each.
     exchange_tracks: Vec<(MachineId, u64)>,
     last_clock_ts: u64,
-    /// The first snapshot's readings, until the clock track exists to hold its instant.
-    pending_snapshot: Option<ClockReadings>,
+    /// Snapshots' readings written before the clock track exists to hold their instants.
+    pending_snapshots: Vec<ClockReadings>,
+    /// The recording process (this one, or a converted capture's), for the `tickline trace` instant.
+    recorded_pid: u32,
+    recorded_process: String,
+    /// Converting a capture: the recording's clock readings not written yet, oldest first. The exporter
+    /// then never reads this process's clocks (they say nothing about when the capture was recorded).
+    replay: Option<std::collections::VecDeque<ClockReadings>>,
 }
 
 impl<W: Write + Send> std::fmt::Debug for PerfettoExporter<W> {
@@ -353,7 +359,7 @@ impl<W: Write + Send> PerfettoExporter<W> {
             trace_uuid,
             host: HostInfo::current().clone(),
             simulate: tickline::simulation().copied(),
-            flush_interval: Duration::from_secs(1),
+            flush_interval: Duration::from_millis(500),
             snapshot_interval: Duration::from_secs(2),
             last_write: now,
             last_snapshot: now,
@@ -363,12 +369,16 @@ impl<W: Write + Send> PerfettoExporter<W> {
             exchange_cursor: 0,
             exchange_tracks: Vec::new(),
             last_clock_ts: 0,
-            pending_snapshot: None,
+            pending_snapshots: Vec::new(),
+            recorded_pid: std::process::id(),
+            recorded_process: tickline::process_name(),
+            replay: None,
         }
     }
 
-    /// Writes whole packets to the writer at least this often while the timeline exports (default 1 s), so
-    /// a killed process loses at most about this much. `Duration::ZERO` writes on every export.
+    /// Writes whole packets to the writer at least this often while the timeline exports (default 500 ms: one
+    /// `write` call each time, nothing measurable), so a killed process loses at most about this much plus
+    /// the collector's export period (~100 ms). `Duration::ZERO` writes on every export.
     pub fn flush_interval(mut self, interval: Duration) -> Self {
         self.flush_interval = interval;
         self
@@ -468,8 +478,8 @@ impl<W: Write + Send> PerfettoExporter<W> {
         self.stats.packets += 1;
     }
 
-    /// A bracketed snapshot of the four clocks, and (once the clock track exists) its instant with the
-    /// bracket and the time-sync state.
+    /// A bracketed snapshot of the four clocks read now (live), and (once the clock track exists) its
+    /// instant with the bracket and the time-sync state.
     fn write_clock_snapshot(&mut self, first: bool) {
         let real = tickline::read_real_clocks();
         self.boot_offset_ns = real.boottime_ns as i64 - real.monotonic_ns as i64;
@@ -477,6 +487,28 @@ impl<W: Write + Send> PerfettoExporter<W> {
             Some(sim) => sim.apply(real),
             None => real,
         };
+        self.write_snapshot_of(r, first);
+    }
+
+    /// Converting a capture: the recording's readings up to `until_mono_ns` (all with `None`) as snapshots.
+    /// Events are placed on BOOTTIME with the offset of the latest one, as the live exporter does.
+    fn replay_snapshots(&mut self, until_mono_ns: Option<u64>) {
+        while let Some(r) = self.replay.as_mut().and_then(|q| {
+            let due = q
+                .front()
+                .is_some_and(|r| until_mono_ns.is_none_or(|t| r.monotonic_ns <= t));
+            if due {
+                q.pop_front()
+            } else {
+                None
+            }
+        }) {
+            self.boot_offset_ns = r.boottime_ns as i64 - r.monotonic_ns as i64;
+            self.write_snapshot_of(r, false);
+        }
+    }
+
+    fn write_snapshot_of(&mut self, r: ClockReadings, first: bool) {
         self.body.clear();
         for (id, ts) in [
             (CLOCK_BOOTTIME, r.boottime_ns),
@@ -506,12 +538,17 @@ impl<W: Write + Send> PerfettoExporter<W> {
         if self.clock_track_described {
             self.write_snapshot_instant(&r);
         } else {
-            self.pending_snapshot = Some(r);
+            self.pending_snapshots.push(r);
         }
     }
 
     fn write_snapshot_instant(&mut self, r: &ClockReadings) {
-        let sync = tickline::time_sync_state();
+        // This machine's time-sync state says nothing about a converted capture's recording.
+        let sync = if self.replay.is_some() {
+            None
+        } else {
+            tickline::time_sync_state()
+        };
         let mut annotations = vec![
             Annotation::U64("boottime_ns", r.boottime_ns),
             Annotation::U64("monotonic_ns", r.monotonic_ns),
@@ -569,23 +606,29 @@ impl<W: Write + Send> PerfettoExporter<W> {
         let uuid = self.uuid_salt ^ OWN_TRACKS;
         self.write_named_track(uuid, self.process_uuid, CLOCK_TRACK_NAME);
         self.clock_track_described = true;
-        let first = self.pending_snapshot.take().unwrap_or_else(|| self.read_clocks());
+        let mut pending = std::mem::take(&mut self.pending_snapshots);
+        if pending.is_empty() {
+            pending.push(self.read_clocks());
+        }
+        let first = pending[0];
         let (uuid_text, machine) = (self.trace_uuid.to_string(), self.host.machine_id.to_string());
         let host = self.host.clone();
-        let process = tickline::process_name();
+        let process = self.recorded_process.clone();
         let annotations = [
             Annotation::Str("trace_uuid", &uuid_text),
             Annotation::Str("machine_id", &machine),
             Annotation::Str("machine_id_source", host.machine_id_source.as_str()),
             Annotation::Str("boot_id", &host.boot_id),
             Annotation::Str("host", &host.host_name),
-            Annotation::U64("pid", u64::from(std::process::id())),
+            Annotation::U64("pid", u64::from(self.recorded_pid)),
             Annotation::Str("process", &process),
             Annotation::Str("tickline_version", env!("CARGO_PKG_VERSION")),
         ];
         self.last_clock_ts = first.boottime_ns;
         self.write_own_instant(first.boottime_ns, uuid, TRACE_INFO_EVENT, &annotations);
-        self.write_snapshot_instant(&first);
+        for r in &pending {
+            self.write_snapshot_instant(r);
+        }
     }
 
     fn write_named_track(&mut self, uuid: u64, parent: Option<u64>, name: &str) {
@@ -695,7 +738,15 @@ impl<W: Write + Send> PerfettoExporter<W> {
     /// The start of the file: snapshot (clearing the sequence's state), `TraceUuid`, `SystemInfo`.
     fn start(&mut self) {
         if !self.started {
-            self.write_clock_snapshot(true);
+            // A converted capture starts with its first reading (one written before readings were
+            // captured has none: this machine's clocks now are the best there is).
+            match self.replay.as_mut().and_then(|q| q.pop_front()) {
+                Some(r) => {
+                    self.boot_offset_ns = r.boottime_ns as i64 - r.monotonic_ns as i64;
+                    self.write_snapshot_of(r, true);
+                }
+                None => self.write_clock_snapshot(true),
+            }
             self.write_identity_packets();
             self.started = true;
         }
@@ -708,7 +759,7 @@ impl<W: Write + Send> PerfettoExporter<W> {
             self.write_clock_track();
         }
         let now = Instant::now();
-        if now.duration_since(self.last_snapshot) >= self.snapshot_interval {
+        if self.replay.is_none() && now.duration_since(self.last_snapshot) >= self.snapshot_interval {
             self.write_clock_snapshot(false);
         }
         self.write_exchange_samples();
@@ -936,9 +987,26 @@ impl<W: Write + Send> PerfettoExporter<W> {
 }
 
 impl<W: Write + Send> Exporter for PerfettoExporter<W> {
+    /// A converted capture's origin replaces this process: its host, pid and process name go into the
+    /// `tickline trace` instant and the process track, and its recorded clock readings are the snapshots.
+    fn origin(&mut self, origin: &RecordingOrigin) {
+        self.recorded_pid = origin.pid;
+        self.recorded_process = origin.process_name.clone();
+        if origin.replay {
+            self.host = origin.host.clone();
+            self.replay = Some(origin.clocks.iter().copied().collect());
+        }
+    }
+
     fn export(&mut self, batch: &Batch) -> Result<(), ExportError> {
         self.check_failed()?;
         self.start();
+        if self.replay.is_some() {
+            let last = batch.events.iter().map(|e| e.ts_ns).max();
+            if let Some(last) = last {
+                self.replay_snapshots(Some(last));
+            }
+        }
         for track in &batch.new_tracks {
             debug_assert!(
                 track.id.0 < OWN_TRACKS,
@@ -975,7 +1043,7 @@ impl<W: Write + Send> Exporter for PerfettoExporter<W> {
 
     fn flush(&mut self) -> Result<(), ExportError> {
         self.check_failed()?;
-        if self.started {
+        if self.started && self.replay.is_none() {
             // A suspend since the last snapshot moves BOOTTIME against MONOTONIC: record it.
             let offset = clock_ns(libc::CLOCK_BOOTTIME) - clock_ns(libc::CLOCK_MONOTONIC);
             if (offset - self.boot_offset_ns).abs() > SNAPSHOT_TOLERANCE_NS {
@@ -997,8 +1065,12 @@ impl<W: Write + Send> Exporter for PerfettoExporter<W> {
             self.write_clock_track();
         }
         self.write_exchange_samples();
-        // The closing snapshot: the end of the trace is bracketed too.
-        self.write_clock_snapshot(false);
+        // The closing snapshot: the end of the trace is bracketed too (a converted capture's last readings).
+        if self.replay.is_some() {
+            self.replay_snapshots(None);
+        } else {
+            self.write_clock_snapshot(false);
+        }
         self.housekeeping(true)
     }
 }
