@@ -35,6 +35,34 @@ fn export(c: &mut Criterion) {
         );
     });
     group.finish();
+
+    // The same for `tracing` spans: four records (create, enter, exit, close) and two events each.
+    let mut spans = ConvertBench::tracing_spans(SPANS);
+    spans.load();
+    assert_eq!(spans.convert().events.len(), 2 * SPANS);
+    let mut group = c.benchmark_group("collector_export_spans");
+    group.throughput(Throughput::Elements(SPANS as u64));
+    group.bench_function("convert_only", |b| {
+        b.iter_batched_ref(spans_loaded, |p| p.convert().events.len(), BatchSize::LargeInput);
+    });
+    group.bench_function("convert_and_encode_perfetto", |b| {
+        let mut exporter = PerfettoExporter::new(std::io::sink());
+        b.iter_batched_ref(
+            spans_loaded,
+            |p| {
+                exporter.export(p.convert()).unwrap();
+                exporter.flush().unwrap();
+            },
+            BatchSize::LargeInput,
+        );
+    });
+    group.finish();
+}
+
+fn spans_loaded() -> ConvertBench {
+    let mut p = ConvertBench::tracing_spans(SPANS);
+    p.load();
+    p
 }
 
 fn pipeline_loaded() -> ConvertBench {

@@ -10,7 +10,11 @@
 //! - `floor`: `registry()` + an empty layer (what `tracing` itself costs);
 //! - `tickline_perfetto`: tickline with the Perfetto exporter writing to a file;
 //! - `tickline_raw`: tickline writing a raw capture (`.tickline`) and no exporter;
-//! - `tracing_tracy`: `tracing-tracy`'s layer (Tracy queues everything in memory: no profiler connects).
+//! - `tracing_tracy`: `tracing-tracy`'s layer (Tracy queues everything in memory: no profiler connects),
+//!   measured last, once the Tracy client runs, against a floor measured beside it.
+//!
+//! Once-per-process costs are paid before measuring: the process's TSC decision (whose full check runs on
+//! background threads for a few seconds after the first timeline starts) and the Tracy client's start.
 //!
 //! Operations: `span` (`info_span!("span").entered()` dropped: create, enter, exit, close) and `event`
 //! (`info!(i, "event")`).
@@ -32,11 +36,26 @@ struct EmptyLayer;
 
 impl<S: Subscriber> Layer<S> for EmptyLayer {}
 
-fn process_cpu() -> Duration {
+fn cpu_clock(clock: libc::clockid_t) -> Duration {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: `ts` is a valid, writable timespec; CLOCK_PROCESS_CPUTIME_ID exists on Linux.
-    unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    // SAFETY: `ts` is a valid, writable timespec; the clock ids used exist on Linux.
+    unsafe { libc::clock_gettime(clock, &mut ts) };
     Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+fn process_cpu() -> Duration {
+    cpu_clock(libc::CLOCK_PROCESS_CPUTIME_ID)
+}
+
+fn thread_cpu() -> Duration {
+    cpu_clock(libc::CLOCK_THREAD_CPUTIME_ID)
+}
+
+/// One sample, in ns of CPU per operation: all threads, and the recording thread alone.
+#[derive(Clone, Copy)]
+struct Sample {
+    total: f64,
+    recording: f64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -75,11 +94,17 @@ fn run_ops(op: Op, ops: u64) {
     }
 }
 
-/// One sample: ns of process CPU per operation.
-fn sample(config: Config, op: Op, ops: u64) -> f64 {
+/// One sample: ns of CPU per operation.
+fn sample(config: Config, op: Op, ops: u64) -> Sample {
     let dir = std::env::temp_dir();
     let path = dir.join(format!("tickline-total-cpu-{}", std::process::id()));
     let start = process_cpu();
+    let mut recording = Duration::ZERO;
+    let mut run_ops = |op, ops| {
+        let t0 = thread_cpu();
+        run_ops(op, ops);
+        recording += thread_cpu() - t0;
+    };
     match config {
         Config::Floor => {
             let dispatch = Dispatch::new(tracing_subscriber::registry().with(EmptyLayer));
@@ -111,11 +136,15 @@ fn sample(config: Config, op: Op, ops: u64) -> f64 {
     for ext in ["pftrace", "tickline"] {
         let _ = std::fs::remove_file(path.with_extension(ext));
     }
-    elapsed.as_nanos() as f64 / ops as f64
+    Sample {
+        total: elapsed.as_nanos() as f64 / ops as f64,
+        recording: recording.as_nanos() as f64 / ops as f64,
+    }
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
+/// The sample with the median total.
+fn median(mut v: Vec<Sample>) -> Sample {
+    v.sort_by(|a, b| a.total.total_cmp(&b.total));
     v[v.len() / 2]
 }
 
@@ -127,8 +156,21 @@ fn parse_config(name: &str) -> Config {
         .unwrap_or_else(|| panic!("unknown config {name}"))
 }
 
+/// The once-per-process costs that are not per operation, paid before measuring: the process's TSC decision
+/// (its full check runs on background threads for a few seconds after the first timeline starts) and, for
+/// `tracing_tracy`, the Tracy client (its worker and symbol threads).
+fn settle(tracy: bool) -> Option<tracy_client::Client> {
+    let decision = tickline::TscDecider::process().wait_final(Duration::from_secs(60));
+    assert!(decision.is_final(), "the TSC decision did not finish: {decision:?}");
+    tracy.then(|| {
+        let client = tracy_client::Client::start();
+        // Let its start-up work (delay calibration, symbol loading) finish.
+        std::thread::sleep(Duration::from_secs(2));
+        client
+    })
+}
+
 fn main() {
-    let _tracy = tracy_client::Client::start();
     let args: Vec<String> = std::env::args().collect();
     if let Some(at) = args.iter().position(|a| a == "--once") {
         let config = parse_config(&args[at + 1]);
@@ -137,23 +179,50 @@ fn main() {
         } else {
             Op::Span
         };
-        // Warm up (first timeline start, page faults), then one sample.
+        // Warm up (first timeline start, page faults), settle, then one sample.
+        sample(Config::Floor, op, 100_000);
+        let _tracy = settle(config == Config::TracingTracy);
         sample(config, op, 100_000);
-        println!("{:.1}", sample(config, op, 1_000_000));
+        let s = sample(config, op, 1_000_000);
+        println!("{:.1}", s.total);
+        eprintln!("recording thread {:.1}", s.recording);
         return;
     }
     let full = args.iter().any(|a| a == "--bench");
     let (ops, samples) = if full { (1_000_000, 9) } else { (10_000, 1) };
-    for op in [Op::Span, Op::Event] {
-        let mut floor = 0.0;
-        for (name, config) in CONFIGS {
-            sample(config, op, ops / 10);
-            let ns = median((0..samples).map(|_| sample(config, op, ops)).collect());
-            if config == Config::Floor {
-                floor = ns;
-                println!("total_cpu/{op:?}/{name}: {ns:.1} ns per op");
-            } else {
-                println!("total_cpu/{op:?}/{name}: {ns:.1} ns per op (floor + {:.1})", ns - floor);
+    // tickline's configurations first, with no Tracy client in the process (its threads would be counted);
+    // then the Tracy client starts, and `tracing_tracy` is compared with a floor measured beside it.
+    let _ = Timeline::builder().start().map(Timeline::shutdown);
+    // Kept to the end: the Tracy client stops with the process.
+    let mut _tracy = None;
+    for phase_tracy in [false, true] {
+        if phase_tracy {
+            _tracy = settle(true);
+        } else {
+            settle(false);
+        }
+        for op in [Op::Span, Op::Event] {
+            let mut floor = 0.0;
+            for (name, config) in CONFIGS {
+                if (config == Config::TracingTracy) != phase_tracy && config != Config::Floor {
+                    continue;
+                }
+                sample(config, op, ops / 10);
+                let m = median((0..samples).map(|_| sample(config, op, ops)).collect());
+                let ns = m.total;
+                if config == Config::Floor {
+                    floor = ns;
+                    let beside = if phase_tracy { " (Tracy client running)" } else { "" };
+                    println!("total_cpu/{op:?}/{name}{beside}: {ns:.1} ns per op");
+                } else {
+                    println!(
+                        "total_cpu/{op:?}/{name}: {ns:.1} ns per op (floor + {:.1}; the recording thread {:.1}, \
+                         the other threads {:.1})",
+                        ns - floor,
+                        m.recording,
+                        ns - m.recording
+                    );
+                }
             }
         }
     }

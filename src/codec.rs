@@ -430,6 +430,7 @@ impl<'a> Decoder<'a> {
     }
 
     /// The next item and how many records it spans, or the framing error and how many records were skipped.
+    #[inline(always)]
     pub(crate) fn next_with_len(&mut self) -> Option<(Result<Item<'a>, FrameError>, usize)> {
         let head = *self.records.get(self.pos)?;
         let Some(kind) = head.kind().filter(|&k| k != Kind::Data) else {

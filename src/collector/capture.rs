@@ -7,8 +7,13 @@
 //! until the end of the file:
 //!
 //! ```text
-//! frame := type: u8 | length: u32 LE | payload: length bytes | check: u64 LE (FNV-1a 64 of type, length, payload)
+//! frame := type: u8 | length: u32 LE | payload: length bytes | check: u64 LE
 //! ```
+//!
+//! The check folds three parts in turn, the type byte, the 4 length bytes and the payload, into
+//! `h = 0x6a09e667f3bcc908`: each whole 8-byte little-endian word `w` of a part as
+//! `h = rotl((h ^ w) * 0x9e3779b97f4a7c15, 29)` (wrapping multiplication), then the part's last 0 to 7 bytes,
+//! zero-padded to a word `w`, as the same step with `w ^ (count << 59)`.
 //!
 //! Integers are little-endian, strings are `u16` length + UTF-8 bytes, samples are
 //! `(source ticks u64, reference ns u64, max deviation ns u64)`. Frame types and payloads:
@@ -76,13 +81,23 @@ mod frame {
     pub(super) const HOST_CLOCKS: u8 = 17;
 }
 
-fn fnv1a(parts: &[&[u8]]) -> u64 {
-    let mut hash = 0xcbf2_9ce4_8422_2325u64;
+/// A frame's check: each part's 8-byte little-endian words (its last, short one zero-padded and tagged with
+/// its length) folded in with `h = rotl((h ^ word) * K, 29)`. Every step is a bijection of `h`, so a frame
+/// that differs from the written one in any single word never passes; and it runs a word, not a byte, at a
+/// time (a byte-wise FNV-1a cost about 1 ns a byte: a fifth of a core at the drain's record rates).
+fn frame_check(parts: &[&[u8]]) -> u64 {
+    const K: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut hash = 0x6a09_e667_f3bc_c908u64;
+    let mut fold = |word: u64| hash = ((hash ^ word).wrapping_mul(K)).rotate_left(29);
     for part in parts {
-        for &b in *part {
-            hash ^= u64::from(b);
-            hash = hash.wrapping_mul(0x0100_0000_01b3);
+        let mut words = part.chunks_exact(8);
+        for word in &mut words {
+            fold(u64::from_le_bytes(word.try_into().expect("8 bytes")));
         }
+        let tail = words.remainder();
+        let mut last = [0u8; 8];
+        last[..tail.len()].copy_from_slice(tail);
+        fold(u64::from_le_bytes(last) ^ ((tail.len() as u64) << 59));
     }
     hash
 }
@@ -140,7 +155,7 @@ impl CaptureWriter {
         self.frame.clear();
         payload(&mut self.frame);
         let len = (self.frame.len() as u32).to_le_bytes();
-        let check = fnv1a(&[&[kind], &len, &self.frame]);
+        let check = frame_check(&[&[kind], &len, &self.frame]);
         self.out.write_all(&[kind])?;
         self.out.write_all(&len)?;
         self.out.write_all(&self.frame)?;
@@ -239,10 +254,11 @@ impl CaptureWriter {
                 b.extend_from_slice(&chunk.now_ticks.to_le_bytes());
                 b.extend_from_slice(&chunk.dropped_total.to_le_bytes());
                 b.extend_from_slice(&(chunk.records.len() as u32).to_le_bytes());
-                b.reserve(chunk.records.len() * 16);
-                for r in &chunk.records {
-                    b.extend_from_slice(&r.word0.to_le_bytes());
-                    b.extend_from_slice(&r.word1.to_le_bytes());
+                let start = b.len();
+                b.resize(start + chunk.records.len() * 16, 0);
+                for (out, r) in b[start..].chunks_exact_mut(16).zip(&chunk.records) {
+                    out[..8].copy_from_slice(&r.word0.to_le_bytes());
+                    out[8..].copy_from_slice(&r.word1.to_le_bytes());
                 }
             }),
             Input::ThreadEnd { ring } => self.emit(frame::THREAD_END, |b| b.extend_from_slice(&ring.to_le_bytes())),
@@ -574,7 +590,7 @@ impl<R: Read> CaptureReader<R> {
         }
         let check = u64::from_le_bytes(self.buf[len..].try_into().expect("8 bytes"));
         self.buf.truncate(len);
-        if fnv1a(&[&head[..1], &head[1..], &self.buf]) != check {
+        if frame_check(&[&head[..1], &head[1..], &self.buf]) != check {
             self.stop("a frame fails its check (a corrupt capture)".into());
             return None;
         }

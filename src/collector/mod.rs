@@ -176,7 +176,8 @@ pub mod bench_support {
     use crate::export::Batch;
     use input::{CallsiteDef, CallsiteKind, Chunk};
 
-    /// The processing stage fed with `spans` begin/end pairs of one native scope per load.
+    /// The processing stage fed with `spans` begin/end pairs of one native scope per load (or, with
+    /// [`ConvertBench::tracing_spans`], the records of `spans` field-less `tracing` spans).
     pub struct ConvertBench {
         processor: Processor,
         records: Vec<Record>,
@@ -225,6 +226,35 @@ pub mod bench_support {
                 records,
                 now_ticks,
             }
+        }
+
+        /// `spans` field-less `tracing` spans each created, entered, exited and closed (four records, as the
+        /// layer writes them for `info_span!("span").entered()` dropped), 100 ticks apart.
+        pub fn tracing_spans(spans: usize) -> Self {
+            const SPAN: u64 = 0x2000;
+            let mut bench = ConvertBench::new(0);
+            let base = 1u64 << 44;
+            let mut records = Vec::with_capacity(spans * 4);
+            for i in 0..spans as u64 {
+                let serial = crate::recorder::span_serial(1, i + 1);
+                records.push(crate::codec::span_new_bare(SPAN));
+                records.push(Record::timed(Kind::SpanEnter, base + i * 200, serial));
+                records.push(Record::timed(Kind::SpanExit, base + i * 200 + 100, serial));
+                records.push(Record::head(Kind::SpanClose, crate::codec::AT_LAST_EXIT, 0, serial));
+            }
+            bench.now_ticks = base + spans as u64 * 200 + 1_000;
+            bench.records = records;
+            bench.processor.input(Input::Callsite(CallsiteDef {
+                key: SPAN,
+                kind: CallsiteKind::Span,
+                name: "span".into(),
+                target: String::new(),
+                level: 2,
+                file: String::new(),
+                line: 0,
+                fields: Vec::new(),
+            }));
+            bench
         }
 
         /// Queues the records as a drain would, and empties the previous batch.

@@ -682,7 +682,10 @@ impl Processor {
                 let serial = crate::recorder::span_serial(u64::from(track.ring), track.spans_created);
                 let ts = track.last_ns;
                 track.undated.push(serial);
-                let name = self.callsite_name(callsite);
+                let (name, fieldless) = match self.callsites.get(&callsite) {
+                    Some(c) => (c.name, c.fields.is_empty()),
+                    None => (self.callsite_name(callsite), true),
+                };
                 let mut values = Vec::new();
                 let truncated = self.decode_payload(callsite, fields, &mut values);
                 let parent = match parent {
@@ -695,7 +698,8 @@ impl Processor {
                     }),
                 };
                 let mut span = SpanState::new(name, callsite, ts, parent, values);
-                span.fields_truncated = truncated;
+                span.fields_truncated = u32::try_from(truncated).unwrap_or(u32::MAX);
+                span.fieldless = fieldless && truncated == 0;
                 self.spans.insert(serial, span);
             }
             Item::SpanRecord { ticks, serial, fields } => {
@@ -712,25 +716,30 @@ impl Processor {
                 values.clear();
                 let truncated = self.decode_payload(callsite, fields, &mut values);
                 if let Some(span) = self.spans.get_mut(serial) {
-                    span.fields_truncated = span.fields_truncated.max(truncated);
+                    span.fields_truncated = span.fields_truncated.max(u32::try_from(truncated).unwrap_or(u32::MAX));
                     span.update(ts, values.drain(..));
                 }
                 self.scratch_fields = values;
             }
             Item::SpanEnter { ticks, serial } => {
-                let name = match self.span_serial(serial) {
-                    Some(span) => span.name,
+                let (name, fieldless) = match self.span_serial(serial) {
+                    Some(span) => (span.name, span.fieldless),
                     None if !force => return Step::Stall,
                     None => {
                         self.counts.unknown_spans += 1;
-                        self.names.unknown_span
+                        (self.names.unknown_span, true)
                     }
                 };
                 let ts = self.ticks_to_ns(track, ticks, now_ticks);
                 if let Some(span) = self.spans.get_mut(serial) {
                     span.open_slices += 1;
-                    span.held_begins += 1;
+                    span.held_begins += u32::from(!fieldless);
                     span.enters += 1;
+                }
+                if fieldless {
+                    // No values to wait for: out at once (behind anything already held on the track).
+                    self.begin_unheld(track, OpenKind::Span(serial), name, ts);
+                    return Step::Done;
                 }
                 // Held until the slice ends: it shows the values the span had then.
                 let seq = track.held_base + track.held.len() as u64;
@@ -787,15 +796,7 @@ impl Processor {
             Item::ScopeBegin { ticks, callsite } => {
                 let ts = self.ticks_to_ns(track, ticks, now_ticks);
                 let name = self.callsite_name(callsite);
-                let held = (!track.held.is_empty()).then(|| track.held_base + track.held.len() as u64);
-                self.emit(track, ts, EventKind::SliceBegin, name, Vec::new(), None);
-                track.open.push(OpenSlice {
-                    kind: OpenKind::Scope(callsite),
-                    name,
-                    held,
-                    released_values: None,
-                    dropped_inside: 0,
-                });
+                self.begin_unheld(track, OpenKind::Scope(callsite), name, ts);
             }
             Item::ScopeEnd { ticks, callsite } => {
                 let ts = self.ticks_to_ns(track, ticks, now_ticks);
@@ -877,8 +878,35 @@ impl Processor {
         }
     }
 
+    /// Opens a slice whose begin needs no values (a scope, a span whose callsite has no fields): emitted now,
+    /// held only behind what is already held on the track.
+    fn begin_unheld(&mut self, track: &mut Track, kind: OpenKind, name: NameId, ts_ns: u64) {
+        let held = (!track.held.is_empty()).then(|| track.held_base + track.held.len() as u64);
+        self.emit(track, ts_ns, EventKind::SliceBegin, name, Vec::new(), None);
+        track.open.push(OpenSlice {
+            kind,
+            name,
+            held,
+            released_values: None,
+            dropped_inside: 0,
+        });
+    }
+
     /// Opens again a slice ended only to keep nesting (see [`close_slice`](Self::close_slice)).
     fn reopen(&mut self, track: &mut Track, kind: OpenKind, name: NameId, ts_ns: u64) {
+        let fieldless_span = match kind {
+            OpenKind::Span(serial) => self.spans.get(serial).is_none_or(|s| s.fieldless),
+            OpenKind::Scope(_) => false,
+        };
+        if fieldless_span {
+            if let OpenKind::Span(serial) = kind {
+                if let Some(span) = self.spans.get_mut(serial) {
+                    span.open_slices += 1;
+                }
+            }
+            self.begin_unheld(track, kind, name, ts_ns);
+            return;
+        }
         match kind {
             OpenKind::Span(serial) => {
                 if let Some(span) = self.spans.get_mut(serial) {
@@ -902,17 +930,7 @@ impl Processor {
                     dropped_inside: 0,
                 });
             }
-            OpenKind::Scope(_) => {
-                let held = (!track.held.is_empty()).then(|| track.held_base + track.held.len() as u64);
-                self.emit(track, ts_ns, EventKind::SliceBegin, name, Vec::new(), None);
-                track.open.push(OpenSlice {
-                    kind,
-                    name,
-                    held,
-                    released_values: None,
-                    dropped_inside: 0,
-                });
-            }
+            OpenKind::Scope(_) => self.begin_unheld(track, kind, name, ts_ns),
         }
     }
 
@@ -1326,7 +1344,7 @@ mod tests {
         assert_eq!(
             trace.track(slices[0].track).map(|t| &t.kind),
             Some(&TrackKind::Thread {
-                pid: 1,
+                pid: std::process::id(),
                 tid: 2,
                 name: "t2".into()
             })

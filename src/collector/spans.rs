@@ -1,9 +1,10 @@
 //! The processing stage's span table: every span by its serial, with its name, parent and the history of
 //! its field values, so that a slice can carry the values its span had when the slice ended.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use crate::export::{Field, NameId};
+use crate::recorder::span_serial;
 
 /// Hashes u64 keys (serials, callsite keys) with one multiply: the collector looks one up per record, and
 /// SipHash's DoS resistance buys nothing for keys the process made itself.
@@ -32,65 +33,84 @@ pub(crate) type IdMap<V> = HashMap<u64, V, std::hash::BuildHasherDefault<IdHashe
 /// Most field updates kept per span before the oldest are folded into its base values.
 const MAX_UPDATES: usize = 64;
 
-/// One span, from its creation record to a little after its close.
+/// One span, from its creation record to a little after its close. Kept small (a ring's window holds every
+/// span of the last few passes): values, rare, live behind a box.
 pub(crate) struct SpanState {
     pub(crate) name: NameId,
+    /// Slices of this span open on some thread track.
+    pub(crate) open_slices: u32,
+    /// Begins of this span's slices held for their values (see `process.rs`): the span must outlive them.
+    pub(crate) held_begins: u32,
+    /// Enters seen.
+    pub(crate) enters: u32,
     /// The callsite key (field names come from the callsite).
     pub(crate) callsite: u64,
     /// Creation time (reference ns).
     #[allow(dead_code, reason = "a span's lifetime, for async task tracks")]
     pub(crate) created_ns: u64,
-    /// The explicit or inferred parent span's serial.
+    /// The explicit or inferred parent span's serial (0: none).
     #[allow(dead_code, reason = "nesting of async task tracks")]
-    pub(crate) parent: Option<u64>,
-    /// Values as of creation, and of every update folded in.
-    base: Vec<Field>,
-    /// Later updates `(reference ns, field)`, oldest first.
-    updates: Vec<(u64, Field)>,
-    /// Slices of this span open on some thread track.
-    pub(crate) open_slices: u32,
-    /// Begins of this span's slices held for their values (see `process.rs`): the span must outlive them.
-    pub(crate) held_begins: u32,
-    /// Enters seen, and the first thread track that entered it (issue: async tracks).
-    pub(crate) enters: u32,
-    /// The pass in which its close was processed.
-    pub(crate) closed_in: Option<u64>,
-    /// When it closed (reference ns).
-    pub(crate) closed_ns: Option<u64>,
+    pub(crate) parent: u64,
+    /// The pass in which its close was processed (0: still open).
+    pub(crate) closed_in: u64,
+    /// When it closed (reference ns; meaningful once `closed_in` is set).
+    pub(crate) closed_ns: u64,
     /// Fields cut or left out at creation or in updates (the marker's value).
-    pub(crate) fields_truncated: u64,
+    pub(crate) fields_truncated: u32,
+    /// Its callsite declares no fields, so its values never change: its slices need not wait for them.
+    pub(crate) fieldless: bool,
+    values: Option<Box<SpanValues>>,
+}
+
+/// A span's field values: as of creation (and every update folded in), and later updates `(ns, field)`,
+/// oldest first.
+#[derive(Default)]
+struct SpanValues {
+    base: Vec<Field>,
+    updates: Vec<(u64, Field)>,
 }
 
 impl SpanState {
     pub(crate) fn new(name: NameId, callsite: u64, created_ns: u64, parent: Option<u64>, fields: Vec<Field>) -> Self {
         SpanState {
             name,
-            callsite,
-            created_ns,
-            parent,
-            base: fields,
-            updates: Vec::new(),
             open_slices: 0,
             held_begins: 0,
             enters: 0,
-            closed_in: None,
-            closed_ns: None,
+            callsite,
+            created_ns,
+            parent: parent.unwrap_or(0),
+            closed_in: 0,
+            closed_ns: 0,
             fields_truncated: 0,
+            fieldless: false,
+            values: (!fields.is_empty()).then(|| {
+                Box::new(SpanValues {
+                    base: fields,
+                    updates: Vec::new(),
+                })
+            }),
         }
+    }
+
+    /// Whether its close has been processed.
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed_in != 0
     }
 
     /// Records new values at `ts_ns` (updates from several threads may arrive out of time order).
     pub(crate) fn update(&mut self, ts_ns: u64, fields: impl IntoIterator<Item = Field>) {
+        let values = self.values.get_or_insert_with(Box::default);
         for field in fields {
-            let pos = self.updates.partition_point(|(ts, _)| *ts <= ts_ns);
-            self.updates.insert(pos, (ts_ns, field));
+            let pos = values.updates.partition_point(|(ts, _)| *ts <= ts_ns);
+            values.updates.insert(pos, (ts_ns, field));
         }
-        if self.updates.len() > MAX_UPDATES {
+        if values.updates.len() > MAX_UPDATES {
             // Fold the oldest half: slices that end before them were released long ago (a slice is held at
             // most the hold limit).
-            let fold: Vec<(u64, Field)> = self.updates.drain(..MAX_UPDATES / 2).collect();
+            let fold: Vec<(u64, Field)> = values.updates.drain(..MAX_UPDATES / 2).collect();
             for (_, field) in fold {
-                set_field(&mut self.base, field);
+                set_field(&mut values.base, field);
             }
         }
     }
@@ -98,13 +118,22 @@ impl SpanState {
     /// The span's values at `ts_ns`: its creation values with every update at or before `ts_ns` applied.
     pub(crate) fn values_at(&self, ts_ns: u64, out: &mut Vec<Field>) {
         out.clear();
-        out.extend_from_slice(&self.base);
-        for (ts, field) in &self.updates {
+        let Some(values) = &self.values else { return };
+        out.extend_from_slice(&values.base);
+        for (ts, field) in &values.updates {
             if *ts > ts_ns {
                 break;
             }
             set_field(out, field.clone());
         }
+    }
+
+    /// Whether a sweep in pass `pass` may forget it: closed a few passes ago, and no slice refers to it.
+    fn forgettable(&self, pass: u64) -> bool {
+        self.is_closed()
+            && pass >= self.closed_in + KEEP_CLOSED_PASSES
+            && self.open_slices == 0
+            && self.held_begins == 0
     }
 }
 
@@ -117,54 +146,149 @@ pub(crate) fn set_field(fields: &mut Vec<Field>, field: Field) {
 }
 
 /// Every live span, by serial.
+///
+/// A ring's serials are consecutive (its `n`-th `SpanNew`), and most spans live briefly, so each ring keeps
+/// its spans in a window indexed by `n`: a lookup is an index, neighbours share cache lines, and a sweep
+/// drops the window's front. A span still open with more than [`WINDOW_MAX`] younger ones behind it moves to
+/// `spilled`, so one long-lived span cannot make its ring's window grow without bound.
 #[derive(Default)]
 pub(crate) struct Spans {
-    spans: IdMap<SpanState>,
-    /// Spans closed, with the pass their close was processed in: forgotten a few passes later.
-    closed: Vec<(u64, u64)>,
+    /// Windows by dense index, and ring number → dense index (ring numbers come from the input, which a
+    /// corrupt capture may fill with any value).
+    windows: Vec<SpanWindow>,
+    ring_index: IdMap<u32>,
+    /// The last ring looked up and its dense index: most lookups are for the ring being processed.
+    last: Option<(u64, usize)>,
+    spilled: IdMap<SpanState>,
 }
+
+/// One ring's spans: `slots[k]` holds span `n = base + k`.
+#[derive(Default)]
+struct SpanWindow {
+    base: u64,
+    slots: VecDeque<Option<SpanState>>,
+}
+
+/// Slots a ring's window may hold behind a span still open before that span moves to the spilled map.
+const WINDOW_MAX: usize = 1 << 16;
 
 /// Passes a closed span is kept (its last exits may still be on rings processed later).
 const KEEP_CLOSED_PASSES: u64 = 2;
 
+fn split(serial: u64) -> (u64, u64) {
+    (serial >> 40, serial & ((1 << 40) - 1))
+}
+
 impl Spans {
-    pub(crate) fn get(&self, serial: u64) -> Option<&SpanState> {
-        self.spans.get(&serial)
+    fn window_of(&mut self, ring: u64) -> Option<usize> {
+        if let Some((r, index)) = self.last {
+            if r == ring {
+                return Some(index);
+            }
+        }
+        let index = *self.ring_index.get(&ring)? as usize;
+        self.last = Some((ring, index));
+        Some(index)
     }
 
-    pub(crate) fn get_mut(&mut self, serial: u64) -> Option<&mut SpanState> {
-        self.spans.get_mut(&serial)
-    }
-
-    pub(crate) fn insert(&mut self, serial: u64, span: SpanState) {
-        self.spans.insert(serial, span);
-    }
-
-    /// Notes span `serial`'s close, processed in pass `pass`.
-    pub(crate) fn close(&mut self, serial: u64, pass: u64, ts_ns: u64) {
-        if let Some(span) = self.spans.get_mut(&serial) {
-            span.closed_in = Some(pass);
-            span.closed_ns = Some(ts_ns);
-            self.closed.push((serial, pass));
+    fn window_of_shared(&self, ring: u64) -> Option<usize> {
+        match self.last {
+            Some((r, index)) if r == ring => Some(index),
+            _ => self.ring_index.get(&ring).map(|&i| i as usize),
         }
     }
 
-    /// Forgets spans closed a few passes ago that no open slice refers to.
+    pub(crate) fn get(&self, serial: u64) -> Option<&SpanState> {
+        let (ring, n) = split(serial);
+        let window = &self.windows[self.window_of_shared(ring)?];
+        match n.checked_sub(window.base) {
+            Some(k) if (k as usize) < window.slots.len() => window.slots[k as usize].as_ref(),
+            _ => self.spilled.get(&serial),
+        }
+    }
+
+    pub(crate) fn get_mut(&mut self, serial: u64) -> Option<&mut SpanState> {
+        let (ring, n) = split(serial);
+        let index = self.window_of(ring)?;
+        let window = &mut self.windows[index];
+        match n.checked_sub(window.base) {
+            Some(k) if (k as usize) < window.slots.len() => window.slots[k as usize].as_mut(),
+            _ => self.spilled.get_mut(&serial),
+        }
+    }
+
+    /// Adds span `serial`. Serials of a ring come in order; one out of order (a corrupt capture) goes to the
+    /// spilled map.
+    pub(crate) fn insert(&mut self, serial: u64, span: SpanState) {
+        let (ring, n) = split(serial);
+        let index = match self.window_of(ring) {
+            Some(index) => index,
+            None => {
+                let index = self.windows.len();
+                self.windows.push(SpanWindow {
+                    base: n,
+                    slots: VecDeque::new(),
+                });
+                self.ring_index.insert(ring, index as u32);
+                self.last = Some((ring, index));
+                index
+            }
+        };
+        let window = &mut self.windows[index];
+        if window.slots.is_empty() && n >= window.base {
+            window.base = n;
+        }
+        match n.checked_sub(window.base) {
+            Some(k) if k == window.slots.len() as u64 => window.slots.push_back(Some(span)),
+            Some(k) if (k as usize) < window.slots.len() => window.slots[k as usize] = Some(span),
+            _ => {
+                self.spilled.insert(serial, span);
+            }
+        }
+    }
+
+    /// Notes span `serial`'s close, processed in pass `pass` (passes count from 1).
+    pub(crate) fn close(&mut self, serial: u64, pass: u64, ts_ns: u64) {
+        if let Some(span) = self.get_mut(serial) {
+            span.closed_in = pass.max(1);
+            span.closed_ns = ts_ns;
+        }
+    }
+
+    /// Forgets spans closed a few passes ago that no open slice refers to: each window's front, and spilled
+    /// spans. A window that grew long behind a span still open moves that span to the spilled map.
     pub(crate) fn sweep(&mut self, pass: u64) {
-        let spans = &mut self.spans;
-        self.closed.retain(|&(serial, closed)| {
-            if pass < closed + KEEP_CLOSED_PASSES {
-                return true;
-            }
-            match spans.get(&serial) {
-                Some(span) if span.open_slices > 0 || span.held_begins > 0 => true,
-                Some(_) => {
-                    spans.remove(&serial);
-                    false
+        for (&ring, &index) in &self.ring_index {
+            let window = &mut self.windows[index as usize];
+            loop {
+                match window.slots.front() {
+                    Some(None) => {}
+                    Some(Some(span)) if span.forgettable(pass) => {}
+                    Some(Some(span)) if window.slots.len() > WINDOW_MAX && !span.is_closed() => {
+                        let span = window.slots.pop_front().flatten().expect("checked above");
+                        self.spilled.insert(span_serial(ring, window.base), span);
+                        window.base += 1;
+                        continue;
+                    }
+                    _ => break,
                 }
-                None => false,
+                window.slots.pop_front();
+                window.base += 1;
             }
-        });
+        }
+        if !self.spilled.is_empty() {
+            self.spilled.retain(|_, span| !span.forgettable(pass));
+        }
+    }
+
+    /// Spans held now (tests).
+    #[cfg(test)]
+    fn live(&self) -> usize {
+        self.windows
+            .iter()
+            .map(|w| w.slots.iter().flatten().count())
+            .sum::<usize>()
+            + self.spilled.len()
     }
 }
 
@@ -205,5 +329,50 @@ mod tests {
         spans.get_mut(7).unwrap().open_slices = 0;
         spans.sweep(21);
         assert!(spans.get(7).is_none());
+    }
+
+    fn serial(ring: u64, n: u64) -> u64 {
+        span_serial(ring, n)
+    }
+
+    #[test]
+    fn rings_keep_their_spans_apart_and_a_long_lived_span_does_not_hold_the_window() {
+        let mut spans = Spans::default();
+        let state = || SpanState::new(NameId(1), 0, 0, None, Vec::new());
+        // Ring 1: one span that stays, then many that close at once.
+        spans.insert(serial(1, 1), state());
+        spans.insert(serial(2, 1), state());
+        for n in 2..=(WINDOW_MAX as u64 * 3) {
+            spans.insert(serial(1, n), state());
+            spans.close(serial(1, n), 1, 0);
+        }
+        spans.sweep(10);
+        assert!(
+            spans.get(serial(1, 1)).is_some(),
+            "the long-lived span is still there (spilled)"
+        );
+        assert!(spans.get(serial(2, 1)).is_some(), "another ring's span is untouched");
+        assert!(spans.get(serial(1, 2)).is_none());
+        assert_eq!(spans.live(), 2, "everything closed was forgotten");
+        assert!(spans.windows.iter().all(|w| w.slots.len() <= WINDOW_MAX));
+        // The spilled span closes and goes too; a serial never created is unknown.
+        spans.close(serial(1, 1), 20, 0);
+        spans.sweep(30);
+        assert!(spans.get(serial(1, 1)).is_none());
+        assert!(spans.get(serial(3, 1)).is_none());
+        assert!(spans.get(serial(1, WINDOW_MAX as u64 * 10)).is_none());
+    }
+
+    #[test]
+    fn serials_out_of_order_are_kept_too() {
+        let mut spans = Spans::default();
+        let state = |name| SpanState::new(NameId(name), 0, 0, None, Vec::new());
+        spans.insert(serial(1, 5), state(5));
+        spans.insert(serial(1, 3), state(3));
+        spans.insert(serial(1, 9), state(9));
+        spans.insert(serial(1, 6), state(6));
+        for n in [5, 3, 9, 6] {
+            assert_eq!(spans.get(serial(1, n)).map(|s| s.name), Some(NameId(n as u32)), "{n}");
+        }
     }
 }
