@@ -115,7 +115,7 @@ mod scope;
 
 pub use calibration::{
     CalibrationError, CalibrationHistory, CalibrationSample, ClockCalibration, ClockDomain, Converted, FitOptions,
-    FitStrategy, HistoryConfig, HistoryStats,
+    FitStrategy, HistoryConfig, HistoryStats, Placement,
 };
 pub use clock::{
     bracketed_sample, check_tsc_reliability, monotonic_ns, monotonic_raw_ns, read_ticks, CpuRate, CpuShift,
