@@ -16,6 +16,7 @@ mod collect;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod lanes;
+mod sanity;
 pub mod sim;
 mod tracker;
 #[cfg(feature = "vulkan")]
@@ -24,9 +25,10 @@ pub mod vulkan;
 pub mod wgpu;
 
 pub(crate) use collect::GpuCollector;
+pub use sanity::{SliceMarks, CALIBRATION_BREAK};
 pub use tracker::GpuCalibrationConfig;
 #[doc(hidden)]
-pub use tracker::GpuClockTracker;
+pub use tracker::{GpuClockStats, GpuClockTracker, GpuScopeTicks, GpuSlicePlacement};
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
