@@ -4,6 +4,7 @@ mod cli;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod gpu;
+mod gpu_clocks;
 mod live;
 mod pipeline;
 #[cfg(feature = "vulkan")]
