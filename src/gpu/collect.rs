@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::lanes::{LaneEvent, Lanes, Slice};
-use super::tracker::{GpuCalibrationConfig, GpuClockTracker};
+use super::tracker::{GpuCalibrationConfig, GpuClockTracker, GpuScopeTicks};
 use super::{split_key, DeviceLink, GpuCalibrationReport, GpuDeviceInfo, GpuTicks};
 use crate::calibration::CalibrationSample;
 use crate::collector::Processor;
@@ -59,6 +59,8 @@ struct DeviceState {
     reported_fit_ns: u64,
     reported_violations: u64,
     violations: u64,
+    /// The backend's reset count last seen (issue 13 hook: `GpuBackend::resets`).
+    resets_seen: u64,
 }
 
 /// GPU counters for [`crate::TimelineStats`].
@@ -83,6 +85,8 @@ pub(crate) struct GpuCollector {
     reads: Vec<Option<GpuTicks>>,
     pub(crate) stats: GpuStats,
     uncertainty_name: Option<NameId>,
+    /// `tickline.calibration_break` and `tickline.queue_calibration` (issue 13 hook).
+    mark_names: Option<(NameId, NameId)>,
 }
 
 impl GpuCollector {
@@ -145,6 +149,7 @@ impl GpuCollector {
                 reported_fit_ns: 0,
                 reported_violations: 0,
                 violations: 0,
+                resets_seen: 0,
             },
         );
     }
@@ -217,8 +222,17 @@ impl GpuCollector {
     /// exports every finished slice now.
     pub(crate) fn poll(&mut self, p: &mut Processor, now_ns: u64, drain_ns: u64, force: bool) {
         let uncertainty_name = *self.uncertainty_name.get_or_insert_with(|| p.intern("uncertainty_ns"));
+        let (break_name, queue_calibration_name) = *self
+            .mark_names
+            .get_or_insert_with(|| (p.intern(super::CALIBRATION_BREAK), p.intern(super::QUEUE_CALIBRATION)));
         let config = self.config;
         for d in self.devices.values_mut() {
+            // Issue 13 hook: a reset the backend knows of starts a new calibration segment at the next burst.
+            let resets = d.link.resets();
+            if resets != d.resets_seen {
+                d.resets_seen = resets;
+                d.tracker.report_reset();
+            }
             // Calibration: on schedule; on a flush too, unless a burst was just taken.
             let gap = config.min_burst_gap.as_nanos() as u64;
             let recent = d
@@ -250,6 +264,8 @@ impl GpuCollector {
                     d.link.publish(GpuCalibrationReport {
                         latest: *fit,
                         stats: d.tracker.history().stats(),
+                        // Issue 13 hook: the placements' counters travel with the calibration report.
+                        placements: d.tracker.stats(),
                     });
                 }
             }
@@ -275,13 +291,22 @@ impl GpuCollector {
                 self.reads.clear();
                 self.reads.resize(2 * run, None);
                 if d.link.read_timestamps(2 * first, &mut self.reads).is_ok() {
+                    // Issue 13 hook: the read-back time bounds the GPU's end from above, so it is taken after
+                    // the read returned, not at the start of the pass (a calibration burst may lie between).
+                    let read_ns = crate::clock::monotonic_ns().0;
                     for (scope, read) in d.in_flight[i..i + run].iter_mut().zip(self.reads.chunks_exact(2)) {
                         scope.begin = scope.begin.or(read[0]);
                         scope.end = scope.end.or(read[1]);
                         if scope.begin.is_some() && scope.end.is_some() {
-                            scope.finished_ns = Some(now_ns);
+                            scope.finished_ns = Some(read_ns.max(now_ns));
+                            // Issue 13 hook: the ticks are read, so the pair goes back at once (not when the
+                            // slice is converted, up to the latency bound later).
+                            let _ = d.link.release_pair(scope.pair);
                         }
                     }
+                } else {
+                    // Issue 13 hook: a failed read is counted, never ignored; the slots are read again next pass.
+                    d.tracker.count_read_error();
                 }
                 i += run;
             }
@@ -329,24 +354,41 @@ impl GpuCollector {
                 let (Some(begin), Some(end)) = (s.begin, s.end) else {
                     continue;
                 };
-                let (Some(b), Some(e)) = (d.tracker.convert(begin.0), d.tracker.convert(end.0)) else {
+                // Issue 13 hook: both timestamps placed at once, across breaks by the CPU's window, checked on
+                // both sides per queue ([recorded, read back]), end never before begin.
+                let Some(placed) = d.tracker.place(GpuScopeTicks {
+                    queue: s.queue,
+                    begin: begin.0,
+                    end: end.0,
+                    recorded_ns: s.cpu_ns,
+                    read_ns: s.finished_ns.unwrap_or(now_ns),
+                }) else {
                     continue;
                 };
-                let _ = d.link.release_pair(s.pair);
-                let mut begin_ns = b.ns;
-                if begin_ns < s.cpu_ns {
-                    // The GPU cannot run work before the CPU recorded it: the calibration is wrong here.
-                    // Counted and exported; clamped only so viewers draw the flow forwards.
+                if placed.marks.outside_window {
+                    // The calibration disagreed with what the CPU knows (begun before it was recorded, or ended
+                    // after it was read back): counted, placed inside that window.
                     d.violations += 1;
                     self.stats.causality_violations += 1;
-                    begin_ns = s.cpu_ns;
                 }
-                let end_ns = e.ns.max(begin_ns);
+                let (begin_ns, end_ns) = (placed.begin.ns, placed.end.ns);
                 let mut fields = s.fields;
                 fields.push(Field {
                     name: uncertainty_name,
-                    value: FieldValue::U64(b.uncertainty_ns.max(e.uncertainty_ns)),
+                    value: FieldValue::U64(placed.begin.uncertainty_ns.max(placed.end.uncertainty_ns)),
                 });
+                if let Some(why) = placed.marks.annotation() {
+                    fields.push(Field {
+                        name: break_name,
+                        value: FieldValue::Str(why.into()),
+                    });
+                }
+                if placed.marks.queue_calibration {
+                    fields.push(Field {
+                        name: queue_calibration_name,
+                        value: FieldValue::Bool(true),
+                    });
+                }
                 if let Some(q) = d.queues.get_mut(s.queue as usize) {
                     q.lanes.push(Slice {
                         begin_ns,

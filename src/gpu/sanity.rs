@@ -52,14 +52,37 @@ pub struct SliceMarks {
 
 impl SliceMarks {
     /// Whether a break or a window violation marks the slice (the queue's own calibration alone does not: it is
-    /// a property of the queue, reported once).
+    /// a property of the queue, said by [`QUEUE_CALIBRATION`]).
     pub fn any(&self) -> bool {
         self.calibration_break || self.outside_window
     }
+
+    /// The value of the [`CALIBRATION_BREAK`] annotation for a marked slice, `None` for an unmarked one.
+    ///
+    /// ```
+    /// use tickline::gpu::SliceMarks;
+    /// let marks = SliceMarks { calibration_break: true, ..SliceMarks::default() };
+    /// assert_eq!(marks.annotation(), Some("break"));
+    /// assert_eq!(SliceMarks::default().annotation(), None);
+    /// ```
+    pub fn annotation(&self) -> Option<&'static str> {
+        match (self.calibration_break, self.outside_window) {
+            (true, true) => Some("break, outside window"),
+            (true, false) => Some("break"),
+            (false, true) => Some("outside window"),
+            (false, false) => None,
+        }
+    }
 }
 
-/// The annotation a marked slice carries in an exported trace (value: what marked it).
+/// The annotation a marked slice carries in an exported trace; its value ([`SliceMarks::annotation`]) says what
+/// marked it: `"break"` (placed across or next to a clock break, by the hull of both sides) or
+/// `"outside window"` (the calibration disagreed with what the CPU knows; placed inside `[recorded, read
+/// back]`, that window as its uncertainty).
 pub const CALIBRATION_BREAK: &str = "tickline.calibration_break";
+
+/// The annotation (`true`) of a slice converted with its queue's own calibration.
+pub const QUEUE_CALIBRATION: &str = "tickline.queue_calibration";
 
 /// One slice as the sanity check sees it: its two placements (with their segments) and its CPU window.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

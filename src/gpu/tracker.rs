@@ -111,6 +111,9 @@ pub struct GpuClockStats {
     pub requested_bursts: u64,
     /// Queues that took a calibration of their own (counted each time one does).
     pub own_calibrations: u64,
+    /// Timestamp reads the backend answered with an error (the collector retries them; a scope never read is
+    /// counted lost after `lost_after`).
+    pub read_errors: u64,
 }
 
 /// One device clock's live calibration: burst schedule, history, hold-or-convert decisions, both-sided checks.
@@ -200,6 +203,11 @@ impl GpuClockTracker {
             self.failed_bursts += 1;
         }
         result
+    }
+
+    /// Counts a `read_timestamps` that returned an error: never ignored (see [`GpuClockStats::read_errors`]).
+    pub fn count_read_error(&mut self) {
+        self.stats.read_errors += 1;
     }
 
     /// Says that the device clock was reset (the backend knows: a device lost and recreated, a counter
