@@ -334,7 +334,10 @@ mod tests {
     #[test]
     fn slices_wait_for_a_burst_after_them_then_the_latency_bound_or_a_knot() {
         let mut pair = SimClockPair::new(SimClockConfig::default()).unwrap();
-        let config = GpuCalibrationConfig::default();
+        let config = GpuCalibrationConfig {
+            latency_bound: Duration::from_millis(250),
+            ..Default::default()
+        };
         let mut tracker = GpuClockTracker::new(pair.domain(), config);
         let event_ticks = pair.true_ticks_at(pair.now_ns());
         let finished = pair.now_ns();
@@ -399,6 +402,7 @@ mod tests {
         let read = pair.now_ns() + MS;
         assert!(!tracker.ready(stale, read, read + 5_000 * MS));
         assert!(tracker.ready(stale, read, read + 10_500 * MS));
+        assert_eq!(GpuCalibrationConfig::default().latency_bound, Duration::from_millis(500));
     }
 
     #[test]

@@ -481,14 +481,18 @@ fn table(rows: &[Row]) -> String {
     for r in rows {
         let (second, worst) = r.worst_second();
         out += &format!(
-            "| {} | {} / {} / {} | {} | {:.1} % | {:.1} % (s {second}) | {} | {} of {}{} | {} | {} / {} ms |\n",
+            "| {} | {} / {} / {} | {} | {:.1} % | {} | {} | {} of {}{} | {} | {} / {} ms |\n",
             r.name,
             ns(quantile(&r.errors, 0.5)),
             ns(quantile(&r.errors, 0.99)),
             ns(*r.errors.last().unwrap()),
             ns(quantile(&r.stated, 0.5)),
             100.0 * r.inside_share(),
-            100.0 * worst,
+            if worst < 1.0 {
+                format!("{:.1} % (second {second})", 100.0 * worst)
+            } else {
+                "100.0 %".into()
+            },
             r.end_before_begin,
             r.marked,
             r.scopes,
