@@ -242,6 +242,8 @@ struct Segment {
     high_water: Option<(u64, u64)>,
     /// Recent burst points: `(unwrapped ticks, reference ns, variance ns²)` of each burst's offset.
     points: VecDeque<(u64, u64, f64)>,
+    /// Per point, how far it says the map may be off there (see `point_floor`), as of the newest refit.
+    floors: Vec<f64>,
     /// The most bursts the fit may span now (see `add_burst`).
     window_limit: usize,
     /// The newest burst, when its prediction missed it by more than three standard errors.
@@ -261,6 +263,7 @@ impl Segment {
             rate_prior,
             high_water: None,
             points: VecDeque::new(),
+            floors: Vec::new(),
             window_limit,
             suspect: None,
         }
@@ -655,6 +658,7 @@ impl CalibrationHistory {
         if result.is_err() {
             self.stats.rejected += 1;
         }
+        self.refresh_floors();
         let segment = self.segments.back_mut().expect("a segment was just ensured");
         segment.suspect = pre.map(|(pre_fit, pre_has_rate, pre_last_burst, pre_knot, burst)| Suspect {
             pre_fit,
@@ -689,6 +693,7 @@ impl CalibrationHistory {
         segment.latest = suspect.pre_fit;
         segment.has_rate = suspect.pre_has_rate;
         segment.last_burst = suspect.pre_last_burst;
+        self.refresh_floors();
     }
 
     /// Closes the open segment and opens a new one, carrying the old rate as a loose prior.
@@ -1046,20 +1051,12 @@ impl CalibrationHistory {
             .chain((after < segment.points.len()).then_some(after));
         let mut floor = 0.0f64;
         for index in neighbours {
-            let (x, y, variance) = segment.points[index];
-            if let Some(at) = self.map_segment(segment, x) {
-                // A miss beyond the point's own noise is a misfit, and the truth can lie up to two of the point's
-                // standard errors beyond what was measured; a miss within the noise adds nothing to the model's
-                // statement (blended in between, so the floor does not jump).
-                let miss = (y as i128 - at.ns as i128).unsigned_abs() as f64;
-                let sigma = variance.sqrt();
-                let beyond_noise = if sigma > 0.0 {
-                    ((miss - sigma) / sigma).clamp(0.0, 1.0)
-                } else {
-                    1.0
-                };
-                floor = floor.max(miss + 2.0 * sigma * beyond_noise);
-            }
+            // Cached at each refit (the map changes only then); computed here when the cache is stale.
+            let miss = match segment.floors.get(index) {
+                Some(&miss) if segment.floors.len() == segment.points.len() => Some(miss),
+                _ => self.point_floor(segment, segment.points[index]),
+            };
+            floor = floor.max(miss.unwrap_or(0.0));
         }
         let floor = (floor + self.domain.half_resolution_ns()).ceil() as u64;
         converted.uncertainty_ns = converted.uncertainty_ns.max(floor);
@@ -1082,6 +1079,37 @@ impl CalibrationHistory {
         Converted {
             ns: fit.to_reference_ns(ticks),
             uncertainty_ns: (self.config.uncertainty_sigmas * sigmas + half_resolution).ceil() as u64,
+        }
+    }
+
+    /// How far one burst point says the segment's map may be off at its tick: the map's miss of the point, and
+    /// for a miss beyond the point's own noise (a misfit) up to two of the point's standard errors more (the
+    /// truth can lie that far beyond what was measured); a miss within the noise adds nothing to the model's
+    /// statement (blended in between, so the floor does not jump).
+    fn point_floor(&self, segment: &Segment, (x, y, variance): (u64, u64, f64)) -> Option<f64> {
+        let at = self.map_segment(segment, x)?;
+        let miss = (y as i128 - at.ns as i128).unsigned_abs() as f64;
+        let sigma = variance.sqrt();
+        let beyond_noise = if sigma > 0.0 {
+            ((miss - sigma) / sigma).clamp(0.0, 1.0)
+        } else {
+            1.0
+        };
+        Some(miss + 2.0 * sigma * beyond_noise)
+    }
+
+    /// Recomputes the open segment's cached point floors (after its map changed).
+    fn refresh_floors(&mut self) {
+        let Some(segment) = self.segments.back() else {
+            return;
+        };
+        let floors: Vec<f64> = segment
+            .points
+            .iter()
+            .map(|&point| self.point_floor(segment, point).unwrap_or(0.0))
+            .collect();
+        if let Some(segment) = self.segments.back_mut() {
+            segment.floors = floors;
         }
     }
 
@@ -1162,12 +1190,23 @@ impl CalibrationHistory {
         let mut found = [None; 4];
         let mut n = 0;
         for index in (0..self.segments.len()).rev() {
-            let Some(c) = self.peek_segment(&self.segments[index], ext) else {
+            let (from, to) = self.range_of(index);
+            // A cheap look first (one multiplication): only segments that may hold `ext` are asked properly.
+            let segment = &self.segments[index];
+            let ns_per_tick = segment
+                .latest
+                .as_ref()
+                .map_or(self.domain.nominal_ns_per_tick(), |c| c.ns_per_tick());
+            let distance = ext.wrapping_sub(segment.last_burst.0) as i64 as f64 * ns_per_tick;
+            let roughly = segment.last_burst.1 as f64 + distance;
+            let margin = 0.01 * distance.abs() + 1e6;
+            if roughly + margin < from as f64 || roughly - margin > to as f64 {
+                continue;
+            }
+            let Some(c) = self.peek_segment(segment, ext) else {
                 continue;
             };
-            let (from, to) = self.range_of(index);
             if from <= c.ns && c.ns <= to {
-                let segment = &self.segments[index];
                 let in_gap =
                     c.ns < segment.first_burst.1 || (index + 1 < self.segments.len() && c.ns > segment.last_burst.1);
                 found[n] = Some((index, c, in_gap));
