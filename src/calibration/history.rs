@@ -62,10 +62,13 @@ const END_BOW: f64 = 0.2;
 const RATE_MISS: f64 = 1.5;
 /// The wander is measured over triples of burst points this far apart.
 const WANDER_LAG_NS: u64 = 2_000_000_000;
-/// Second differences remembered for the wander estimate: 16 s of bursts at the default 250 ms.
-const WANDER_MEMORY: usize = 64;
+/// Second differences remembered for the wander estimate: 32 s of bursts at the default 250 ms (a clock's
+/// wander is a property of the clock; a long memory steadies the estimate).
+const WANDER_MEMORY: usize = 128;
 /// The wander estimate replaces the prior once this many second differences were seen.
 const WANDER_MIN_INNOVATIONS: usize = 5;
+/// Until the wander is measured, the stated uncertainty allows for this many times the prior.
+const WARMUP_WANDER: f64 = 5.0;
 /// Burst points kept per segment for the second differences.
 const POINTS: usize = 64;
 /// The fewest bursts a shortened window spans: fewer leave a robust fit too few samples to outvote an outlier.
@@ -601,7 +604,7 @@ impl CalibrationHistory {
             }
             self.start_segment();
             if let Some(suspect) = moved {
-                let _ = self.push_burst(suspect.burst, suspect.point, false);
+                let _ = self.push_burst(suspect.burst, suspect.point, None);
             }
         }
 
@@ -609,28 +612,24 @@ impl CalibrationHistory {
         let burst_point = burst_point(&burst, self.domain.nominal_ns_per_tick());
         let keep = ((burst.len() as f64 * self.config.burst_keep).ceil() as usize).clamp(1, burst.len());
         burst.truncate(keep);
-        let suspect = !broken && !reported && check.suspect.is_some();
-        let late = check.suspect.unwrap_or(false);
-        let result = self.push_burst(burst, burst_point, suspect);
-        if let Some(s) = self.segments.back_mut().and_then(|s| s.suspect.as_mut()) {
-            s.late = late;
-        }
-        result
+        let suspect = check.suspect.filter(|_| !broken && !reported);
+        self.push_burst(burst, burst_point, suspect)
     }
 
-    /// Adds a burst's kept samples (tightest first) and its point to the open segment and refits; with
-    /// `suspect`, remembers what is needed to take it out again.
+    /// Adds a burst's kept samples (tightest first) and its point to the open segment and refits; for a
+    /// `suspect` (`Some(whether it lay late)`), remembers what is needed to take it out again.
     fn push_burst(
         &mut self,
         burst: Vec<CalibrationSample>,
         burst_point: (u64, u64, f64),
-        suspect: bool,
+        suspect: Option<bool>,
     ) -> Result<(), CalibrationError> {
         let point = (burst[0].source_ticks, burst[0].reference_ns);
         let window_bursts = self.config.window_bursts;
         let segment = self.segments.back_mut().expect("a segment was just ensured");
-        let pre = suspect.then(|| {
+        let pre = suspect.map(|late| {
             (
+                late,
                 segment.latest,
                 segment.has_rate,
                 segment.last_burst,
@@ -660,17 +659,19 @@ impl CalibrationHistory {
         }
         self.refresh_floors();
         let segment = self.segments.back_mut().expect("a segment was just ensured");
-        segment.suspect = pre.map(|(pre_fit, pre_has_rate, pre_last_burst, pre_knot, burst)| Suspect {
-            pre_fit,
-            pre_has_rate,
-            pre_last_burst,
-            knot_placed: segment.knots.back().copied() != pre_knot,
-            popped_burst,
-            popped_point,
-            burst,
-            point: burst_point,
-            late: false,
-        });
+        segment.suspect = pre.map(
+            |(late, pre_fit, pre_has_rate, pre_last_burst, pre_knot, burst)| Suspect {
+                pre_fit,
+                pre_has_rate,
+                pre_last_burst,
+                knot_placed: segment.knots.back().copied() != pre_knot,
+                popped_burst,
+                popped_point,
+                burst,
+                point: burst_point,
+                late,
+            },
+        );
         result
     }
 
@@ -733,7 +734,7 @@ impl CalibrationHistory {
         });
         // What the prediction can miss by beyond the line's own error: its bend at the window's end, and the
         // rate the clock has wandered to since.
-        let bow = END_BOW * wander_sigma_ns(self.wander, span_s);
+        let bow = END_BOW * wander_sigma_ns(self.stated_wander(), span_s);
         let (mut above, mut below) = (0usize, 0usize);
         let mut residuals = Vec::with_capacity(test.len());
         let mut prediction_sigma = 0.0f64;
@@ -741,7 +742,7 @@ impl CalibrationHistory {
             let ticks = s.source_ticks & mask;
             let residual = (s.reference_ns as i128 - fit.to_reference_ns(ticks) as i128) as f64;
             residuals.push(residual);
-            let rate_miss = RATE_MISS * self.wander * 1e-6 * span_s.sqrt() * fit.beyond_window_s(ticks) * 1e9;
+            let rate_miss = RATE_MISS * self.stated_wander() * 1e-6 * span_s.sqrt() * fit.beyond_window_s(ticks) * 1e9;
             let sigma = ((fit.uncertainty_ns(ticks) / 2.0).powi(2) + bow.powi(2) + rate_miss.powi(2)).sqrt();
             prediction_sigma = prediction_sigma.max(sigma);
             // Plus one resolution: a clock read with no bracket at all (a simulation) still rounds to its ticks.
@@ -767,6 +768,17 @@ impl CalibrationHistory {
         }
     }
 
+    /// The wander the stated uncertainty allows for: the one in use, five times the prior until it has been
+    /// measured (the first seconds of a history: a clock may wander more than the prior says, and the
+    /// measurement needs a few seconds of bursts).
+    fn stated_wander(&self) -> f64 {
+        if self.innovations.len() < WANDER_MIN_INNOVATIONS {
+            self.wander.max(WARMUP_WANDER * self.config.wander_ppm_per_sqrt_s)
+        } else {
+            self.wander
+        }
+    }
+
     /// Adds one second difference and updates the wander in use: the larger of the prior and the estimate.
     fn add_innovation(&mut self, innovation: (f64, f64)) {
         self.innovations.push_back(innovation);
@@ -785,9 +797,9 @@ impl CalibrationHistory {
             let squared = median(&mut misses) / 0.455 - noise;
             // Only a wander that stands out of the points' own noise is news.
             if squared > noise {
-                // Overlapping triples make a handful of independent ones: state the wander a standard error
-                // above the estimate (about a quarter), not at it.
-                (1.25 * squared.sqrt()).max(prior).min(MAX_WANDER)
+                // Overlapping triples make only a dozen or so independent ones: state the wander about a
+                // standard error above the estimate, not at it.
+                (1.4 * squared.sqrt()).max(prior).min(MAX_WANDER)
             } else {
                 prior
             }
@@ -877,7 +889,7 @@ impl CalibrationHistory {
             self.fit_offset_only(&samples, segment.rate_prior)?
         };
         let calibrated_at = samples.iter().map(|s| s.reference_ns).max().unwrap_or(0);
-        let wander = self.wander;
+        let wander = self.stated_wander();
         let fitted = ClockCalibration::from_line(&line, self.domain, calibrated_at)?.with_wander(wander);
         // A straight line through a wandering rate misses the truth at the centroid by a share of the phase
         // the walk accumulates over the window, and by more towards the window's newest end. What the burst
@@ -1012,7 +1024,7 @@ impl CalibrationHistory {
         let Some(ext) = self.extend(ticks) else {
             return false;
         };
-        let Some((index, _, _)) = self.candidates(ext).into_iter().flatten().next() else {
+        let Some((index, _)) = self.candidates(ext).into_iter().flatten().next() else {
             return false;
         };
         index + 1 < self.segments.len() || self.segments[index].knots.back().is_some_and(|k| ext <= k.ticks)
@@ -1029,7 +1041,7 @@ impl CalibrationHistory {
         };
         let candidates = self.candidates(ext);
         candidates.iter().flatten().next().is_some()
-            && candidates.iter().flatten().all(|&(index, c, _)| {
+            && candidates.iter().flatten().all(|&(index, c)| {
                 let segment = &self.segments[index];
                 let span = segment.last_burst.1.saturating_sub(segment.first_burst.1);
                 let suspect = segment.suspect.as_ref().is_some_and(|s| ext > s.pre_last_burst.0);
@@ -1136,7 +1148,7 @@ impl CalibrationHistory {
         let w = into as f64 / span as f64;
         let sigma = a.sigma_ns * (1.0 - w) + b.sigma_ns * w;
         // Between knots the truth can bow away from the chord by the wander over the segment.
-        let bow = WINDOW_BOW * wander_sigma_ns(self.wander, (b.ns - a.ns) as f64 * 1e-9);
+        let bow = WINDOW_BOW * wander_sigma_ns(self.stated_wander(), (b.ns - a.ns) as f64 * 1e-9);
         Some(Converted {
             ns,
             uncertainty_ns: (self.config.uncertainty_sigmas * (sigma.powi(2) + bow.powi(2)).sqrt() + half_resolution)
@@ -1156,7 +1168,7 @@ impl CalibrationHistory {
         };
         let back_ns = (oldest.ticks - ext) as f64 * ns_per_tick;
         let ns = (oldest.ns as f64 - back_ns).max(0.0).round() as u64;
-        let wander = wander_sigma_ns(self.wander, back_ns * 1e-9);
+        let wander = wander_sigma_ns(self.stated_wander(), back_ns * 1e-9);
         let rate = segment
             .latest
             .as_ref()
@@ -1184,9 +1196,8 @@ impl CalibrationHistory {
         (from, to)
     }
 
-    /// The segments whose answer for `ext` falls in their range, newest first (at most four), with the answer
-    /// and whether it lies in a gap between segments.
-    fn candidates(&self, ext: u64) -> [Option<(usize, Converted, bool)>; 4] {
+    /// The segments whose answer for `ext` falls in their range, newest first (at most four), with the answer.
+    fn candidates(&self, ext: u64) -> [Option<(usize, Converted)>; 4] {
         let mut found = [None; 4];
         let mut n = 0;
         for index in (0..self.segments.len()).rev() {
@@ -1207,9 +1218,7 @@ impl CalibrationHistory {
                 continue;
             };
             if from <= c.ns && c.ns <= to {
-                let in_gap =
-                    c.ns < segment.first_burst.1 || (index + 1 < self.segments.len() && c.ns > segment.last_burst.1);
-                found[n] = Some((index, c, in_gap));
+                found[n] = Some((index, c));
                 n += 1;
                 if n == found.len() {
                     break;
@@ -1231,13 +1240,13 @@ impl CalibrationHistory {
             }
             None => true,
         };
-        let in_window = candidates.iter().flatten().filter(|(_, c, _)| meets(c)).count();
+        let in_window = candidates.iter().flatten().filter(|(_, c)| meets(c)).count();
         let outside_window = in_window == 0 && window.is_some();
         let chosen: Vec<(usize, Converted)> = candidates
             .iter()
             .flatten()
-            .filter(|(_, c, _)| outside_window || meets(c))
-            .map(|&(index, c, _)| (index, c))
+            .filter(|(_, c)| outside_window || meets(c))
+            .copied()
             .collect();
         match chosen.as_slice() {
             [] => {

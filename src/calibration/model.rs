@@ -106,13 +106,18 @@ impl ClockDomain {
     }
 }
 
-/// A converted timestamp: reference-clock nanoseconds and the half-width of the range the true time lies in
-/// (about 95 %: two standard errors of the fit, plus sample deviation, plus extrapolation).
+/// A converted timestamp: reference-clock nanoseconds and the half-width of the range the true time lies in.
+///
+/// From a single [`ClockCalibration`]: two standard errors of the fit (about 95 % of single timestamps), plus
+/// extrapolation and half the counter's resolution. From a [`CalibrationHistory`](super::CalibrationHistory)
+/// (what timelines use): three standard errors of its map (one fit's error is shared by a whole second of
+/// timestamps; three keep at least 95 % inside in every second), never less than what the burst points and
+/// the brackets show the map may be off by, plus half the resolution.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct Converted {
     /// `CLOCK_MONOTONIC` nanoseconds.
     pub ns: u64,
-    /// The true time lies within `ns ± uncertainty_ns` (about 95 %).
+    /// The true time lies within `ns ± uncertainty_ns` (at least about 95 % of the time; see above).
     pub uncertainty_ns: u64,
 }
 

@@ -402,7 +402,10 @@ mod tests {
         let read = pair.now_ns() + MS;
         assert!(!tracker.ready(stale, read, read + 5_000 * MS));
         assert!(tracker.ready(stale, read, read + 10_500 * MS));
-        assert_eq!(GpuCalibrationConfig::default().latency_bound, Duration::from_millis(500));
+        assert_eq!(
+            GpuCalibrationConfig::default().latency_bound,
+            Duration::from_millis(500)
+        );
     }
 
     #[test]

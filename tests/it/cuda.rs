@@ -200,7 +200,11 @@ fn event_timing_calibrates_and_reads_slots() {
         gpu.timing()
     );
     assert_eq!(gpu.clock().resolution_ns, 500);
-    assert_eq!(gpu.info().clock.resolution_ns(), 500.0, "the events' resolution is the domain's");
+    assert_eq!(
+        gpu.info().clock.resolution_ns(),
+        500.0,
+        "the events' resolution is the domain's"
+    );
     assert!(matches!(gpu.read_clock_batch(4), Err(GpuError::NoTimestamps { .. })));
     let mut samples = Vec::new();
     gpu.calibrate(20, Duration::from_millis(50), &mut samples).unwrap();

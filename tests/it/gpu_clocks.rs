@@ -9,6 +9,11 @@
 //! --nocapture`) gives, per model, the error of every exported timestamp against its truth, the share of truths
 //! inside the stated uncertainty overall and in the worst second, slices with an end before their begin,
 //! marked slices, and the latency from a scope's end to its export.
+//!
+//! For tuning, not CI: `GPU_CLOCKS_SEEDS=n` runs every model with `n` more seeds (from
+//! `GPU_CLOCKS_FIRST_SEED`), `GPU_CLOCKS_ONLY=<part of a name>` runs only matching models,
+//! `GPU_CLOCKS_DEBUG=<part of a name>` prints each burst and every miss of that model, and
+//! `GPU_CLOCKS_LATENCY_MS` sets another latency bound.
 
 use tickline::gpu::{GpuCalibrationConfig, GpuClockTracker, GpuScopeTicks};
 use tickline::{CalibrationSample, ClockDomain};
