@@ -58,9 +58,11 @@
 //!
 //! A GPU scope writes a pair of device timestamps (begin now, end when its guard drops) and pushes one record
 //! group into the CPU thread's ring: the CPU tick, the call site, the device/queue/timestamp pair. The
-//! collector polls the backend for finished pairs without blocking the app, calibrates each device clock in
-//! time-bounded bursts, holds a finished slice until a calibration point after it exists (two-sided
-//! conversion) or [`TimelineBuilder::gpu_latency_bound`] passes, and lays a queue's slices out on tracks that
+//! collector polls the backend for finished pairs without blocking the app (a pair is reused as soon as both
+//! values are read), calibrates each device clock in time-bounded bursts, splits its calibration where the clock
+//! jumps or changes rate, holds a finished slice until a calibration burst after its read-back exists (then up to
+//! [`TimelineBuilder::gpu_latency_bound`] for a two-sided conversion), checks it against what the CPU knows
+//! (begun after it was recorded, ended before it was read back), and lays a queue's slices out on tracks that
 //! never hold a partial overlap.
 //!
 //! # Internals
@@ -94,8 +96,13 @@
 //!   sees the state at start only. The live calibration follows rate changes, not per-CPU jumps.
 //! - **Separate GPU clock domains.** Each GPU clock gets its own calibration history against the same
 //!   reference; their accuracy is stated per conversion (the `uncertainty_ns` annotation), never assumed. A
-//!   GPU slice that converts to before the CPU recorded it is a calibration failure: counted
-//!   ([`TimelineStats::gpu_causality_violations`]) and clamped for display only.
+//!   GPU slice that converts to before the CPU recorded it, or after the collector read it back, is a
+//!   calibration failure: counted ([`TimelineStats::gpu_causality_violations`]), placed inside that window with
+//!   the window as its uncertainty and marked ([`gpu::CALIBRATION_BREAK`]); a queue that keeps disagreeing with
+//!   its device's calibration (another epoch) gets one of its own ([`gpu::QUEUE_CALIBRATION`]). Slices next to
+//!   a clock jump or rate step are placed by the hull of both sides and marked too. A counter coarser than its
+//!   ticks must declare its resolution ([`ClockDomain::with_resolution_ns`]), or its stated uncertainty is too
+//!   small.
 //! - **GPU scopes need their commands submitted once.** A scope's timestamp pair is read back after the GPU
 //!   wrote it and then reused. Commands recorded but never submitted leave their scope lost after
 //!   [`gpu::GpuCalibrationConfig::lost_after`] (counted; its flow has no GPU end, its pair is retired). A
@@ -129,7 +136,7 @@ mod timeline;
 
 pub use calibration::{
     CalibrationError, CalibrationHistory, CalibrationSample, ClockCalibration, ClockDomain, Converted, FitOptions,
-    FitStrategy, HistoryConfig, HistoryStats,
+    FitStrategy, HistoryConfig, HistoryStats, Placement,
 };
 pub use callsite::Callsite;
 pub use clock::{

@@ -904,10 +904,12 @@ pub(crate) fn count_drop(target: &impl Target, n: usize) {
     with_ring(target, |ring| ring.drop_records(n));
 }
 
-/// Records a GPU scope's begin: the CPU tick, the call site, the scope key and the fields, all or nothing.
+/// Records a GPU scope's begin: the CPU tick (`ticks`, read before the begin timestamp was written), the call
+/// site, the scope key and the fields, all or nothing.
 /// True when the group is in the ring.
 pub(crate) fn gpu_begin(
     shared: &Arc<Shared>,
+    ticks: u64,
     callsite: &'static Callsite,
     key: u64,
     encode: Option<impl FnOnce(&mut FieldEncoder<'_>)>,
@@ -923,7 +925,7 @@ pub(crate) fn gpu_begin(
         |payload, group| {
             with_ring(shared, |ring| {
                 let callsite = registered(ring, callsite);
-                codec::encode_gpu_begin(group, ring.now(), callsite, key, payload);
+                codec::encode_gpu_begin(group, ticks, callsite, key, payload);
                 ring.push_other(group)
             })
         },

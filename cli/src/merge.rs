@@ -1140,7 +1140,9 @@ mod tests {
             let (got, u) = step.apply(i128::from(server)).unwrap();
             let err = (got - i128::from(client)).unsigned_abs() as f64;
             assert!(err <= u, "at {client}: error {err} ns > stated {u} ns");
-            assert!(u < 40_000.0, "stated {u} ns");
+            // Round trips of 30-80 µs: brackets of ±15-40 µs; the history states 3σ with the wander it has
+            // measured (or, before it has, a cautious prior), so a little above the tightest bracket.
+            assert!(u < 60_000.0, "stated {u} ns");
         }
     }
 }

@@ -10,7 +10,7 @@ pub mod sim;
 
 pub(crate) use fit::{fit_line, LineFit};
 pub use fit::{FitOptions, FitStrategy};
-pub use history::{CalibrationHistory, HistoryConfig, HistoryStats};
+pub use history::{CalibrationHistory, HistoryConfig, HistoryStats, Placement};
 pub use model::{ClockCalibration, ClockDomain, Converted};
 
 use std::fmt;

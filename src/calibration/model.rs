@@ -2,12 +2,18 @@
 
 use super::{fit_line, CalibrationError, CalibrationSample, FitOptions, LineFit};
 
-/// What is known about a source clock before calibrating it: how many bits of its ticks are valid and how
-/// long one tick nominally lasts.
+/// What is known about a source clock before calibrating it: how many bits of its ticks are valid, how long
+/// one tick nominally lasts, and how often the counter actually changes (its update resolution).
+///
+/// The resolution matters when a counter is coarser than its ticks: CUDA's `%globaltimer` counts in 1 ns ticks
+/// but on many GPUs changes only every 32 ns or 1 µs. A value read from such a counter says the true time lies
+/// somewhere in an interval one resolution wide, so a calibration that knows the resolution widens every sample's
+/// bracket by half of it on both sides and adds half of it to every conversion's uncertainty.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ClockDomain {
     valid_bits: u32,
     nominal_ns_per_tick: f64,
+    resolution_ns: f64,
 }
 
 impl ClockDomain {
@@ -30,7 +36,40 @@ impl ClockDomain {
         Ok(ClockDomain {
             valid_bits,
             nominal_ns_per_tick,
+            resolution_ns: nominal_ns_per_tick,
         })
+    }
+
+    /// The same domain with a counter that changes only every `resolution_ns` (measured by the backend where it
+    /// can, declared otherwise). Values below one tick act as one tick: a counter cannot change more often than
+    /// it ticks.
+    ///
+    /// ```
+    /// // %globaltimer: 1 ns ticks that change every microsecond on some GPUs.
+    /// let timer = tickline::ClockDomain::new(64, 1.0).unwrap().with_resolution_ns(1_000.0).unwrap();
+    /// assert_eq!(timer.resolution_ns(), 1_000.0);
+    /// assert_eq!(timer.half_resolution_ns(), 500.0);
+    /// assert_eq!(tickline::ClockDomain::new(36, 52.08).unwrap().resolution_ns(), 52.08);
+    /// assert!(timer.with_resolution_ns(f64::NAN).is_err());
+    /// ```
+    pub fn with_resolution_ns(mut self, resolution_ns: f64) -> Result<Self, CalibrationError> {
+        if !(resolution_ns.is_finite() && resolution_ns > 0.0) {
+            return Err(CalibrationError::InvalidPeriod);
+        }
+        self.resolution_ns = resolution_ns.max(self.nominal_ns_per_tick);
+        Ok(self)
+    }
+
+    /// How often the counter changes, in ns: at least one tick ([`nominal_ns_per_tick`](Self::nominal_ns_per_tick)
+    /// unless [`with_resolution_ns`](Self::with_resolution_ns) said more).
+    pub fn resolution_ns(&self) -> f64 {
+        self.resolution_ns
+    }
+
+    /// Half the resolution: how far a timestamp's true time can lie from the middle of the interval its value
+    /// stands for. Every conversion's uncertainty includes it.
+    pub fn half_resolution_ns(&self) -> f64 {
+        self.resolution_ns / 2.0
     }
 
     /// How many low bits of a tick value are significant.
@@ -67,13 +106,18 @@ impl ClockDomain {
     }
 }
 
-/// A converted timestamp: reference-clock nanoseconds and the half-width of the range the true time lies in
-/// (about 95 %: two standard errors of the fit, plus sample deviation, plus extrapolation).
+/// A converted timestamp: reference-clock nanoseconds and the half-width of the range the true time lies in.
+///
+/// From a single [`ClockCalibration`]: two standard errors of the fit (about 95 % of single timestamps), plus
+/// extrapolation and half the counter's resolution. From a [`CalibrationHistory`](super::CalibrationHistory)
+/// (what timelines use): three standard errors of its map (one fit's error is shared by a whole second of
+/// timestamps; three keep at least 95 % inside in every second), never less than what the burst points and
+/// the brackets show the map may be off by, plus half the resolution.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct Converted {
     /// `CLOCK_MONOTONIC` nanoseconds.
     pub ns: u64,
-    /// The true time lies within `ns ± uncertainty_ns` (about 95 %).
+    /// The true time lies within `ns ± uncertainty_ns` (at least about 95 % of the time; see above).
     pub uncertainty_ns: u64,
 }
 
@@ -351,17 +395,42 @@ impl ClockCalibration {
         self
     }
 
-    /// The uncertainty (about 95 %) of converting `ticks`: two standard errors of the fitted line at that
-    /// point (growing with the distance from the anchor through the rate's error) and, outside the sampled
-    /// window, two standard deviations of the wander (see [`with_wander`](Self::with_wander)).
-    pub fn uncertainty_ns(&self, ticks: u64) -> f64 {
-        let ns_per_tick = self.ns_per_tick();
-        let from_anchor_ns = self.ticks_from_anchor(ticks) as f64 * ns_per_tick;
-        let line_sigma = (self.intercept_sigma_ns.powi(2) + (from_anchor_ns * self.slope_sigma_rel).powi(2)).sqrt();
+    /// Adds `sigma_ns` in quadrature to the standard error at the anchor (an error the fit's statistics cannot
+    /// see, such as a straight line's miss of a wandering rate).
+    pub(crate) fn with_model_sigma(mut self, sigma_ns: f64) -> Self {
+        if sigma_ns.is_finite() {
+            self.intercept_sigma_ns = (self.intercept_sigma_ns.powi(2) + sigma_ns.powi(2)).sqrt();
+        }
+        self
+    }
+
+    /// One standard error of the fitted line at `ticks` (intercept and rate only: no wander, no resolution).
+    pub(crate) fn line_sigma_ns(&self, ticks: u64) -> f64 {
+        let from_anchor_ns = self.ticks_from_anchor(ticks) as f64 * self.ns_per_tick();
+        (self.intercept_sigma_ns.powi(2) + (from_anchor_ns * self.slope_sigma_rel).powi(2)).sqrt()
+    }
+
+    /// The reference time the sampled window spans, in seconds.
+    pub(crate) fn span_s(&self) -> f64 {
+        self.domain.delta_ticks(self.first_ticks, self.last_ticks).max(0) as f64 * self.ns_per_tick() * 1e-9
+    }
+
+    /// How far `ticks` lies outside the sampled window, in seconds (0 inside).
+    pub(crate) fn beyond_window_s(&self, ticks: u64) -> f64 {
         let before = self.domain.delta_ticks(ticks, self.first_ticks).max(0) as f64;
         let after = self.domain.delta_ticks(self.last_ticks, ticks).max(0) as f64;
-        let beyond_s = (before + after) * ns_per_tick * 1e-9;
+        (before + after) * self.ns_per_tick() * 1e-9
+    }
+
+    /// The uncertainty (about 95 %) of converting `ticks`: two standard errors of the fitted line at that
+    /// point (growing with the distance from the anchor through the rate's error), outside the sampled window
+    /// two standard deviations of the wander (see [`with_wander`](Self::with_wander)), and half the counter's
+    /// resolution ([`ClockDomain::half_resolution_ns`]): a timestamp stands for an interval that wide.
+    pub fn uncertainty_ns(&self, ticks: u64) -> f64 {
+        let line_sigma = self.line_sigma_ns(ticks);
+        let beyond_s = self.beyond_window_s(ticks);
         2.0 * (line_sigma.powi(2) + wander_sigma_ns(self.wander_ppm, beyond_s).powi(2)).sqrt()
+            + self.domain.half_resolution_ns()
     }
 
     /// Converts `ticks` and states its uncertainty.
@@ -494,11 +563,12 @@ mod tests {
         let cal = ClockCalibration::from_anchor(domain(64, 1.0), 1_000, 1_000, 1.0)
             .unwrap()
             .with_wander(1.0);
-        assert_eq!(cal.uncertainty_ns(1_000), 0.0);
+        // At the anchor: only half the 1 ns resolution.
+        assert_eq!(cal.uncertainty_ns(1_000), 0.5);
         // 1 ppm/√s over 1 s: σ = 1000 ns / √3; the range is two σ.
-        let expected = 2.0 * 1_000.0 / 3f64.sqrt();
+        let expected = 2.0 * 1_000.0 / 3f64.sqrt() + 0.5;
         assert!((cal.uncertainty_ns(1_000 + 1_000_000_000) - expected).abs() < 1e-6);
         // 4 s out: eight times as much (t^1.5).
-        assert!((cal.uncertainty_ns(1_000 + 4_000_000_000) - 8.0 * expected).abs() < 1e-3);
+        assert!((cal.uncertainty_ns(1_000 + 4_000_000_000) - 0.5 - 8.0 * (expected - 0.5)).abs() < 1e-3);
     }
 }

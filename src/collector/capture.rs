@@ -36,6 +36,7 @@
 //! | 14 | end | (empty): the capture was finished cleanly |
 //! | 15 | CPU clock note | fallback u8, doubt u8, text str: the tick-source decision in words |
 //! | 16 | host | machine id u64, machine id source u8 (0 boot id, 1 override, 2 host name), boot id str, host name str |
+//! | 18 | GPU reset | device u16: the backend reported a reset of the device clock |
 //! | 17 | host clocks | BOOTTIME, MONOTONIC, MONOTONIC_RAW, REALTIME ns u64 each, bracket ns u64: read together (at the start, with each write-out, at the end) |
 //!
 //! The records inside chunks are the ring format of [`crate::codec`]. A reader stops at the first frame that
@@ -79,6 +80,7 @@ mod frame {
     pub(super) const CPU_CLOCK_NOTE: u8 = 15;
     pub(super) const HOST: u8 = 16;
     pub(super) const HOST_CLOCKS: u8 = 17;
+    pub(super) const GPU_RESET: u8 = 18;
 }
 
 /// A frame's check: each part's 8-byte little-endian words (its last, short one zero-padded and tagged with
@@ -344,6 +346,7 @@ impl CaptureWriter {
             GpuInput::ReadFailed { device } => {
                 self.emit(frame::GPU_READ_FAILED, |b| b.extend_from_slice(&device.to_le_bytes()))
             }
+            GpuInput::Reset { device } => self.emit(frame::GPU_RESET, |b| b.extend_from_slice(&device.to_le_bytes())),
         }
     }
 
@@ -731,6 +734,7 @@ impl<R: Read> CaptureReader<R> {
                 generation: p.u32()?,
             })),
             frame::GPU_READ_FAILED => Frame::Input(Input::Gpu(GpuInput::ReadFailed { device: p.u16()? })),
+            frame::GPU_RESET => Frame::Input(Input::Gpu(GpuInput::Reset { device: p.u16()? })),
             frame::PASS_END => Frame::Input(Input::PassEnd {
                 drain_ns: p.u64()?,
                 drain_ticks: p.u64()?,
@@ -899,6 +903,7 @@ mod tests {
                 generation: 1,
             }),
             Input::Gpu(GpuInput::ReadFailed { device: 3 }),
+            Input::Gpu(GpuInput::Reset { device: 3 }),
             Input::ThreadEnd { ring: 1 },
             Input::PassEnd {
                 drain_ns: 11,

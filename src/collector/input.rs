@@ -163,6 +163,10 @@ pub(crate) enum GpuInput {
     ReadFailed {
         device: u16,
     },
+    /// The backend reported a reset of the device clock (a new epoch): calibration starts a new segment.
+    Reset {
+        device: u16,
+    },
 }
 
 /// One entry of the input log.

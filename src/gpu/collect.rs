@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::lanes::{LaneEvent, Lanes, Slice};
-use super::tracker::{GpuCalibrationConfig, GpuClockTracker};
+use super::tracker::{GpuCalibrationConfig, GpuClockTracker, GpuScopeTicks};
 use super::{split_key, DeviceLink, GpuCalibrationReport, GpuDeviceInfo, GpuTicks};
 use crate::collector::input::{GpuInput, PairRead};
 use crate::collector::output::Output;
@@ -95,6 +95,8 @@ pub(crate) struct GpuCollector {
     drained_passes: u64,
     pub(crate) stats: GpuStats,
     uncertainty_name: Option<NameId>,
+    /// `tickline.calibration_break` and `tickline.queue_calibration`.
+    mark_names: Option<(NameId, NameId)>,
 }
 
 impl GpuCollector {
@@ -156,7 +158,19 @@ impl GpuCollector {
                     }
                 }
             }
-            GpuInput::ReadFailed { .. } => self.stats.read_failures += 1,
+            GpuInput::ReadFailed { device } => {
+                self.stats.read_failures += 1;
+                // Counted by the tracker too (its stats travel with the calibration report); the slots are
+                // read again next pass.
+                if let Some(d) = self.devices.get_mut(&device) {
+                    d.tracker.count_read_error();
+                }
+            }
+            GpuInput::Reset { device } => {
+                if let Some(d) = self.devices.get_mut(&device) {
+                    d.tracker.report_reset();
+                }
+            }
         }
     }
 
@@ -269,6 +283,12 @@ impl GpuCollector {
         let uncertainty_name = *self
             .uncertainty_name
             .get_or_insert_with(|| out.intern("uncertainty_ns"));
+        let (break_name, queue_calibration_name) = *self.mark_names.get_or_insert_with(|| {
+            (
+                out.intern(super::CALIBRATION_BREAK),
+                out.intern(super::QUEUE_CALIBRATION),
+            )
+        });
         for d in self.devices.values_mut() {
             d.unmatched_reads
                 .retain(|&(_, _, seen)| pass.saturating_sub(seen) < UNMATCHED_READ_PASSES);
@@ -285,6 +305,7 @@ impl GpuCollector {
                         link.publish(GpuCalibrationReport {
                             latest: *fit,
                             stats: d.tracker.history().stats(),
+                            placements: d.tracker.stats(),
                         });
                     }
                 }
@@ -312,27 +333,46 @@ impl GpuCollector {
             let reference = ready.first().map_or(0, |f| f.begin.0);
             ready.sort_by_key(|f| d.info.clock.delta_ticks(reference, f.begin.0));
             for f in ready {
-                let (Some(b), Some(e)) = (d.tracker.convert(f.begin.0), d.tracker.convert(f.end.0)) else {
+                let scope = f.scope;
+                // Both timestamps placed at once, across clock breaks by what the CPU knows, checked on both
+                // sides per queue: begun after it was recorded, ended before it was read back.
+                let Some(placed) = d.tracker.place(GpuScopeTicks {
+                    queue: scope.queue,
+                    begin: f.begin.0,
+                    end: f.end.0,
+                    recorded_ns: scope.cpu_ns,
+                    read_ns: f.read_ns,
+                }) else {
+                    self.stats.lost_scopes += 1;
                     continue;
                 };
-                let scope = f.scope;
-                let mut begin_ns = b.ns;
-                if begin_ns < scope.cpu_ns {
-                    // The GPU cannot run work before the CPU recorded it: the calibration is wrong here.
-                    // Counted and exported; clamped only so viewers draw the flow forwards.
+                if placed.marks.outside_window {
+                    // The calibration disagreed with what the CPU knows: counted, placed inside that window
+                    // (with the window as its uncertainty), and a burst asked for.
                     d.violations += 1;
                     self.stats.causality_violations += 1;
-                    begin_ns = scope.cpu_ns;
                     if let Some(link) = &d.link {
                         link.request_burst();
                     }
                 }
-                let end_ns = e.ns.max(begin_ns);
+                let (begin_ns, end_ns) = (placed.begin.ns, placed.end.ns.max(placed.begin.ns));
                 let mut fields = scope.fields;
                 fields.push(Field {
                     name: uncertainty_name,
-                    value: FieldValue::U64(b.uncertainty_ns.max(e.uncertainty_ns)),
+                    value: FieldValue::U64(placed.begin.uncertainty_ns.max(placed.end.uncertainty_ns)),
                 });
+                if let Some(why) = placed.marks.annotation() {
+                    fields.push(Field {
+                        name: break_name,
+                        value: FieldValue::Str(why.into()),
+                    });
+                }
+                if placed.marks.queue_calibration {
+                    fields.push(Field {
+                        name: queue_calibration_name,
+                        value: FieldValue::Bool(true),
+                    });
+                }
                 match d.queues.get_mut(scope.queue as usize) {
                     Some(q) => q.lanes.push(Slice {
                         begin_ns,

@@ -43,9 +43,13 @@
 //!   counts ns since an epoch long past: it is never 0 when read); [`GpuBackend::recycle`] stores 0 again.
 //! - **Calibration.** Each sample zeroes a private word, reads `CLOCK_MONOTONIC`, launches `tickline_stamp` on
 //!   a private non-blocking stream, spins until the word turns non-zero and reads `CLOCK_MONOTONIC` again. The
-//!   timer was read inside that bracket, and it shows a value for up to its resolution after reaching it, so
-//!   the bracket is widened by the measured resolution at its start; the sample's deviation is half of it,
-//!   launch and PCIe latency included. A burst stops at its budget; a probe still in flight then (the GPU is
+//!   timer was read inside that bracket, and the sample's deviation is half of it, launch and PCIe latency
+//!   included. The measured resolution goes into the device's [`ClockDomain`] (see
+//!   [`ClockDomain::with_resolution_ns`]): a value of a timer that changes every `r` ns stands for an interval
+//!   `r` wide, so the calibration widens every bracket by `r / 2` on *both* sides and adds `r / 2` to every
+//!   conversion's uncertainty. (Widening only the bracket's start by `r`, as this backend once did, places every
+//!   event early by `r / 2`: the fit then maps a value to the moment the timer reached it, while a timestamp
+//!   lies anywhere up to `r` after that moment.) A burst stops at its budget; a probe still in flight then (the GPU is
 //!   full) is waited for by the next burst, which returns no sample until the private stream is idle.
 //! - **Batched reads.** [`CudaGpu::read_clock_batch`] takes N consecutive `%globaltimer` reads from one launch
 //!   (one thread, one store per read). Calibration does *not* use it: every sample needs a bracket of its own,
@@ -618,11 +622,9 @@ impl EventStamps {
             // SAFETY: both events are ours, alive, recorded and complete.
             let ms = unsafe { result::event::elapsed(clock.anchor, clock.probe) }.map_err(api("cuEventElapsedTime"))?;
             let ticks = event_ticks(clock.anchor_ticks, ms);
-            out.push(CalibrationSample::from_bracket(
-                ticks,
-                before_ns.saturating_sub(EVENT_RESOLUTION_NS),
-                after_ns,
-            ));
+            // The event's 0.5 µs resolution is in the domain: the history widens the bracket by half of it on
+            // both sides.
+            out.push(CalibrationSample::from_bracket(ticks, before_ns, after_ns));
             // The probe becomes the anchor; the old anchor is the next probe.
             let EventClock { anchor, probe, .. } = &mut *clock;
             std::mem::swap(anchor, probe);
@@ -836,9 +838,12 @@ impl CudaGpu {
             info: GpuDeviceInfo {
                 name: name.clone(),
                 api: "CUDA",
-                // %globaltimer: 64 valid bits, 1 ns per tick (PTX ISA manual, "Special Registers"); event ticks
-                // are ns after the first anchor, plus EVENT_ORIGIN.
-                clock: ClockDomain::new(64, 1.0).expect("64 bits and 1 ns are a valid domain"),
+                // %globaltimer: 64 valid bits, 1 ns per tick (PTX ISA manual, "Special Registers"), changing every
+                // `resolution_ns` (measured; events: documented); event ticks are ns after the first anchor,
+                // plus EVENT_ORIGIN.
+                clock: ClockDomain::new(64, 1.0)
+                    .and_then(|d| d.with_resolution_ns(resolution_ns.max(1) as f64))
+                    .expect("64 bits, 1 ns and a positive resolution are a valid domain"),
                 timestamp_slots: options.timestamp_slots,
             },
             clock: CudaClock {
@@ -1010,13 +1015,10 @@ impl GpuBackend for CudaGpu {
             if ticks == 0 {
                 break; // the probe stays pending; the next burst checks the stream first
             }
-            // The timer shows `ticks` from the moment it reaches them until its next update, up to
-            // `resolution_ns` later: the counter equalled `ticks` in [before - resolution, after].
-            out.push(CalibrationSample::from_bracket(
-                ticks,
-                before_ns.saturating_sub(self.clock.resolution_ns),
-                after_ns,
-            ));
+            // The read happened inside [before, after]. The timer's resolution is in the domain: the history
+            // widens this bracket by half of it on both sides (not by all of it at the start, which would
+            // place every event early by half the resolution).
+            out.push(CalibrationSample::from_bracket(ticks, before_ns, after_ns));
         }
         Ok(())
     }

@@ -20,6 +20,8 @@ struct LiveDevice {
     last_burst_ns: Option<u64>,
     /// Pairs seen allocated and not finished yet: `pair -> (generation, first seen ns)`.
     pending: HashMap<u32, (u32, u64)>,
+    /// The backend's reset count last seen ([`GpuBackend::resets`](super::GpuBackend::resets)).
+    resets_seen: u64,
 }
 
 /// Every GPU device of one timeline, as the drain stage polls them.
@@ -49,6 +51,7 @@ impl GpuLive {
                     link: link.clone(),
                     last_burst_ns: None,
                     pending: HashMap::new(),
+                    resets_seen: link.resets(),
                 });
                 Some(GpuInput::Device {
                     device,
@@ -75,6 +78,12 @@ impl GpuLive {
     pub(crate) fn poll(&mut self, now_ns: u64, force: bool, out: &mut Vec<Input>) {
         let config = self.config;
         for d in &mut self.devices {
+            // A reset the backend knows of (a new clock epoch): the next burst starts a calibration segment.
+            let resets = d.link.resets();
+            if resets != d.resets_seen {
+                d.resets_seen = resets;
+                out.push(Input::Gpu(GpuInput::Reset { device: d.device }));
+            }
             let since = d.last_burst_ns.map(|t| now_ns.saturating_sub(t));
             let gap = config.min_burst_gap.as_nanos() as u64;
             let due = match since {

@@ -17,6 +17,7 @@ mod collect;
 pub mod cuda;
 mod lanes;
 pub(crate) mod live;
+mod sanity;
 pub mod sim;
 mod tracker;
 #[cfg(feature = "vulkan")]
@@ -25,9 +26,11 @@ pub mod vulkan;
 pub mod wgpu;
 
 pub(crate) use collect::GpuCollector;
+pub use sanity::{SliceMarks, CALIBRATION_BREAK, QUEUE_CALIBRATION};
 pub use tracker::GpuCalibrationConfig;
+pub use tracker::GpuClockStats;
 #[doc(hidden)]
-pub use tracker::GpuClockTracker;
+pub use tracker::{GpuClockTracker, GpuScopeTicks, GpuSlicePlacement};
 
 use std::fmt;
 use std::marker::PhantomData;
@@ -108,33 +111,91 @@ impl fmt::Display for GpuError {
 
 impl std::error::Error for GpuError {}
 
-/// A GPU API as tickline drives it. Implemented by [`sim::SimGpu`] and the `vulkan` backend; implement it for
-/// another API to put its work on the timeline.
+/// A GPU API as tickline drives it. Implemented by [`sim::SimGpu`] and the `vulkan`, `cuda` and `wgpu`
+/// backends; implement it for another API (Metal, D3D12, a custom clock) to put its work on the timeline.
+/// `examples/custom_gpu_backend.rs` is a complete one to start from.
 ///
-/// Called from two sides: [`write_timestamp`](Self::write_timestamp) on the thread that records commands (the
-/// hot path: no blocking, no allocation), everything else on tickline's collector thread.
+/// # The contract
+///
+/// **Slots and pairs.** A backend owns `info().timestamp_slots` timestamp slots (a query pool, an array of
+/// device words, a counter-sample buffer). tickline hands them out in pairs: a scope writes slot `2k` when it
+/// opens and `2k + 1` when it closes, and only one scope holds a pair at a time. A slot is written once between
+/// two [`recycle`](Self::recycle)s of it. tickline returns a pair to its free list as soon as both values have
+/// been read (not when the slice is exported), and retires (never reuses) a pair whose timestamps were never
+/// written within `lost_after` (its commands were never submitted: a late write would corrupt a newer scope).
+/// So at most `timestamp_slots / 2` scopes are in flight; a scope that finds no free pair is not recorded and is
+/// counted ([`GpuDevice::starved_scopes`]).
+///
+/// **Reading.** [`read_timestamps`](Self::read_timestamps) must never wait for the GPU: a slot the GPU has not
+/// written yet reads `None` (Vulkan: `VK_NOT_READY` without `WAIT`; an availability bit; a sentinel value). A
+/// written slot reads its raw ticks **masked to `info().clock.valid_bits()`** (Vulkan's `timestampValidBits`:
+/// the bits above are undefined); tickline unwraps a counter that wraps. An `Err` means the read failed as a
+/// whole and nothing in `out` is used: the collector counts it ([`GpuClockStats::read_errors`]) and reads the
+/// same slots again on its next pass; a scope whose read keeps failing is counted lost after `lost_after`.
+/// Errors are never ignored, and never a reason to report `None` for a slot that was written.
+///
+/// **Recycling.** After [`recycle`](Self::recycle)`(first, count)` returns `Ok`, reading those slots must give
+/// `None` until the GPU writes them again (a host query reset, zeroing a word): a stale value read as a new one
+/// would place a scope at the time of an old one. tickline recycles only slots whose values it has read, or
+/// that it will never read again.
+///
+/// **The clock.** [`calibrate`](Self::calibrate) brackets each read of the device clock between two reads of
+/// `CLOCK_MONOTONIC` ([`CalibrationSample::from_bracket`]`(ticks, before, after)`): a wide bracket is fine, an
+/// dishonest one (a midpoint the read may lie outside of by more than half the width) is not. Report the plain
+/// bracket of the read. A counter that changes less often than it ticks (CUDA's `%globaltimer`: 1 ns ticks,
+/// updated every 32 ns to 1 µs) declares that in `info().clock` with
+/// [`ClockDomain::with_resolution_ns`], measured where the backend can (as the CUDA backend does), the
+/// documented figure otherwise; tickline then widens every bracket by half the resolution on both sides and
+/// adds half of it to every conversion. Do not widen brackets yourself: widening only one side biases every
+/// event by half the resolution. A burst must return within about its `budget`, with whatever samples it took;
+/// an `Err` is counted as a failed calibration and the burst is retried next period.
+///
+/// **Resets.** When the backend knows the device clock was reset (a device lost and recreated, a counter
+/// restarted by power management, a new epoch), it increments the count [`resets`](Self::resets) returns: the
+/// next calibration burst starts a new calibration segment, and no sample from before the reset is used after
+/// it. Jumps and rate steps the backend does not know of are detected from the samples (a burst that disagrees
+/// with the prediction beyond its brackets), and a queue whose timestamps disagree with the device calibration
+/// (another epoch) is caught by the both-sided check of every slice (begun after the CPU recorded it, ended
+/// before the collector read it back) and gets a calibration of its own.
+///
+/// **Threads.** [`write_timestamp`](Self::write_timestamp) runs on the application's threads, several at once
+/// for different command streams: it must not block, allocate on the hot path, or fail loudly; a write that
+/// cannot be recorded leaves its slot unwritten (the scope is then counted lost), never a panic. Everything
+/// else runs on tickline's background thread, one call at a time per device; the backend is `Send + Sync`
+/// because that thread is not the one that created it.
 pub trait GpuBackend: Send + Sync + 'static {
     /// What a scope's timestamps are written into: a command buffer, a stream, a command list.
     type Commands: ?Sized;
 
-    /// The device and its clock. Called once, when the device joins a timeline.
+    /// The device and its clock (valid bits, nominal tick period, update resolution). Called once, when the
+    /// device joins a timeline.
     fn info(&self) -> GpuDeviceInfo;
 
     /// Records a command that writes the device clock into timestamp `slot` when the GPU reaches it.
-    /// `slot < info().timestamp_slots`, and the slot was recycled since it was last written.
+    /// `slot < info().timestamp_slots`, and the slot was recycled since it was last written. The hot path: no
+    /// blocking, no allocation, no failure (see the [contract](GpuBackend#the-contract)).
     fn write_timestamp(&self, commands: &Self::Commands, slot: u32);
 
-    /// Reads finished timestamps of slots `first..first + out.len()` without waiting: `Some(raw ticks)` where
-    /// the GPU has written the slot, `None` where it has not yet.
+    /// Reads finished timestamps of slots `first..first + out.len()` without waiting: `Some(raw ticks)`, masked
+    /// to the valid bits, where the GPU has written the slot, `None` where it has not yet. An `Err` is counted
+    /// and the read retried (see the [contract](GpuBackend#the-contract)).
     fn read_timestamps(&self, first: u32, out: &mut [Option<GpuTicks>]) -> Result<(), GpuError>;
 
-    /// Makes slots `first..first + count` writable again (a host query reset, or nothing).
+    /// Makes slots `first..first + count` writable again (a host query reset, or nothing); afterwards they read
+    /// `None` until written again.
     fn recycle(&self, first: u32, count: u32) -> Result<(), GpuError>;
 
     /// Takes up to `samples` calibration samples of the device clock against `CLOCK_MONOTONIC`
-    /// (`(device ticks, reference ns, max deviation ns)`), appending them to `out`. Must return within about
-    /// `budget` even if fewer samples were taken: the collector never waits unbounded for a tight sample.
+    /// (`(device ticks, reference ns, max deviation ns)`, each the plain bracket of one read), appending them to
+    /// `out`. Must return within about `budget` even if fewer samples were taken: the collector never waits
+    /// unbounded for a tight sample.
     fn calibrate(&self, samples: usize, budget: Duration, out: &mut Vec<CalibrationSample>) -> Result<(), GpuError>;
+
+    /// How many times the device clock is known to have been reset since the backend was created (0 when it
+    /// cannot know: the default). Each increase starts a new calibration segment at the next burst.
+    fn resets(&self) -> u64 {
+        0
+    }
 }
 
 /// GPU registrations, sent to the collector over the timeline's control channel.
@@ -166,6 +227,8 @@ pub(crate) trait DeviceLink: Send + Sync {
     fn take_burst_request(&self) -> bool;
     /// The collector's newest calibration of the device clock, for [`GpuDevice::calibration`].
     fn publish(&self, calibration: GpuCalibrationReport);
+    /// [`GpuBackend::resets`].
+    fn resets(&self) -> u64;
 }
 
 /// A timestamp pair's state word: whether a scope holds it, and how many times it has been handed out
@@ -187,13 +250,17 @@ pub(crate) mod pair_state {
     }
 }
 
-/// How well the collector knows a device's clock: its newest fit and the history's counters.
+/// How well the collector knows a device's clock: its newest fit, the history's counters (breaks, resets,
+/// measured wander) and the placements' (marked slices, window violations, queues on their own calibration,
+/// failed reads), as of the newest burst.
 #[derive(Clone, Debug, PartialEq)]
 pub struct GpuCalibrationReport {
     /// The newest fit (drift, offset, error bound, sample count, when).
     pub latest: ClockCalibration,
-    /// Bursts, samples, rejections, and the figures of the newest fit.
+    /// Bursts, samples, rejections, segments, breaks, resets, and the figures of the newest fit.
     pub stats: HistoryStats,
+    /// Slices placed and marked, window violations, bursts they asked for, own calibrations, read errors.
+    pub placements: GpuClockStats,
 }
 
 /// State shared by a device's handles and the collector.
@@ -248,6 +315,9 @@ impl<B: GpuBackend> DeviceLink for DeviceShared<B> {
     }
     fn publish(&self, calibration: GpuCalibrationReport) {
         *self.calibration.lock().unwrap_or_else(|e| e.into_inner()) = Some(calibration);
+    }
+    fn resets(&self) -> u64 {
+        self.backend.resets()
     }
 }
 
@@ -473,12 +543,15 @@ impl<B: GpuBackend> GpuQueue<B> {
         // Release: marks the pair held before its timestamps can be written; the drain stage's Acquire load
         // reads it, and reads the pair only while it is held.
         state.store(pair_state::ALLOCATED | generation, Ordering::Release);
+        // The CPU's time of the scope, read before the begin timestamp is written: a backend whose write
+        // runs at once (CUDA launches its stamp immediately) must not stamp the GPU begin before it.
+        let ticks = shared.timeline.source.read().0;
         write_begin(pair);
         let key = scope_key(shared.device, self.queue, pair, generation);
         let encode = fields.map(|f| move |encoder: &mut FieldEncoder<'_>| f(&mut GpuFieldEncoder { inner: encoder }));
         // If the record is dropped (full ring) the pair is still read back and released by the drain stage:
         // its read then matches no scope.
-        recorder::gpu_begin(&shared.timeline, callsite, key, encode);
+        recorder::gpu_begin(&shared.timeline, ticks, callsite, key, encode);
         Some(pair)
     }
 }

@@ -79,6 +79,9 @@ fn resolution_batch_reads_and_calibration_on_the_device() {
     // 1 µs before Hopper, 32 ns on it; never coarser than 1 µs by much, never zero.
     assert!((1..=2_000).contains(&clock.resolution_ns), "{clock:?}");
     assert_eq!(gpu.info().clock.valid_bits(), 64);
+    // The measured resolution is the clock domain's: the calibration widens brackets by half of it on both
+    // sides and states half of it in every conversion.
+    assert_eq!(gpu.info().clock.resolution_ns(), clock.resolution_ns as f64);
 
     let one = gpu.read_clock().unwrap();
     let batch = gpu.read_clock_batch(1000).unwrap();
@@ -197,6 +200,11 @@ fn event_timing_calibrates_and_reads_slots() {
         gpu.timing()
     );
     assert_eq!(gpu.clock().resolution_ns, 500);
+    assert_eq!(
+        gpu.info().clock.resolution_ns(),
+        500.0,
+        "the events' resolution is the domain's"
+    );
     assert!(matches!(gpu.read_clock_batch(4), Err(GpuError::NoTimestamps { .. })));
     let mut samples = Vec::new();
     gpu.calibrate(20, Duration::from_millis(50), &mut samples).unwrap();

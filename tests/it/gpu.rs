@@ -457,3 +457,123 @@ fn a_device_that_cannot_be_calibrated_loses_its_scopes_visibly_and_nothing_else(
     );
     assert_eq!(trace.slice_count("cpu work"), 1, "the CPU timeline is intact");
 }
+
+/// A simulated GPU whose backend says, on request, that its clock was reset, and whose reads fail on request.
+struct Resettable {
+    gpu: SimGpu,
+    resets: std::sync::atomic::AtomicU64,
+    failing_reads: std::sync::atomic::AtomicU64,
+}
+
+impl tickline::gpu::GpuBackend for Resettable {
+    type Commands = SimCommands;
+    fn info(&self) -> tickline::gpu::GpuDeviceInfo {
+        self.gpu.info()
+    }
+    fn write_timestamp(&self, commands: &SimCommands, slot: u32) {
+        self.gpu.write_timestamp(commands, slot);
+    }
+    fn read_timestamps(
+        &self,
+        first: u32,
+        out: &mut [Option<tickline::gpu::GpuTicks>],
+    ) -> Result<(), tickline::gpu::GpuError> {
+        use std::sync::atomic::Ordering;
+        let failing = self.failing_reads.load(Ordering::Relaxed);
+        if failing > 0 {
+            self.failing_reads.store(failing - 1, Ordering::Relaxed);
+            return Err(tickline::gpu::GpuError::Api {
+                call: "vkGetQueryPoolResults",
+                detail: "VK_ERROR_DEVICE_LOST".into(),
+            });
+        }
+        self.gpu.read_timestamps(first, out)
+    }
+    fn recycle(&self, first: u32, count: u32) -> Result<(), tickline::gpu::GpuError> {
+        self.gpu.recycle(first, count)
+    }
+    fn calibrate(
+        &self,
+        samples: usize,
+        budget: Duration,
+        out: &mut Vec<tickline::CalibrationSample>,
+    ) -> Result<(), tickline::gpu::GpuError> {
+        self.gpu.calibrate(samples, budget, out)
+    }
+    fn resets(&self) -> u64 {
+        self.resets.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+#[test]
+fn a_reported_reset_starts_a_calibration_segment_and_failed_reads_are_counted_and_retried() {
+    use std::sync::atomic::Ordering;
+    let _one_at_a_time = crate::exclusive();
+    let memory = MemoryExporter::default();
+    let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
+    let gpu = timeline
+        .gpu(Resettable {
+            gpu: SimGpu::new(SimGpuConfig::default()).unwrap(),
+            resets: 0.into(),
+            failing_reads: 0.into(),
+        })
+        .unwrap();
+    let queue = gpu.queue("compute").unwrap();
+    let frame = |name: &'static str| {
+        let commands = SimCommands::new();
+        {
+            let _scope = tickline::gpu_scope!(queue, &commands, "frame", label = name);
+            commands.work(Duration::from_micros(50));
+        }
+        let _ = gpu.backend().gpu.submit(commands).wait();
+    };
+    frame("before");
+    timeline.flush().unwrap();
+    gpu.backend().resets.fetch_add(1, Ordering::Relaxed);
+    gpu.backend().failing_reads.store(3, Ordering::Relaxed);
+    std::thread::sleep(Duration::from_millis(30));
+    frame("after");
+    timeline.flush().unwrap();
+    std::thread::sleep(Duration::from_millis(30));
+    timeline.flush().unwrap();
+    let report = gpu.calibration().expect("calibrated");
+    assert_eq!(report.stats.resets, 1, "{report:?}");
+    assert!(report.stats.segments >= 2, "{report:?}");
+    assert!(report.placements.read_errors >= 1, "{report:?}");
+    let stats = timeline.shutdown().unwrap();
+    assert_eq!((stats.gpu_scopes, stats.gpu_lost_scopes), (2, 0), "{stats:?}");
+    assert_eq!(
+        memory.snapshot().slice_count("frame"),
+        2,
+        "read again after the failures"
+    );
+}
+
+#[test]
+fn timestamp_pairs_come_back_as_soon_as_their_ticks_are_read() {
+    let _one_at_a_time = crate::exclusive();
+    let memory = MemoryExporter::default();
+    let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
+    // Four pairs, 60 scopes over ~0.3 s: far less than the latency bound (0.5 s) per pair if pairs came back
+    // only when their slices were exported.
+    let config = SimGpuConfig {
+        timestamp_slots: 8,
+        ..Default::default()
+    };
+    let gpu = timeline.gpu(SimGpu::new(config).unwrap()).unwrap();
+    let queue = gpu.queue("compute").unwrap();
+    for _ in 0..30 {
+        let commands = SimCommands::new();
+        for _ in 0..2 {
+            let _scope = tickline::gpu_scope!(queue, &commands, "dispatch");
+            commands.work(Duration::from_micros(20));
+        }
+        let _ = gpu.backend().submit(commands).wait();
+        // The collector polls every millisecond.
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(gpu.starved_scopes(), 0);
+    let stats = timeline.shutdown().unwrap();
+    assert_eq!((stats.gpu_scopes, stats.gpu_lost_scopes), (60, 0), "{stats:?}");
+    assert_eq!(memory.snapshot().slice_count("dispatch"), 60);
+}

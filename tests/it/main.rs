@@ -4,6 +4,7 @@ mod capture;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod gpu;
+mod gpu_clocks;
 mod live;
 mod load;
 mod pipeline;

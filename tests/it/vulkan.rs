@@ -374,6 +374,10 @@ impl<B: GpuBackend> GpuBackend for Logged<B> {
         self.log.lock().unwrap().samples.extend_from_slice(&out[before..]);
         Ok(())
     }
+
+    fn resets(&self) -> u64 {
+        self.inner.resets()
+    }
 }
 
 pub(crate) fn percentile(sorted: &[u64], p: f64) -> u64 {
