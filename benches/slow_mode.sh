@@ -5,11 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 config=${1:-tickline_perfetto}
-cargo build --release -p tickline-benches --bench total_cpu >/dev/null 2>&1
-bin=$(ls -t target/release/deps/total_cpu-* | grep -v '\.d$' | head -1)
+bin=$(cargo bench -p tickline-benches --bench total_cpu --no-run 2>&1 | grep -o 'target/release/deps/total_cpu-[0-9a-f]*' | head -1)
 results=()
 for i in $(seq 1 20); do
-    results+=("$("$bin" --once "$config" span)")
+    results+=("$("$bin" --once "$config" span 2>/dev/null)")
 done
 printf '%s\n' "${results[@]}" | python3 -c '
 import sys

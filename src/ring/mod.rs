@@ -111,6 +111,10 @@ impl<T> Deref for CachePadded<T> {
     }
 }
 
+/// Records ahead of the tail a producer prefetches for writing (16 cache lines of 16-byte records).
+#[cfg(all(target_arch = "x86_64", not(loom), not(miri)))]
+const PREFETCH_AHEAD: usize = 64;
+
 /// The state both ends share. See the module docs for the protocol.
 struct Shared<T> {
     /// Index of the next record to read. Written only by the [`Consumer`].
@@ -305,6 +309,28 @@ impl<T: Copy + Send> Producer<T> {
                 .get_unchecked(idx)
                 .with_mut(|slot| slot.write(MaybeUninit::new(value)));
         }
+        self.prefetch_ahead(index);
+    }
+
+    /// Asks the CPU to fetch, for writing, the slot [`PREFETCH_AHEAD`] records after `index`. The consumer
+    /// has read (and so holds a shared copy of) the lines this producer wraps around to; without this,
+    /// every line costs the producer a cross-core invalidation at the moment it writes (measured: a
+    /// recording thread twice as slow while the collector drains a ring that fits its cache).
+    #[inline(always)]
+    fn prefetch_ahead(&self, index: usize) {
+        #[cfg(all(target_arch = "x86_64", not(loom), not(miri)))]
+        {
+            let ahead = index.wrapping_add(PREFETCH_AHEAD) & self.mask;
+            let slot = self.shared.slots.as_ptr().wrapping_add(ahead);
+            // SAFETY: a prefetch is a hint: it never faults and changes no memory or program state, whatever
+            // the address (and this one lies inside the slots). SSE, which `_mm_prefetch` needs, is part of
+            // the x86_64 baseline.
+            unsafe {
+                core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_ET0 }>(slot.cast::<i8>());
+            }
+        }
+        #[cfg(not(all(target_arch = "x86_64", not(loom), not(miri))))]
+        let _ = index;
     }
 
     /// Hands the `n` slots written from `tail` on to the consumer.
