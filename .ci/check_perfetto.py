@@ -6,14 +6,18 @@ usage: check_perfetto.py TRACE [--expect-slices NAME=COUNT ...] [--expect-total-
                                [--expect-gpu-devices N] [--expect-gpu-slices N] [--allow-cut-tail]
                                [--check-cross-flows] [--min-cross-flows N]
                                [--check-truth] [--truth-slack-ns NS] [--expect-processes N]
+                               [--expect-async-tasks NAME=COUNT ...] [--expect-polls N]
 
 Asserts, streaming packet by packet: a clock snapshot comes first and the first packet clears the incremental
 state; every track uuid is described before use; interned ids are defined before use; timestamps never go
 backwards per track; every slice begin has its end on the same track and nothing is left open; every flow
 has both ends. GPU: a device track is named "GPU: ...", every slice that is not on a thread track lies on a
 track whose parent is a device track, carries the `uncertainty_ns` annotation and ends a flow (from the CPU
-code that recorded it). With the options, slice counts per name, the total, the thread track count, the GPU
-device count and the GPU slice count must match.
+code that recorded it). Async tasks: any other track that is not a thread's holds one lifetime slice (named after
+its span) with `poll` slices as children, or (a lane for polls that overlap) only `poll` slices; every flow a poll
+ends starts on a thread track. With the options, slice counts per name, the total, the thread track count, the GPU
+device count, the GPU slice count, the async task count per span name (its lifetime slice's name) and the poll
+count (each ending a flow from a thread track) must match.
 
 --allow-cut-tail accepts a file that ends inside a packet (a killed process): it is read up to its last whole
 packet, and slices or flows left open by the cut are not errors.
@@ -83,6 +87,7 @@ def packets(data, allow_cut=False):
 
 GPU_DEVICE_PREFIX = "GPU: "
 UNCERTAINTY = "uncertainty_ns"
+POLL = "poll"
 
 
 ALIGNMENT_TRACK = "tickline alignment uncertainty"
@@ -90,7 +95,8 @@ ALIGNMENT_TRACK = "tickline alignment uncertainty"
 
 def check(path, expect_slices, expect_total, expect_threads, require_annotations, expect_gpu_devices=None,
           expect_gpu_slices=None, allow_cut=False, check_cross_flows=False, min_cross_flows=None,
-          check_truth=False, truth_slack_ns=0, expect_processes=None):
+          check_truth=False, truth_slack_ns=0, expect_processes=None, expect_tasks=None, expect_polls=None):
+    expect_tasks = expect_tasks or {}
     with open(path, "rb") as f:
         data = f.read()
     if not data:
@@ -108,6 +114,8 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
     counters = collections.defaultdict(list)  # counter track uuid -> [(ts, value)]
     probes, truths = [], {}
     cut_at = None
+    task_lifetimes, task_names = collections.Counter(), collections.Counter()
+    polls = []  # (packet index, track uuid, terminating flow ids)
 
     def each_packet():
         nonlocal cut_at
@@ -182,7 +190,22 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
             open_slices[uuid].append(name)
             slice_counts[name] += 1
             td = described[uuid]
-            if not td.HasField("thread"):
+            if not td.HasField("thread") and td.parent_uuid not in gpu_devices:
+                # An async task track (or a lane of one): one lifetime slice, its polls as children, each
+                # ending the flow from its slice on a thread track.
+                depth = len(open_slices[uuid]) - 1
+                if name == POLL:
+                    polls.append((index, uuid, list(ev.terminating_flow_ids)))
+                elif depth == 0:
+                    task_lifetimes[uuid] += 1
+                    task_names[name] += 1
+                    if task_lifetimes[uuid] > 1:
+                        raise TraceError(f"packet {index}: task track {uuid} ({td.name!r}) has a second lifetime "
+                                         f"slice {name!r}")
+                else:
+                    raise TraceError(f"packet {index}: slice {name!r} on task track {uuid} is neither its lifetime "
+                                     f"nor a poll")
+            elif not td.HasField("thread"):
                 # A GPU slice: on a queue track under its device, with its uncertainty and a flow from the CPU.
                 gpu_slices += 1
                 if td.parent_uuid not in gpu_devices:
@@ -202,6 +225,23 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
             counters[uuid].append((ts, ev.double_counter_value))
         elif ev.type != TYPE_INSTANT:
             raise TraceError(f"packet {index}: unexpected track event type {ev.type}")
+    polls_with_flows = 0
+    for index, uuid, flows in polls:
+        for flow in flows:
+            start = flow_out_at.get(flow)
+            if start is None:
+                if not allow_cut:
+                    raise TraceError(f"packet {index}: a poll ends flow {flow}, which starts nowhere")
+                continue
+            if not described[start[1]].HasField("thread"):
+                raise TraceError(f"packet {index}: a poll's flow {flow} starts on track {start[1]}, not a thread")
+            polls_with_flows += 1
+    if expect_polls is not None and (len(polls), polls_with_flows) != (expect_polls, expect_polls):
+        raise TraceError(f"expected {expect_polls} polls on task tracks, each ending a flow from a thread track; "
+                         f"found {len(polls)} polls, {polls_with_flows} with such a flow")
+    for name, count in expect_tasks.items():
+        if task_names[name] != count:
+            raise TraceError(f"expected {count} async task tracks named {name!r}, found {task_names[name]}")
     still_open = {u: s for u, s in open_slices.items() if s}
     if still_open and not allow_cut:
         raise TraceError(f"slices never ended: {still_open}")
@@ -287,7 +327,8 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
     cut = f" (cut at byte {cut_at}: read up to it)" if cut_at is not None else ""
     return (f"ok: {path}: {n_packets} packets{cut}, {n_events} track events, {total} slices on "
             f"{len(described)} tracks ({threads} threads, {len(gpu_devices)} GPU devices, {gpu_slices} GPU slices), "
-            f"{len(flows_out)} flows ({cross} across processes){truth_line}")
+            f"{len(flows_out)} flows ({cross} across processes), {sum(task_lifetimes.values())} async tasks with "
+            f"{len(polls)} polls{truth_line}")
 
 
 def main():
@@ -305,6 +346,8 @@ def main():
     parser.add_argument("--check-truth", action="store_true")
     parser.add_argument("--truth-slack-ns", type=int, default=0)
     parser.add_argument("--expect-processes", type=int)
+    parser.add_argument("--expect-async-tasks", action="append", default=[], metavar="NAME=COUNT")
+    parser.add_argument("--expect-polls", type=int)
     args = parser.parse_args()
     expect = {}
     for item in args.expect_slices:
@@ -312,11 +355,17 @@ def main():
         if not name or not count.isdigit():
             parser.error(f"--expect-slices wants NAME=COUNT, got {item!r}")
         expect[name] = int(count)
+    tasks = {}
+    for item in args.expect_async_tasks:
+        name, _, count = item.rpartition("=")
+        if not name or not count.isdigit():
+            parser.error(f"--expect-async-tasks wants NAME=COUNT, got {item!r}")
+        tasks[name] = int(count)
     try:
         print(check(args.trace, expect, args.expect_total_slices, args.expect_thread_tracks,
                     args.require_annotation, args.expect_gpu_devices, args.expect_gpu_slices, args.allow_cut_tail,
                     args.check_cross_flows, args.min_cross_flows, args.check_truth, args.truth_slack_ns,
-                    args.expect_processes))
+                    args.expect_processes, tasks, args.expect_polls))
     except (TraceError, OSError) as e:
         print(f"check_perfetto: {args.trace}: {e}", file=sys.stderr)
         sys.exit(1)

@@ -4,6 +4,8 @@
 //! - `span_create_enter_exit_close`: `tracing::info_span!("bench").entered()` dropped at once (a span with no
 //!   fields): new span, enter, exit, close.
 //! - `span_enter_exit_precreated`: `span.enter()` dropped at once, on a span created before the loop.
+//! - `tickline_async_never`: tickline with `AsyncTasks::Never` (span creations not timestamped), next to the
+//!   default `tickline` (`Auto`): what the creation stamp that task lifetimes need costs a synchronous span.
 //! - `native_scope`: `tickline::scope!` against `tracy_client::span!` and an empty loop.
 //! - `*_threads`: the same bodies on 1 and on 2 worker threads started together at a barrier; a sample is the
 //!   slower thread's time, so `2_threads / 1_thread` near 1.0 means the threads do not slow each other down.
@@ -424,6 +426,17 @@ fn overhead(c: &mut Criterion) {
         .install(Timeline::builder().ring_capacity(RING_CAPACITY))
         .start()
         .unwrap();
+    // The same without async task tracks (`AsyncTasks::Never`): span creations are not timestamped, so the
+    // pair shows what the creation stamp costs a synchronous span.
+    let never_timeline = Timeline::builder()
+        .ring_capacity(RING_CAPACITY)
+        .async_tasks(tickline::AsyncTasks::Never)
+        .start()
+        .unwrap();
+    let never_layer = never_timeline.layer();
+    let tickline_never = Dispatch::new(tracing_subscriber::registry().with(never_layer.clone()));
+    let make_tickline_never: MakeDispatch =
+        Arc::new(move || Dispatch::new(tracing_subscriber::registry().with(never_layer.clone())));
     // Drop mode, the default.
     let timeline = Timeline::builder().ring_capacity(RING_CAPACITY).start().unwrap();
     let make_floor: MakeDispatch = Arc::new(|| Dispatch::new(tracing_subscriber::registry().with(EmptyLayer)));
@@ -458,6 +471,12 @@ fn overhead(c: &mut Criterion) {
             &tickline_tracy,
             &make_tickline_tracy,
             Some(&tracy_timeline),
+        ),
+        (
+            "tickline_async_never",
+            &tickline_never,
+            &make_tickline_never,
+            Some(&never_timeline),
         ),
     ];
 
@@ -540,6 +559,7 @@ fn overhead(c: &mut Criterion) {
 
     let stats = timeline.shutdown().unwrap();
     tracy_timeline.shutdown().unwrap();
+    never_timeline.shutdown().unwrap();
 
     // Native scopes with the Tracy exporter: its timeline must be the current one.
     let tracy_timeline = TracyExporter::new()

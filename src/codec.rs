@@ -23,7 +23,7 @@
 //!
 //! | kind | tick | word 1 | fixed data records | payload |
 //! |---|---|---|---|---|
-//! | `SpanNew` | none (0) | callsite key | with fields or a non-contextual parent: `[len, parent mode]` + explicit parent serial (or 0) | fields |
+//! | `SpanNew` | now, or 0 (untimed) | callsite key | with fields or a non-contextual parent: `[len, parent mode]` + explicit parent serial (or 0) | fields |
 //! | `SpanRecord` | now | span serial | `[len]` | fields |
 //! | `SpanEnter`, `SpanExit` | now | span serial | | |
 //! | `SpanClose` | now, or 0 with `aux = AT_LAST_EXIT` | span serial | | |
@@ -36,9 +36,9 @@
 //! A span's serial is not in its records' bits twice over: span serials are handed out per ring in order,
 //! `(ring number << 40) | n` for the ring's `n`-th `SpanNew`, so the collector numbers the `SpanNew` records
 //! of a ring as it meets them. A creation that a full ring refused takes no number (its span's records are
-//! all dropped and counted). `SpanNew` carries no timestamp, which saves the hot path a counter read on every
-//! span created; the collector places the creation just before the next timed record of its ring (for a
-//! span entered right away, its first enter).
+//! all dropped and counted). A timeline that shows async task lifetimes (the default) stamps `SpanNew`; one
+//! that does not saves the counter read and writes 0, and the collector then places the creation at the next
+//! timed record of its ring (for a span entered right away, its first enter).
 //!
 //! Callsite keys are the addresses of `'static` callsites (`tracing`'s `Metadata`, tickline's
 //! [`Callsite`](crate::Callsite)). The collector never dereferences one: callsites are registered with it
@@ -222,13 +222,14 @@ fn push_payload(out: &mut Vec<Record>, first_index: usize, payload: &[u8]) {
     }
 }
 
-/// The group of a span's creation with fields or a parent that is not the contextual one.
-pub(crate) fn encode_span_new(out: &mut Vec<Record>, callsite: u64, parent: Parent, payload: &[u8]) {
+/// The group of a span's creation with fields or a parent that is not the contextual one, at `ticks` (0:
+/// untimed).
+pub(crate) fn encode_span_new(out: &mut Vec<Record>, ticks: u64, callsite: u64, parent: Parent, payload: &[u8]) {
     out.clear();
     out.push(Record::head(
         Kind::SpanNew,
         (1 + payload_records(payload.len())) as u64,
-        0,
+        ticks,
         callsite,
     ));
     let parent_serial = match parent {
@@ -243,10 +244,10 @@ pub(crate) fn encode_span_new(out: &mut Vec<Record>, callsite: u64, parent: Pare
     push_payload(out, 2, payload);
 }
 
-/// A span created without field values and with a contextual parent: one record.
+/// A span created without field values and with a contextual parent, at `ticks` (0: untimed): one record.
 #[inline(always)]
-pub(crate) fn span_new_bare(callsite: u64) -> Record {
-    Record::head(Kind::SpanNew, 0, 0, callsite)
+pub(crate) fn span_new_bare(ticks: u64, callsite: u64) -> Record {
+    Record::head(Kind::SpanNew, 0, ticks, callsite)
 }
 
 /// The group of a `record` of span fields.
@@ -332,8 +333,9 @@ impl<'a> Payload<'a> {
 /// One decoded record or group.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Item<'a> {
-    /// A span's creation (untimed; its serial is its position among the ring's `SpanNew`s).
+    /// A span's creation (its serial is its position among the ring's `SpanNew`s), at `ticks` (0: untimed).
     SpanNew {
+        ticks: u64,
         callsite: u64,
         parent: Parent,
         fields: Payload<'a>,
@@ -441,12 +443,10 @@ impl<'a> Decoder<'a> {
         let min_fixed = kind.min_fixed();
         if kind == Kind::SpanNew && head.aux() == 0 {
             // A bare creation: no fields, the contextual parent.
-            if ticks != 0 {
-                return self.skip(FrameError::Malformed);
-            }
             self.pos += 1;
             return Some((
                 Ok(Item::SpanNew {
+                    ticks,
                     callsite: word1,
                     parent: Parent::Contextual,
                     fields: Payload { records: &[], len: 0 },
@@ -501,7 +501,7 @@ impl<'a> Decoder<'a> {
         let parent_mode = (first.low48() >> 16) & 0xFFFF;
         let high_bits_clear = first.low48() >> 32 == 0;
         let item = match kind {
-            Kind::SpanNew if high_bits_clear && ticks == 0 => {
+            Kind::SpanNew if high_bits_clear => {
                 let parent = match parent_mode {
                     PARENT_CONTEXTUAL => Parent::Contextual,
                     PARENT_ROOT => Parent::Root,
@@ -509,6 +509,7 @@ impl<'a> Decoder<'a> {
                     _ => return self.skip(FrameError::Malformed),
                 };
                 payload(1).map(|fields| Item::SpanNew {
+                    ticks,
                     callsite: word1,
                     parent,
                     fields,
@@ -824,9 +825,9 @@ mod tests {
         let payload: Vec<u8> = (0..100u8).collect();
         let mut out = Vec::new();
         let mut all = Vec::new();
-        encode_span_new(&mut out, 0xdead0, Parent::Explicit(3), &payload);
+        encode_span_new(&mut out, 5, 0xdead0, Parent::Explicit(3), &payload);
         all.extend_from_slice(&out);
-        all.push(span_new_bare(0xbeef0));
+        all.push(span_new_bare(0, 0xbeef0));
         encode_span_record(&mut out, 7, 11, &payload[..13]);
         all.extend_from_slice(&out);
         encode_event(&mut out, 8, 0xfeed0, Parent::Root, &payload[..14]);
@@ -838,6 +839,7 @@ mod tests {
         assert_eq!(items.len(), 6, "{items:?}");
         match items[0] {
             Ok(Item::SpanNew {
+                ticks: 5,
                 callsite: 0xdead0,
                 parent: Parent::Explicit(3),
                 fields,
@@ -846,6 +848,7 @@ mod tests {
         }
         match items[1] {
             Ok(Item::SpanNew {
+                ticks: 0,
                 callsite: 0xbeef0,
                 parent: Parent::Contextual,
                 fields,

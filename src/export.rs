@@ -51,6 +51,12 @@ pub enum TrackKind {
         /// Display name.
         name: String,
     },
+    /// An async task: a span that lives across polls. It holds one slice for the span's life (creation to
+    /// close) with the polls as its children; its child tasks are its child tracks.
+    AsyncTask {
+        /// The span's name and identifying fields, for display.
+        name: String,
+    },
 }
 
 /// A track's description, sent once before its first event.
@@ -339,8 +345,12 @@ pub struct RecordedSlice {
     pub fields: Vec<(String, FieldValue)>,
     /// How many slices enclose it on its track.
     pub depth: usize,
-    /// A flow that ends at its begin (a GPU slice's flow from the CPU).
+    /// A flow that ends at its begin (a GPU slice's flow from the CPU; an async task's poll, from its slice
+    /// on the thread that polled it).
     pub flow_in: Option<u64>,
+    /// A flow that starts at it (on its begin or its end): a CPU slice that submitted GPU work, a poll of an
+    /// async task on a thread track.
+    pub flow_out: Option<u64>,
 }
 
 impl RecordedSlice {
@@ -401,6 +411,21 @@ impl MemoryTrace {
         })
     }
 
+    /// Whether `track` is an OS thread's track.
+    pub fn is_thread_track(&self, track: TrackId) -> bool {
+        self.track(track)
+            .is_some_and(|t| matches!(t.kind, TrackKind::Thread { .. }))
+    }
+
+    /// The async task tracks (see [`crate::AsyncTasks`]), in the order they arrived: each holds its span's
+    /// lifetime slice with the polls as children; a child task's track has its parent task's as parent.
+    pub fn async_task_tracks(&self) -> Vec<&TrackDescriptor> {
+        self.tracks
+            .iter()
+            .filter(|t| matches!(t.kind, TrackKind::AsyncTask { .. }))
+            .collect()
+    }
+
     /// Events on `track`.
     pub fn events_on(&self, track: TrackId) -> impl Iterator<Item = &RecordedEvent> {
         self.events.iter().filter(move |e| e.track == track)
@@ -445,6 +470,7 @@ impl MemoryTrace {
                         fields,
                         depth: open.get(&e.track).map_or(0, Vec::len),
                         flow_in: begin.flow_in,
+                        flow_out: begin.flow_out.or(e.flow_out),
                     });
                 }
                 _ => {}

@@ -171,7 +171,7 @@ pub use sync::{
 };
 #[doc(hidden)]
 pub use sync::{read_real_clocks, simulation, SimulatedClock, SIMULATE_CLOCK_ENV};
-pub use timeline::{Timeline, TimelineBuilder};
+pub use timeline::{AsyncTasks, Timeline, TimelineBuilder};
 
 /// Most bytes of fields one span, `record` or event carries (a ring smaller than 8 Ki records allows less);
 /// fields beyond are left out and counted (`tickline.fields_truncated`).

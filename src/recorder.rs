@@ -40,6 +40,8 @@ pub(crate) struct Shared {
     /// Records a ring may grow to in drop mode before a full ring drops records.
     pub(crate) max_ring_capacity: usize,
     pub(crate) source: TickSource,
+    /// Span creations are stamped (a timeline that shows async task lifetimes needs them).
+    pub(crate) time_creations: bool,
     pub(crate) running: AtomicBool,
     /// Most field payload bytes one group may carry: the format's limit, or less in a small ring (a group
     /// may fill at most half the ring, so a lossless producer can always wait for room).
@@ -81,6 +83,7 @@ impl Shared {
             ring_capacity,
             max_ring_capacity,
             source,
+            time_creations: true,
             running: AtomicBool::new(true),
             max_payload_bytes: (max_data * DATA_BYTES).min(MAX_PAYLOAD_BYTES),
             next_ring: AtomicU32::new(1),
@@ -191,6 +194,8 @@ struct LocalRing {
     producer: Producer<Record>,
     lossless: bool,
     source: TickSource,
+    /// Span creations are stamped (the timeline shows async task lifetimes).
+    time_creations: bool,
     /// This ring's number in its timeline: the top bits of the serials it hands out.
     ring_number: u64,
     /// Spans created on this ring so far: the low bits of the next serial.
@@ -642,6 +647,7 @@ fn register(shared: &Arc<Shared>, rings: &mut Vec<OwnedRing>) -> Option<NonNull<
             producer,
             lossless: shared.lossless,
             source: shared.source,
+            time_creations: shared.time_creations,
             ring_number: u64::from(ring_number),
             spans_created: 0,
             owed_ends: 0,
@@ -703,7 +709,8 @@ fn with_payload<R>(
 #[inline(always)]
 pub(crate) fn span_new_bare(target: &impl Target, callsite: u64) -> Option<u64> {
     with_ring(target, |ring| {
-        let pushed = ring.push_other_one(codec::span_new_bare(callsite));
+        let ticks = if ring.time_creations { ring.now() } else { 0 };
+        let pushed = ring.push_other_one(codec::span_new_bare(ticks, callsite));
         ring.announced(pushed)
     })
 }
@@ -729,7 +736,8 @@ pub(crate) fn span_new(
             },
             |payload, group| {
                 with_ring(target, |ring| {
-                    codec::encode_span_new(group, callsite, parent, payload);
+                    let ticks = if ring.time_creations { ring.now() } else { 0 };
+                    codec::encode_span_new(group, ticks, callsite, parent, payload);
                     let pushed = ring.push_other(group);
                     ring.announced(pushed)
                 })

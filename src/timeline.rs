@@ -42,6 +42,34 @@ pub struct TimelineBuilder {
     gpu_calibration: GpuCalibrationConfig,
     live: Option<Arc<dyn LiveSink>>,
     raw_capture: Option<PathBuf>,
+    async_tasks: AsyncTasks,
+}
+
+/// Which spans get their own async task track: a lifetime slice from the span's creation to its close,
+/// with every poll (each enter..exit) as a child slice, so the gaps between polls (awaits) show, and a flow
+/// from each poll on the worker thread's track to the same poll on the task's track.
+///
+/// ```
+/// let timeline = tickline::Timeline::builder()
+///     .async_tasks(tickline::AsyncTasks::Never)
+///     .start()
+///     .unwrap();
+/// # drop(timeline);
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum AsyncTasks {
+    /// A span becomes a task once it is entered a second time or entered on more than one thread: what a
+    /// future that is polled, awaits and is polled again looks like. A span entered once on one thread (an
+    /// ordinary synchronous scope) is shown exactly as with `Never`. The first poll's flow is drawn only once
+    /// the span is known to be a task, so a span that turns out to be synchronous gets no flow.
+    #[default]
+    Auto,
+    /// Every span gets a task track, from its creation.
+    Always,
+    /// No task tracks: every enter..exit is a slice on its thread's track only; span creations are not
+    /// timestamped, which saves one clock read per span.
+    Never,
 }
 
 impl std::fmt::Debug for TimelineBuilder {
@@ -56,6 +84,7 @@ impl std::fmt::Debug for TimelineBuilder {
             .field("tick_source", &self.tick_source)
             .field("live_sink", &self.live.is_some())
             .field("raw_capture", &self.raw_capture)
+            .field("async_tasks", &self.async_tasks)
             .finish()
     }
 }
@@ -81,6 +110,7 @@ impl Default for TimelineBuilder {
             gpu_calibration: GpuCalibrationConfig::default(),
             live: None,
             raw_capture: None,
+            async_tasks: AsyncTasks::Auto,
         }
     }
 }
@@ -195,6 +225,14 @@ impl TimelineBuilder {
         self
     }
 
+    /// Which spans get an async task track in the trace (default [`AsyncTasks::Auto`]: spans entered more
+    /// than once or on several threads, such as `#[instrument]`ed futures). Exporters that have no async
+    /// tracks (Tracy) show the polls on the worker threads only.
+    pub fn async_tasks(mut self, mode: AsyncTasks) -> Self {
+        self.async_tasks = mode;
+        self
+    }
+
     /// Checks the tick source, calibrates it, and starts the collector's threads.
     pub fn start(self) -> Result<Timeline, TicklineError> {
         // The process's decision, made once (a short check now, a fuller one in the background) and reused
@@ -211,13 +249,15 @@ impl TimelineBuilder {
             None => None,
         };
         let (control_tx, control_rx) = crossbeam_channel::unbounded();
-        let shared = Arc::new(Shared::with_growth(
+        let mut shared = Shared::with_growth(
             control_tx,
             self.lossless,
             self.ring_capacity,
             self.max_ring_capacity,
             source,
-        ));
+        );
+        shared.time_creations = self.async_tasks != AsyncTasks::Never;
+        let shared = Arc::new(shared);
         let stats = Arc::new(SharedStats::default());
         let setup = CollectorSetup {
             drain: DrainConfig {
@@ -233,6 +273,7 @@ impl TimelineBuilder {
             exporters: self.exporters,
             capture,
             decision: decision.clone(),
+            async_tasks: self.async_tasks,
         };
         let collector =
             collector::spawn(&shared, control_rx, setup, stats.clone()).map_err(TicklineError::CollectorSpawn)?;

@@ -53,6 +53,8 @@ pub(crate) struct CollectorSetup {
     pub(crate) capture: Option<CaptureWriter>,
     /// The CPU tick-source decision the timeline started with.
     pub(crate) decision: crate::clock::TickSourceDecision,
+    /// Which spans get async task tracks.
+    pub(crate) async_tasks: crate::timeline::AsyncTasks,
 }
 
 /// The collector's two threads.
@@ -89,6 +91,7 @@ pub(crate) fn spawn(
         };
         let mut processor = Processor::new(out, setup.drain.gpu, Some(recycler), stats.clone());
         processor.live_cpu_clock(source, setup.cpu_domain, setup.cpu_history);
+        processor.set_async_tasks(setup.async_tasks);
         processor
     });
     let process = {
@@ -237,7 +240,7 @@ pub mod bench_support {
             let mut records = Vec::with_capacity(spans * 4);
             for i in 0..spans as u64 {
                 let serial = crate::recorder::span_serial(1, i + 1);
-                records.push(crate::codec::span_new_bare(SPAN));
+                records.push(crate::codec::span_new_bare(0, SPAN));
                 records.push(Record::timed(Kind::SpanEnter, base + i * 200, serial));
                 records.push(Record::timed(Kind::SpanExit, base + i * 200 + 100, serial));
                 records.push(Record::head(Kind::SpanClose, crate::codec::AT_LAST_EXIT, 0, serial));

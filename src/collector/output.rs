@@ -167,6 +167,16 @@ impl Output {
         self.batch.events.last_mut().expect("just pushed")
     }
 
+    /// Takes back the last event pushed, if it is number `index` of the batch: the event and its fields.
+    pub(crate) fn take_last_event(&mut self, index: usize) -> Option<(Event, Vec<Field>)> {
+        if index + 1 != self.batch.events.len() {
+            return None;
+        }
+        let event = self.batch.events.pop()?;
+        let fields = self.batch.fields.split_off(event.fields.start as usize);
+        Some((event, fields))
+    }
+
     /// Adds a fact about `track` (no event).
     pub(crate) fn push_metadata(&mut self, ts_ns: u64, track: TrackId, name: NameId, fields: &[Field]) {
         let start = self.batch.fields.len() as u32;

@@ -34,7 +34,7 @@ use std::sync::Arc;
 use super::drain::{Budget, ChunkPool};
 use super::input::{CallsiteDef, Chunk, Input};
 use super::output::Output;
-use super::spans::{set_field, IdMap, SpanState, Spans};
+use super::spans::{set_field, IdMap, Poll, SpanState, Spans, TaskData};
 use super::stats::SharedStats;
 use crate::calibration::{CalibrationHistory, ClockDomain, HistoryConfig};
 use crate::clock::{FastConverter, TickSource};
@@ -94,12 +94,32 @@ enum OpenKind {
 struct OpenSlice {
     kind: OpenKind,
     name: NameId,
+    /// When it began (reference ns): a span slice's poll.
+    begin_ns: u64,
     /// The sequence number of its begin in the track's held queue, while it is held.
     held: Option<u64>,
     /// The values its begin carried when it was released before the slice ended.
     released_values: Option<Vec<Field>>,
     /// Records dropped while it was open.
     dropped_inside: u64,
+}
+
+use crate::timeline::AsyncTasks;
+
+/// Ancestors followed up from a span when its task track is placed (deeper nesting goes under the process).
+const MAX_TASK_DEPTH: usize = 64;
+/// Bytes of a task track's name (its span's name and creation values), beyond which it is cut.
+const MAX_TASK_NAME: usize = 80;
+/// Written tasks whose tracks are remembered for children that outlive them.
+const WRITTEN_TASKS_KEPT: usize = 1 << 16;
+/// Polls a task keeps before its track is written as it goes (a span polled for the whole run stays bounded).
+const MAX_BUFFERED_POLLS: usize = 4096;
+
+/// Where an emitted event went: the batch (index) or the track's held queue (sequence number).
+#[derive(Clone, Copy, Debug)]
+enum EventSlot {
+    Batch(usize),
+    Held(u64),
 }
 
 /// A span slice's begin, held for its values.
@@ -116,6 +136,10 @@ struct HeldEvent {
     fields: Vec<Field>,
     flow_out: Option<u64>,
     span: Option<HeldSpan>,
+    /// The end of the first poll of this span, which was still open after it: its flow stays only if the
+    /// span turns out to be an async task (entered again), and goes if it closes first. Undecided, it holds
+    /// its track (up to the hold limit, after which the flow stays).
+    undecided: Option<u64>,
 }
 
 /// A thread track's state.
@@ -134,6 +158,9 @@ struct Track {
     last_ns: u64,
     /// The last exit: `(serial, ns)`, for a close right after it.
     last_exit: Option<(u64, u64)>,
+    /// A span's first poll just ended with a flow in case the span is a task: `(serial, its end event)`.
+    /// Taken off again if the next record is the span's close.
+    speculative: Option<(u64, EventSlot)>,
 }
 
 /// A ring's records waiting to be processed.
@@ -226,6 +253,19 @@ pub(crate) struct Processor {
     finished: bool,
     /// The newest CPU clock note not exported yet: `(fallback, doubt, text)`.
     clock_note: Option<(bool, bool, String)>,
+    async_tasks: AsyncTasks,
+    /// Task tracks of spans already written and forgotten, by serial: a child that outlives its parent still
+    /// nests under it. The oldest are forgotten beyond [`WRITTEN_TASKS_KEPT`].
+    written_tasks: IdMap<TrackId>,
+    written_order: VecDeque<u64>,
+    /// `"poll"`, for the task tracks' poll slices.
+    task_names: Option<NameId>,
+    tasks_written: u64,
+    /// Polls written on task tracks.
+    polls_written: u64,
+    /// The timeline is shutting down: a span polled once and still open is not a task.
+    ending: bool,
+    to_write: Vec<u64>,
 }
 
 /// What happened to a record.
@@ -289,7 +329,20 @@ impl Processor {
             hold_limit_ns: HOLD_LIMIT_NS,
             finished: false,
             clock_note: None,
+            async_tasks: AsyncTasks::default(),
+            written_tasks: IdMap::default(),
+            written_order: VecDeque::new(),
+            task_names: None,
+            tasks_written: 0,
+            polls_written: 0,
+            ending: false,
+            to_write: Vec::new(),
         }
+    }
+
+    /// Sets which spans get an async task track.
+    pub(crate) fn set_async_tasks(&mut self, mode: AsyncTasks) {
+        self.async_tasks = mode;
     }
 
     /// Sets how CPU ticks are converted: live (the newest fit) or from a complete history (a capture).
@@ -389,6 +442,7 @@ impl Processor {
                 held_base: 0,
                 last_ns: 0,
                 last_exit: None,
+                speculative: None,
             },
             dropped_total: 0,
         });
@@ -497,8 +551,205 @@ impl Processor {
             }
         }
         self.gpu.pass_end(&mut self.out, drain, force, rings_drained);
+        // Closed tasks none of whose polls can still come: their tracks, before the sweep forgets them.
+        let mut to_write = std::mem::take(&mut self.to_write);
+        self.spans.tasks_to_write(self.pass, &mut to_write);
+        for serial in to_write.drain(..) {
+            self.write_task(serial, drain);
+        }
+        self.to_write = to_write;
         self.report(drain);
         self.spans.sweep(self.pass);
+    }
+
+    /// Gives span `serial` an async task track (if it has none), under its parent's (a parent that has none
+    /// gets one too: a span with child tasks holds them); returns the track.
+    fn make_task(&mut self, serial: u64) -> Option<TrackId> {
+        // The chain of spans without a track, innermost first, up to one that has a track (or none).
+        let mut chain = Vec::new();
+        let mut at = serial;
+        let mut parent_track = self.out.process_track();
+        while at != 0 && chain.len() < MAX_TASK_DEPTH {
+            if let Some(&track) = self.written_tasks.get(&at) {
+                parent_track = track;
+                break;
+            }
+            let Some(span) = self.spans.get(at) else { break };
+            if let Some(task) = &span.task {
+                parent_track = task.track;
+                break;
+            }
+            chain.push(at);
+            at = span.parent;
+        }
+        let mut track = None;
+        for &s in chain.iter().rev() {
+            let name = self.task_name(s);
+            let t = self.out.new_track(Some(parent_track), TrackKind::AsyncTask { name });
+            if let Some(span) = self.spans.get_mut(s) {
+                // Its first poll, kept in case it became a task, is now the task's.
+                let first = (span.first_poll.end_ns != 0).then_some(span.first_poll);
+                span.task = Some(Box::new(TaskData {
+                    track: t,
+                    polls: first.into_iter().collect(),
+                    begun: None,
+                    lanes: vec![(t, 0)],
+                    written: false,
+                }));
+            }
+            self.spans.closed_task(s);
+            parent_track = t;
+            track = Some(t);
+        }
+        track.or_else(|| self.spans.get(serial).and_then(|s| s.task.as_ref()).map(|t| t.track))
+    }
+
+    /// A task track's name: the span's name and its creation values.
+    fn task_name(&self, serial: u64) -> String {
+        let Some(span) = self.spans.get(serial) else {
+            return String::new();
+        };
+        let mut name = self.out.name_of(span.name).to_owned();
+        for field in span.creation_values() {
+            if name.len() >= MAX_TASK_NAME {
+                break;
+            }
+            name.push(' ');
+            name.push_str(self.out.name_of(field.name));
+            name.push('=');
+            match &field.value {
+                FieldValue::Str(s) => name.push_str(s),
+                FieldValue::I64(v) => name.push_str(&v.to_string()),
+                FieldValue::U64(v) => name.push_str(&v.to_string()),
+                FieldValue::F64(v) => name.push_str(&v.to_string()),
+                FieldValue::Bool(v) => name.push_str(&v.to_string()),
+            }
+        }
+        if name.len() > MAX_TASK_NAME {
+            let mut cut = MAX_TASK_NAME;
+            while !name.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            name.truncate(cut);
+            name.push('…');
+        }
+        name
+    }
+
+    /// Writes task `serial`'s track: one slice for its life (creation to close; to `end_ns`, marked
+    /// truncated, when it never closed) with its values at the end, and its polls as children, each the end
+    /// of the flow from its slice on a thread track. Polls that overlap (a span entered on two threads at
+    /// once) go on child lanes.
+    fn write_task(&mut self, serial: u64, end_ns: u64) {
+        let Some(span) = self.spans.get(serial) else { return };
+        let Some(task) = span.task.as_ref() else { return };
+        if task.written {
+            return;
+        }
+        let closed = span.is_closed();
+        let last_end = task.polls.iter().map(|p| p.end_ns).max().unwrap_or(0);
+        let end = if closed { span.closed_ns } else { end_ns }
+            .max(last_end)
+            .max(span.created_ns);
+        let begun = task.begun.is_some();
+        self.write_task_begin(serial, end);
+        self.write_task_polls(serial);
+        let Some(span) = self.spans.get_mut(serial) else { return };
+        let name = span.name;
+        let mut fields = Vec::new();
+        span.values_at(end, &mut fields);
+        let Some(task) = span.task.as_mut() else { return };
+        task.written = true;
+        let track = task.track;
+        let mut end_fields = if begun {
+            // Its begin went out early with the values of then: the end carries what changed since.
+            let sent = task.begun.take().unwrap_or_default();
+            fields.retain(|f| !sent.contains(f));
+            fields
+        } else {
+            Vec::new()
+        };
+        if !closed {
+            end_fields.push(Field {
+                name: self.names.truncated,
+                value: FieldValue::Bool(true),
+            });
+        }
+        self.out
+            .push_event_owned(end, track, EventKind::SliceEnd, name, &mut end_fields);
+        self.tasks_written += 1;
+        self.written_tasks.insert(serial, track);
+        self.written_order.push_back(serial);
+        if self.written_order.len() > WRITTEN_TASKS_KEPT {
+            if let Some(old) = self.written_order.pop_front() {
+                self.written_tasks.remove(&old);
+            }
+        }
+    }
+
+    /// Writes task `serial`'s lifetime begin (at its creation, or its first poll if earlier) with its values
+    /// as of `values_ns`, unless it was written already.
+    fn write_task_begin(&mut self, serial: u64, values_ns: u64) {
+        let Some(span) = self.spans.get_mut(serial) else { return };
+        let Some(task) = span.task.as_ref() else { return };
+        if task.begun.is_some() {
+            return;
+        }
+        let first_begin = task.polls.iter().map(|p| p.begin_ns).min().unwrap_or(u64::MAX);
+        let begin = span.created_ns.min(first_begin);
+        let mut fields = Vec::new();
+        span.values_at(values_ns, &mut fields);
+        let (name, track) = (span.name, task.track);
+        if let Some(task) = span.task.as_mut() {
+            task.begun = Some(fields.clone());
+        }
+        let lifetime = self
+            .out
+            .push_event_owned(begin, track, EventKind::SliceBegin, name, &mut fields);
+        lifetime.flow_out = None;
+    }
+
+    /// Writes task `serial`'s buffered polls (its lifetime begin must be out): each a `poll` slice ending the
+    /// flow from its slice on a thread track, on the first lane free at its start.
+    fn write_task_polls(&mut self, serial: u64) {
+        let poll_name = *self.task_names.get_or_insert_with(|| self.out.intern("poll"));
+        let Some(span) = self.spans.get_mut(serial) else { return };
+        let name = span.name;
+        let Some(task) = span.task.as_mut() else { return };
+        let mut polls = std::mem::take(&mut task.polls);
+        let mut lanes = std::mem::take(&mut task.lanes);
+        polls.sort_by_key(|p| (p.begin_ns, p.end_ns));
+        for poll in &polls {
+            let lane = match lanes.iter().position(|&(_, busy_until)| busy_until <= poll.begin_ns) {
+                Some(lane) => lane,
+                None => {
+                    let lane_name = format!("{} (polls {})", self.out.name_of(name), lanes.len() + 1);
+                    let t = self
+                        .out
+                        .new_track(Some(lanes[0].0), TrackKind::AsyncTask { name: lane_name });
+                    lanes.push((t, 0));
+                    lanes.len() - 1
+                }
+            };
+            lanes[lane].1 = poll.end_ns;
+            let lane_track = lanes[lane].0;
+            let begin_event = self.out.push_event_owned(
+                poll.begin_ns,
+                lane_track,
+                EventKind::SliceBegin,
+                poll_name,
+                &mut Vec::new(),
+            );
+            begin_event.flow_in = (poll.flow != 0).then_some(poll.flow);
+            self.out
+                .push_event_owned(poll.end_ns, lane_track, EventKind::SliceEnd, poll_name, &mut Vec::new());
+        }
+        self.polls_written += polls.len() as u64;
+        polls.clear();
+        if let Some(task) = self.spans.get_mut(serial).and_then(|s| s.task.as_mut()) {
+            task.polls = polls;
+            task.lanes = lanes;
+        }
     }
 
     /// Processes ring `ring`'s pending records until one stalls. `force`: a record naming an unknown span is
@@ -533,8 +784,52 @@ impl Processor {
             r.input.cursor = 0;
             self.recycle(chunk);
         }
+        if let Some((serial, slot)) = r.track.speculative {
+            // The ring's next record (the span's close, or not) comes later: the poll's end waits for it.
+            r.track.speculative = match slot {
+                EventSlot::Batch(index) => self.park(&mut r.track, serial, index),
+                EventSlot::Held(seq) => self.mark_undecided(&mut r.track, serial, seq),
+            }
+            .map(|seq| (serial, EventSlot::Held(seq)));
+        }
         self.rings[ring as usize] = Some(r);
         progress
+    }
+
+    /// Marks the held first-poll end `seq` of span `serial` undecided (it holds its track); returns `seq`.
+    fn mark_undecided(&mut self, track: &mut Track, serial: u64, seq: u64) -> Option<u64> {
+        let event = held_at(track, seq)?;
+        if event.undecided.is_none() {
+            event.undecided = Some(serial);
+            if let Some(span) = self.spans.get_mut(serial) {
+                // Kept while the decision waits.
+                span.held_begins += 1;
+            }
+        }
+        Some(seq)
+    }
+
+    /// Moves the first-poll end at batch position `index` (the batch's last event, the track holding nothing)
+    /// to the track's held queue, undecided; returns its place there.
+    fn park(&mut self, track: &mut Track, serial: u64, index: usize) -> Option<u64> {
+        if !track.held.is_empty() {
+            return None;
+        }
+        let (event, fields) = self.out.take_last_event(index)?;
+        track.held.push_back(HeldEvent {
+            ts_ns: event.ts_ns,
+            kind: event.kind,
+            name: event.name,
+            fields,
+            flow_out: event.flow_out,
+            span: None,
+            undecided: Some(serial),
+        });
+        if let Some(span) = self.spans.get_mut(serial) {
+            // Kept while the decision waits.
+            span.held_begins += 1;
+        }
+        Some(track.held_base)
     }
 
     /// Rings whose thread exited and whose records are all processed: their open slices end at their last
@@ -564,7 +859,7 @@ impl Processor {
         let end_ns = end_ns.max(track.last_ns);
         while let Some(slice) = track.open.pop() {
             self.counts.truncated_slices += 1;
-            self.end_slice(track, slice, end_ns, true);
+            self.end_slice(track, slice, end_ns, true, false);
         }
     }
 
@@ -649,11 +944,12 @@ impl Processor {
         name: NameId,
         fields: Vec<Field>,
         flow_out: Option<u64>,
-    ) {
+    ) -> EventSlot {
         if track.held.is_empty() {
             let mut fields = fields;
             let event = self.out.push_event_owned(ts_ns, track.id, kind, name, &mut fields);
             event.flow_out = flow_out;
+            EventSlot::Batch(self.out.batch.events.len() - 1)
         } else {
             track.held.push_back(HeldEvent {
                 ts_ns,
@@ -662,7 +958,64 @@ impl Processor {
                 fields,
                 flow_out,
                 span: None,
+                undecided: None,
             });
+            EventSlot::Held(track.held_base + track.held.len() as u64 - 1)
+        }
+    }
+
+    /// Takes the flow off an event emitted earlier in this pass (a speculative flow that turned out not to be
+    /// needed).
+    fn clear_flow(&mut self, track: &mut Track, slot: EventSlot) {
+        match slot {
+            EventSlot::Batch(index) => {
+                if let Some(event) = self.out.batch.events.get_mut(index) {
+                    event.flow_out = None;
+                }
+            }
+            EventSlot::Held(seq) => {
+                if let Some(event) = held_at(track, seq) {
+                    event.flow_out = None;
+                }
+            }
+        }
+    }
+
+    /// A span's first poll ended while it was open, so it got a flow in case it is a task; `next` is the
+    /// ring's next record. If it is the span's close, the span is synchronous: no flow. Otherwise the poll's
+    /// end waits on the track, undecided, until the span closes or is entered again (see `release`).
+    #[cold]
+    fn decide_flow(&mut self, track: &mut Track, serial: u64, slot: EventSlot, next: &Item<'_>) {
+        let closes = matches!(next, Item::SpanClose { serial: closed, .. } if *closed == serial);
+        match slot {
+            EventSlot::Held(seq) => {
+                let Some(event) = held_at(track, seq) else { return };
+                let was_undecided = event.undecided.is_some();
+                if closes {
+                    event.flow_out = None;
+                    event.undecided = None;
+                    if let Some(span) = self.spans.get_mut(serial) {
+                        span.first_poll.flow = 0;
+                        if was_undecided {
+                            span.held_begins = span.held_begins.saturating_sub(1);
+                        }
+                    }
+                } else {
+                    self.mark_undecided(track, serial, seq);
+                }
+            }
+            EventSlot::Batch(index) => {
+                if closes {
+                    self.clear_flow(track, slot);
+                    if let Some(span) = self.spans.get_mut(serial) {
+                        span.first_poll.flow = 0;
+                    }
+                } else {
+                    // Out of reach if the track has events after it: then the flow stays (with one end
+                    // only, if the span turns out synchronous; Perfetto draws nothing for it).
+                    self.park(track, serial, index);
+                }
+            }
         }
     }
 
@@ -672,16 +1025,25 @@ impl Processor {
 
     /// One decoded record of a ring.
     fn item(&mut self, track: &mut Track, item: Item<'_>, now_ticks: u64, force: bool) -> Step {
+        if let Some((serial, slot)) = track.speculative.take() {
+            self.decide_flow(track, serial, slot, &item);
+        }
         match item {
             Item::SpanNew {
+                ticks,
                 callsite,
                 parent,
                 fields,
             } => {
                 track.spans_created += 1;
                 let serial = crate::recorder::span_serial(u64::from(track.ring), track.spans_created);
-                let ts = track.last_ns;
-                track.undated.push(serial);
+                let ts = if ticks != 0 {
+                    self.ticks_to_ns(track, ticks, now_ticks)
+                } else {
+                    // Untimed: dated by the ring's next timed record.
+                    track.undated.push(serial);
+                    track.last_ns
+                };
                 let (name, fieldless) = match self.callsites.get(&callsite) {
                     Some(c) => (c.name, c.fields.is_empty()),
                     None => (self.callsite_name(callsite), true),
@@ -701,6 +1063,9 @@ impl Processor {
                 span.fields_truncated = u32::try_from(truncated).unwrap_or(u32::MAX);
                 span.fieldless = fieldless && truncated == 0;
                 self.spans.insert(serial, span);
+                if self.async_tasks == AsyncTasks::Always {
+                    self.make_task(serial);
+                }
             }
             Item::SpanRecord { ticks, serial, fields } => {
                 let Some(span) = self.span_serial(serial) else {
@@ -731,10 +1096,25 @@ impl Processor {
                     }
                 };
                 let ts = self.ticks_to_ns(track, ticks, now_ticks);
+                let mut becomes_task = false;
+                // Entered again while entered on this thread: not a new poll.
+                let nested = track.open.iter().any(|o| o.kind == OpenKind::Span(serial));
                 if let Some(span) = self.spans.get_mut(serial) {
                     span.open_slices += 1;
                     span.held_begins += u32::from(!fieldless);
-                    span.enters += 1;
+                    span.enters = span.enters.saturating_add(u32::from(!nested));
+                    if span.first_track == 0 {
+                        span.first_track = track.id.0;
+                    } else if span.first_track != track.id.0 {
+                        span.multi_track = true;
+                    }
+                    // Entered again, or on another thread: a span that lives across polls.
+                    becomes_task = self.async_tasks == AsyncTasks::Auto
+                        && span.task.is_none()
+                        && (span.enters > 1 || span.multi_track);
+                }
+                if becomes_task {
+                    self.make_task(serial);
                 }
                 if fieldless {
                     // No values to wait for: out at once (behind anything already held on the track).
@@ -750,10 +1130,12 @@ impl Processor {
                     fields: Vec::new(),
                     flow_out: None,
                     span: Some(HeldSpan { serial, end: None }),
+                    undecided: None,
                 });
                 track.open.push(OpenSlice {
                     kind: OpenKind::Span(serial),
                     name,
+                    begin_ns: ts,
                     held: Some(seq),
                     released_values: None,
                     dropped_inside: 0,
@@ -865,35 +1247,48 @@ impl Processor {
             self.counts.unmatched_ends += 1;
             return;
         };
+        if pos + 1 == track.open.len() {
+            // The innermost slice: the common case.
+            let slice = track.open.pop().expect("pos exists");
+            self.end_slice(track, slice, ts_ns, false, false);
+            return;
+        }
         let inner: Vec<OpenSlice> = track.open.drain(pos + 1..).collect();
         let mut reopen = Vec::new();
         for slice in inner.into_iter().rev() {
-            reopen.push((slice.kind, slice.name));
-            self.end_slice(track, slice, ts_ns, false);
+            reopen.push((slice.kind, slice.name, slice.begin_ns));
+            self.end_slice(track, slice, ts_ns, false, true);
         }
         let slice = track.open.pop().expect("pos exists");
-        self.end_slice(track, slice, ts_ns, false);
-        for (kind, name) in reopen.into_iter().rev() {
-            self.reopen(track, kind, name, ts_ns);
+        self.end_slice(track, slice, ts_ns, false, false);
+        for (kind, name, begin_ns) in reopen.into_iter().rev() {
+            self.reopen(track, kind, name, ts_ns, begin_ns);
         }
     }
 
     /// Opens a slice whose begin needs no values (a scope, a span whose callsite has no fields): emitted now,
     /// held only behind what is already held on the track.
     fn begin_unheld(&mut self, track: &mut Track, kind: OpenKind, name: NameId, ts_ns: u64) {
+        self.begin_unheld_since(track, kind, name, ts_ns, ts_ns);
+    }
+
+    /// [`begin_unheld`](Self::begin_unheld) of a slice (a poll) that began at `begin_ns`, reopened at `ts_ns`.
+    fn begin_unheld_since(&mut self, track: &mut Track, kind: OpenKind, name: NameId, ts_ns: u64, begin_ns: u64) {
         let held = (!track.held.is_empty()).then(|| track.held_base + track.held.len() as u64);
         self.emit(track, ts_ns, EventKind::SliceBegin, name, Vec::new(), None);
         track.open.push(OpenSlice {
             kind,
             name,
+            begin_ns,
             held,
             released_values: None,
             dropped_inside: 0,
         });
     }
 
-    /// Opens again a slice ended only to keep nesting (see [`close_slice`](Self::close_slice)).
-    fn reopen(&mut self, track: &mut Track, kind: OpenKind, name: NameId, ts_ns: u64) {
+    /// Opens again a slice ended only to keep nesting (see [`close_slice`](Self::close_slice)); a span's poll
+    /// goes on from `begin_ns`.
+    fn reopen(&mut self, track: &mut Track, kind: OpenKind, name: NameId, ts_ns: u64, begin_ns: u64) {
         let fieldless_span = match kind {
             OpenKind::Span(serial) => self.spans.get(serial).is_none_or(|s| s.fieldless),
             OpenKind::Scope(_) => false,
@@ -904,7 +1299,7 @@ impl Processor {
                     span.open_slices += 1;
                 }
             }
-            self.begin_unheld(track, kind, name, ts_ns);
+            self.begin_unheld_since(track, kind, name, ts_ns, begin_ns);
             return;
         }
         match kind {
@@ -921,10 +1316,12 @@ impl Processor {
                     fields: Vec::new(),
                     flow_out: None,
                     span: Some(HeldSpan { serial, end: None }),
+                    undecided: None,
                 });
                 track.open.push(OpenSlice {
                     kind,
                     name,
+                    begin_ns,
                     held: Some(seq),
                     released_values: None,
                     dropped_inside: 0,
@@ -936,7 +1333,8 @@ impl Processor {
 
     /// Emits `slice`'s end at `ts_ns` (`truncated`: the slice really ended later) with its markers: on its
     /// begin while that is held, else on the end.
-    fn end_slice(&mut self, track: &mut Track, slice: OpenSlice, ts_ns: u64, truncated: bool) {
+    /// `split`: the slice ends only to keep nesting and opens again at once (its poll goes on).
+    fn end_slice(&mut self, track: &mut Track, slice: OpenSlice, ts_ns: u64, truncated: bool, split: bool) {
         let mut markers = Vec::new();
         if truncated {
             markers.push(Field {
@@ -974,19 +1372,85 @@ impl Processor {
                 }
             }
         }
+        let mut flow = None;
+        let mut speculative = false;
         if let OpenKind::Span(serial) = slice.kind {
+            // A span entered again while entered on this thread: the outer enter is the poll.
+            let nested = track.open.iter().any(|o| o.kind == slice.kind);
+            let mode = if nested { AsyncTasks::Never } else { self.async_tasks };
+            // A poll: linked by a flow to its copy on the task's track, when the span is (or, still open after
+            // its first poll, may turn out to be) a task.
+            let (known_task, maybe_task) = match self.spans.get(serial) {
+                Some(span) if !split && mode != AsyncTasks::Never => (
+                    span.task.is_some(),
+                    mode == AsyncTasks::Auto && span.task.is_none() && !span.is_closed() && span.enters == 1,
+                ),
+                _ => (false, false),
+            };
+            let id = if known_task || maybe_task {
+                self.gpu.next_flow()
+            } else {
+                0
+            };
+            speculative = maybe_task;
             if let Some(span) = self.spans.get_mut(serial) {
                 span.open_slices = span.open_slices.saturating_sub(1);
+                if !split && mode != AsyncTasks::Never {
+                    let poll = Poll {
+                        begin_ns: slice.begin_ns,
+                        end_ns: ts_ns.max(slice.begin_ns).max(1),
+                        flow: id,
+                    };
+                    let mut stream = false;
+                    if let Some(task) = &mut span.task {
+                        task.polls.push(poll);
+                        stream = task.polls.len() >= MAX_BUFFERED_POLLS;
+                    } else if span.first_poll.end_ns == 0 {
+                        span.first_poll = poll;
+                    }
+                    flow = (id != 0).then_some(id);
+                    if stream {
+                        // A long-lived task: its lifetime begins now and its polls go out as they come.
+                        self.write_task_begin(serial, ts_ns);
+                        self.write_task_polls(serial);
+                    }
+                }
             }
         }
-        self.emit(track, ts_ns, EventKind::SliceEnd, slice.name, end_fields, None);
+        let slot = self.emit(track, ts_ns, EventKind::SliceEnd, slice.name, end_fields, flow);
+        if speculative {
+            if let OpenKind::Span(serial) = slice.kind {
+                track.speculative = Some((serial, slot));
+            }
+        }
     }
 
     /// Sends out `track`'s held events up to the first span begin that must wait longer: still open, or
     /// ended in this pass (values recorded on other threads before its end may come next pass). With
     /// `force`, everything goes out; a span slice still open goes with its current values.
     fn release(&mut self, track: &mut Track, force: bool, now_ns: u64) {
-        while let Some(front) = track.held.front() {
+        while let Some(front) = track.held.front_mut() {
+            if let Some(serial) = front.undecided {
+                let (task, closed) = self
+                    .spans
+                    .get(serial)
+                    .map_or((false, true), |s| (s.task.is_some(), s.is_closed()));
+                if !task && !closed && !force {
+                    break;
+                }
+                front.undecided = None;
+                // Closed (or the timeline ends) without a second poll: a synchronous span after all.
+                let synchronous = !task && (closed || self.ending);
+                if synchronous {
+                    front.flow_out = None;
+                }
+                if let Some(span) = self.spans.get_mut(serial) {
+                    span.held_begins = span.held_begins.saturating_sub(1);
+                    if synchronous {
+                        span.first_poll.flow = 0;
+                    }
+                }
+            }
             if let Some(span) = &front.span {
                 match span.end {
                     Some((_, end_pass)) if end_pass < self.pass || force => {}
@@ -1107,6 +1571,8 @@ impl Processor {
         s.gpu_failed_calibrations
             .store(g.failed_calibrations, Ordering::Relaxed);
         s.gpu_read_failures.store(g.read_failures, Ordering::Relaxed);
+        s.async_tasks.store(self.tasks_written, Ordering::Relaxed);
+        s.async_polls.store(self.polls_written, Ordering::Relaxed);
     }
 
     /// Hands the batch to the exporters: after every pass that made events, and at least every 100 ms (an
@@ -1138,7 +1604,13 @@ impl Processor {
                 self.rings[ring as usize] = Some(r);
             }
         }
+        self.ending = true;
         self.finish_pass(true, false);
+        // Tasks still open (or closed too recently to have been written): written now, the open ones
+        // truncated at the end.
+        for serial in self.spans.unwritten_tasks() {
+            self.write_task(serial, end);
+        }
         self.gpu.abandon();
         self.report(end);
         self.export(end, true);
@@ -1289,11 +1761,12 @@ mod tests {
         let mut p = processor(&memory);
         register_span_callsite(&mut p);
         let serial = crate::recorder::span_serial(1, 1);
-        let mut records = group(|g| codec::encode_span_new(g, SPAN, codec::Parent::Contextual, &u64_field(1)));
+        let mut records = group(|g| codec::encode_span_new(g, 0, SPAN, codec::Parent::Contextual, &u64_field(1)));
         records.push(Record::timed(Kind::SpanEnter, 100, serial));
         records.extend(group(|g| codec::encode_span_record(g, 150, serial, &u64_field(2))));
         records.push(Record::timed(Kind::SpanExit, 200, serial));
         records.extend(group(|g| codec::encode_span_record(g, 250, serial, &u64_field(3))));
+        records.push(Record::timed(Kind::SpanClose, 260, serial));
         chunk(&mut p, 1, records);
         pass(&mut p);
         assert_eq!(
@@ -1326,13 +1799,14 @@ mod tests {
             vec![
                 Record::timed(Kind::SpanEnter, 100, serial),
                 Record::timed(Kind::SpanExit, 200, serial),
+                Record::timed(Kind::SpanClose, 201, serial),
             ],
         );
         pass(&mut p);
         chunk(
             &mut p,
             1,
-            group(|g| codec::encode_span_new(g, SPAN, codec::Parent::Root, &u64_field(9))),
+            group(|g| codec::encode_span_new(g, 0, SPAN, codec::Parent::Root, &u64_field(9))),
         );
         pass(&mut p);
         pass(&mut p);
@@ -1361,7 +1835,7 @@ mod tests {
             &mut p,
             1,
             vec![
-                codec::span_new_bare(SPAN),
+                codec::span_new_bare(0, SPAN),
                 Record::timed(Kind::SpanEnter, 100, serial),
                 Record::timed(Kind::ScopeBegin, 150, KNOWN),
                 Record::timed(Kind::Instant, 300, KNOWN),
@@ -1409,9 +1883,12 @@ mod tests {
         let mut p = processor(&memory);
         register_span_callsite(&mut p);
         let (outer, inner) = (crate::recorder::span_serial(1, 1), crate::recorder::span_serial(1, 2));
-        let mut records = vec![codec::span_new_bare(SPAN), Record::timed(Kind::SpanEnter, 100, outer)];
+        let mut records = vec![
+            codec::span_new_bare(0, SPAN),
+            Record::timed(Kind::SpanEnter, 100, outer),
+        ];
         records.extend(group(|g| {
-            codec::encode_span_new(g, SPAN, codec::Parent::Contextual, &u64_field(5))
+            codec::encode_span_new(g, 0, SPAN, codec::Parent::Contextual, &u64_field(5))
         }));
         records.push(Record::timed(Kind::SpanEnter, 110, inner));
         records.push(Record::timed(Kind::SpanExit, 120, inner));
@@ -1421,12 +1898,81 @@ mod tests {
         for _ in 0..10 {
             pass(&mut p);
         }
-        chunk(&mut p, 1, vec![Record::timed(Kind::SpanExit, 200, outer)]);
+        chunk(
+            &mut p,
+            1,
+            vec![
+                Record::timed(Kind::SpanExit, 200, outer),
+                Record::timed(Kind::SpanClose, 201, outer),
+            ],
+        );
         pass(&mut p);
         pass(&mut p);
         let slices = memory.snapshot().slices();
         assert_eq!(slices.len(), 2);
         assert_eq!(slices[0].field("x"), Some(&FieldValue::U64(5)), "{slices:?}");
+    }
+
+    /// A span's first poll ends while it stays open; the next record (in a later pass) decides: its close
+    /// (a synchronous span: no flow at all), or a second enter (a task: the first poll's flow reaches it).
+    #[test]
+    fn a_first_poll_waits_for_its_span_to_close_or_be_entered_again() {
+        for second_enter in [false, true] {
+            let memory = MemoryExporter::default();
+            let mut p = processor(&memory);
+            register_span_callsite(&mut p);
+            let serial = crate::recorder::span_serial(1, 1);
+            chunk(
+                &mut p,
+                1,
+                vec![
+                    codec::span_new_bare(90, SPAN),
+                    Record::timed(Kind::SpanEnter, 100, serial),
+                    Record::timed(Kind::SpanExit, 110, serial),
+                ],
+            );
+            for _ in 0..3 {
+                pass(&mut p);
+            }
+            assert_eq!(
+                memory.snapshot().slices().len(),
+                0,
+                "the poll's end waits for the decision"
+            );
+            let mut next = Vec::new();
+            if second_enter {
+                next.push(Record::timed(Kind::SpanEnter, 300, serial));
+                next.push(Record::timed(Kind::SpanExit, 310, serial));
+            }
+            next.push(Record::timed(Kind::SpanClose, 400, serial));
+            chunk(&mut p, 1, next);
+            for _ in 0..6 {
+                pass(&mut p);
+            }
+            let trace = memory.snapshot();
+            let slices = trace.slices();
+            let outs: Vec<u64> = trace.events.iter().filter_map(|e| e.flow_out).collect();
+            let ins: Vec<u64> = trace.events.iter().filter_map(|e| e.flow_in).collect();
+            if second_enter {
+                let lifetime = slices
+                    .iter()
+                    .find(|s| s.depth == 0 && !trace.is_thread_track(s.track))
+                    .unwrap();
+                assert_eq!((lifetime.begin_ns, lifetime.end_ns), (90, 400));
+                let polls: Vec<_> = slices
+                    .iter()
+                    .filter(|s| s.name == "poll")
+                    .map(|s| (s.begin_ns, s.end_ns))
+                    .collect();
+                assert_eq!(polls, [(100, 110), (300, 310)]);
+                assert_eq!(outs.len(), 2);
+                assert_eq!(outs, ins, "each poll's flow, both ends");
+            } else {
+                assert_eq!(slices.len(), 1);
+                assert!(outs.is_empty() && ins.is_empty(), "a synchronous span has no flow");
+                assert!(trace.async_task_tracks().is_empty());
+            }
+        }
     }
 
     #[test]
@@ -1439,13 +1985,15 @@ mod tests {
             &mut p,
             1,
             vec![
-                codec::span_new_bare(SPAN),
-                codec::span_new_bare(SPAN),
+                codec::span_new_bare(0, SPAN),
+                codec::span_new_bare(0, SPAN),
                 Record::timed(Kind::SpanEnter, 100, a),
                 Record::timed(Kind::SpanEnter, 110, b),
                 Record::timed(Kind::SpanExit, 120, a),
                 Record::timed(Kind::SpanExit, 130, b),
                 Record::timed(Kind::SpanExit, 140, b),
+                Record::timed(Kind::SpanClose, 150, a),
+                Record::timed(Kind::SpanClose, 151, b),
             ],
         );
         pass(&mut p);

@@ -59,7 +59,38 @@ pub(crate) struct SpanState {
     pub(crate) fields_truncated: u32,
     /// Its callsite declares no fields, so its values never change: its slices need not wait for them.
     pub(crate) fieldless: bool,
+    /// It was entered on more than one thread track.
+    pub(crate) multi_track: bool,
+    /// The thread track of its first enter (0: never entered).
+    pub(crate) first_track: u64,
+    /// Its first poll (an enter to its exit), kept for the async task track it may turn out to need.
+    pub(crate) first_poll: Poll,
     values: Option<Box<SpanValues>>,
+    /// Set once it has an async task track (see `process.rs`).
+    pub(crate) task: Option<Box<TaskData>>,
+}
+
+/// One poll of a span: an enter to its exit on some thread, and the flow from that thread's slice (0: none).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct Poll {
+    pub(crate) begin_ns: u64,
+    pub(crate) end_ns: u64,
+    pub(crate) flow: u64,
+}
+
+/// A span shown as an async task: its track, and its polls not yet written.
+#[derive(Debug)]
+pub(crate) struct TaskData {
+    pub(crate) track: crate::export::TrackId,
+    /// Polls not written yet (the first included once it is a task), in the order they ended.
+    pub(crate) polls: Vec<Poll>,
+    /// The values its lifetime slice began with, once that begin is written (a task with many polls is
+    /// written as it goes, so memory stays bounded).
+    pub(crate) begun: Option<Vec<crate::export::Field>>,
+    /// The track each lane of polls goes on (the task's own first) and when its last poll ended.
+    pub(crate) lanes: Vec<(crate::export::TrackId, u64)>,
+    /// Its lifetime and polls were written (at its sweep, or at shutdown).
+    pub(crate) written: bool,
 }
 
 /// A span's field values: as of creation (and every update folded in), and later updates `(ns, field)`,
@@ -84,6 +115,10 @@ impl SpanState {
             closed_ns: 0,
             fields_truncated: 0,
             fieldless: false,
+            multi_track: false,
+            first_track: 0,
+            first_poll: Poll::default(),
+            task: None,
             values: (!fields.is_empty()).then(|| {
                 Box::new(SpanValues {
                     base: fields,
@@ -135,6 +170,11 @@ impl SpanState {
             && self.open_slices == 0
             && self.held_begins == 0
     }
+
+    /// Its creation values (for a task track's name).
+    pub(crate) fn creation_values(&self) -> &[Field] {
+        self.values.as_ref().map_or(&[], |v| &v.base)
+    }
 }
 
 /// Sets `field` in `fields`, replacing the value of a field of the same name.
@@ -160,6 +200,9 @@ pub(crate) struct Spans {
     /// The last ring looked up and its dense index: most lookups are for the ring being processed.
     last: Option<(u64, usize)>,
     spilled: IdMap<SpanState>,
+    /// Closed spans with an async task track, and the pass their close was processed in: written once no
+    /// slice of theirs can still come.
+    closing_tasks: Vec<(u64, u64)>,
 }
 
 /// One ring's spans: `slots[k]` holds span `n = base + k`.
@@ -252,7 +295,63 @@ impl Spans {
         if let Some(span) = self.get_mut(serial) {
             span.closed_in = pass.max(1);
             span.closed_ns = ts_ns;
+            if span.task.is_some() {
+                self.closing_tasks.push((serial, pass.max(1)));
+            }
         }
+    }
+
+    /// Notes that span `serial`, already closed, got a task track (a child made it a container).
+    pub(crate) fn closed_task(&mut self, serial: u64) {
+        if let Some(span) = self.get(serial) {
+            if span.is_closed() {
+                let closed_in = span.closed_in;
+                self.closing_tasks.push((serial, closed_in));
+            }
+        }
+    }
+
+    /// Closed tasks whose slices have all been seen by pass `pass` (closed a few passes ago, no slice open):
+    /// their serials go to `out`, to be written.
+    pub(crate) fn tasks_to_write(&mut self, pass: u64, out: &mut Vec<u64>) {
+        let mut closing = std::mem::take(&mut self.closing_tasks);
+        closing.retain(|&(serial, closed_in)| {
+            if pass < closed_in + KEEP_CLOSED_PASSES {
+                return true;
+            }
+            match self.get(serial) {
+                Some(span) if span.open_slices > 0 => true,
+                Some(_) => {
+                    out.push(serial);
+                    false
+                }
+                None => false,
+            }
+        });
+        self.closing_tasks = closing;
+    }
+
+    /// Every span still here whose task track was not written (shutdown), by serial.
+    pub(crate) fn unwritten_tasks(&self) -> Vec<u64> {
+        let mut out = Vec::new();
+        for (&ring, &index) in &self.ring_index {
+            let window = &self.windows[index as usize];
+            for (k, slot) in window.slots.iter().enumerate() {
+                if slot
+                    .as_ref()
+                    .is_some_and(|s| s.task.as_ref().is_some_and(|t| !t.written))
+                {
+                    out.push(span_serial(ring, window.base + k as u64));
+                }
+            }
+        }
+        for (&serial, span) in &self.spilled {
+            if span.task.as_ref().is_some_and(|t| !t.written) {
+                out.push(serial);
+            }
+        }
+        out.sort_unstable();
+        out
     }
 
     /// Forgets spans closed a few passes ago that no open slice refers to: each window's front, and spilled

@@ -58,6 +58,11 @@ pub struct TimelineStats {
     pub gpu_failed_calibrations: u64,
     /// GPU timestamp reads that failed (counted, and retried on the next pass).
     pub gpu_read_failures: u64,
+    /// Async task tracks written (see [`AsyncTasks`](crate::AsyncTasks)): spans shown with their lifetime
+    /// and polls.
+    pub async_tasks: u64,
+    /// Polls written on async task tracks (each also a slice on the thread that polled it).
+    pub async_polls: u64,
 }
 
 macro_rules! shared_stats {
@@ -100,4 +105,6 @@ shared_stats!(
     gpu_causality_violations,
     gpu_failed_calibrations,
     gpu_read_failures,
+    async_tasks,
+    async_polls,
 );

@@ -222,11 +222,11 @@ fn a_value_recorded_two_enters_later_is_not_on_the_first_slice() {
         }
     });
     timeline.shutdown().unwrap();
-    let steps: Vec<_> = memory
-        .snapshot()
+    let trace = memory.snapshot();
+    let steps: Vec<_> = trace
         .slices()
         .into_iter()
-        .filter(|s| s.name == "job")
+        .filter(|s| s.name == "job" && trace.is_thread_track(s.track))
         .map(|s| s.field("step").cloned())
         .collect();
     assert_eq!(

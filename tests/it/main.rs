@@ -1,5 +1,6 @@
 //! Integration tests, built as one binary.
 
+mod async_tasks;
 mod capture;
 #[cfg(feature = "cuda")]
 mod cuda;

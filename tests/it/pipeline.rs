@@ -5,7 +5,9 @@ use std::sync::{Arc, Mutex};
 
 use crate::exclusive;
 
-use tickline::{Batch, EventKind, ExportError, Exporter, FieldValue, MemoryExporter, Timeline, TrackId, TrackKind};
+use tickline::{
+    AsyncTasks, Batch, EventKind, ExportError, Exporter, FieldValue, MemoryExporter, Timeline, TrackId, TrackKind,
+};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::Layer as _;
 
@@ -67,8 +69,11 @@ fn lossless_two_threads_a_million_spans_each_arrive_exactly() {
     let _x = exclusive();
     const SPANS: u64 = 1_000_000;
     let counting = Counting::default();
+    // One span re-entered a million times: with task tracks every enter would also be a poll on the task's
+    // track; this test counts what the rings carried.
     let timeline = Timeline::builder()
         .lossless(true)
+        .async_tasks(AsyncTasks::Never)
         .exporter(counting.clone())
         .start()
         .unwrap();
@@ -107,6 +112,7 @@ fn drop_mode_accounts_for_every_record() {
     // dropped record is counted.
     let timeline = Timeline::builder()
         .ring_capacity(64)
+        .async_tasks(AsyncTasks::Never)
         .exporter(counting.clone())
         .start()
         .unwrap();
@@ -271,10 +277,23 @@ fn reentered_and_cross_thread_spans_give_one_slice_per_enter_on_the_entering_thr
         .collect();
     assert_eq!(other_slices.len(), 1);
     assert_eq!(other_slices[0].fields, vec![("stage".into(), FieldValue::I64(2))]);
+    let on_threads = |name: &str| {
+        trace
+            .slices()
+            .iter()
+            .filter(|s| s.name == name && trace.is_thread_track(s.track))
+            .count()
+    };
+    assert_eq!(on_threads("shared"), 3, "two on the creating thread, one on `other`");
+    // Entered twice and on two threads: an async task, its life one slice, its three polls its children.
+    let tasks = trace.async_task_tracks();
+    assert_eq!(tasks.len(), 1, "{tasks:?}");
+    let on_task: Vec<_> = trace.slices().into_iter().filter(|s| s.track == tasks[0].id).collect();
+    assert_eq!(on_task.iter().filter(|s| s.name == "shared").count(), 1);
     assert_eq!(
-        trace.slice_count("shared"),
-        3,
-        "two on the creating thread, one on `other`"
+        on_task.iter().filter(|s| s.name == "poll").count(),
+        2,
+        "the nested enter is not a poll"
     );
     let stats = timeline.shutdown().unwrap();
     assert_eq!(stats.unmatched_ends, 0);
@@ -438,6 +457,7 @@ fn flush_drains_full_rings_not_just_one_batch() {
         .lossless(true)
         .ring_capacity(1 << 20)
         .poll_interval(std::time::Duration::from_secs(60))
+        .async_tasks(AsyncTasks::Never)
         .exporter(counting.clone())
         .start()
         .unwrap();

@@ -836,7 +836,7 @@ impl<W: Write + Send> PerfettoExporter<W> {
                 }
                 put_bytes_field(&mut self.body, field::track::COUNTER, &self.nested);
             }
-            TrackKind::Group { name } => {
+            TrackKind::Group { name } | TrackKind::AsyncTask { name } => {
                 put_bytes_field(&mut self.body, field::track::NAME, name.as_bytes());
             }
             other => {

@@ -102,6 +102,16 @@
 //! - Tracy holds at most 255 GPU contexts per process (shared with any `tracy_client::GpuContext` the app
 //!   makes).
 //! - Events are Tracy messages; instants are literal messages (their name).
+//! - Async tasks (see [`tickline::AsyncTasks`]) are not shown as tasks: each poll is a zone on the worker
+//!   thread that ran it, as with any span, but no lifetime slice and no task track. Tracy's only way to show
+//!   work apart from OS threads is its fiber API (`___tracy_fiber_enter`/`leave`), which attributes the zones
+//!   that follow to a fiber *as they are recorded*, on the thread, at the moment of the switch, with Tracy's own
+//!   clock: it cannot place a slice after the fact. tickline decides that a span is a task only when it is
+//!   entered a second time (in the collector, later), and a task's lifetime slice spans its awaits, when no
+//!   thread runs it, which a fiber zone cannot. Calling the fiber API on every enter of every span instead
+//!   would cost each synchronous span two more Tracy calls and turn every span into a fiber (the reason the
+//!   tracy-client fiber prototype was dropped, rust_tracy_client issue 35). Use the Perfetto exporter, in the
+//!   same run if needed, for the task view.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs, clippy::undocumented_unsafe_blocks)]

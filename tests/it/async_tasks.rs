@@ -1,0 +1,384 @@
+//! Async tasks (see `tickline::AsyncTasks`): a tokio multi-thread runtime with 1,000 instrumented requests,
+//! each with a nested child task; every task's lifetime, polls and flows checked against the truth.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tickline::{AsyncTasks, FieldValue, MemoryExporter, MemoryTrace, RecordedSlice, Timeline, TrackId, TrackKind};
+use tracing::field::{Field, Visit};
+use tracing::span::{Attributes, Id};
+use tracing::{Instrument, Subscriber};
+use tracing_subscriber::layer::{Context, SubscriberExt};
+use tracing_subscriber::registry::LookupSpan;
+use tracing_subscriber::Layer;
+
+use crate::exclusive;
+
+const REQUESTS: u64 = 1000;
+
+/// The truth: when each span with an `id` field was created and closed, read from tickline's reference clock
+/// by a second layer right after tickline's own layer.
+#[derive(Clone, Default)]
+struct Truth(Arc<Mutex<Brackets>>);
+
+/// `(span name, id)` to a pair of clock reads (ns).
+type Brackets = HashMap<(String, u64), (u64, u64)>;
+
+struct Created {
+    name: &'static str,
+    id: u64,
+    at_ns: u64,
+}
+
+struct IdOf(Option<u64>);
+
+impl Visit for IdOf {
+    fn record_u64(&mut self, field: &Field, value: u64) {
+        if field.name() == "id" {
+            self.0 = Some(value);
+        }
+    }
+    fn record_debug(&mut self, _: &Field, _: &dyn std::fmt::Debug) {}
+}
+
+impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Truth {
+    fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, ctx: Context<'_, S>) {
+        let at_ns = tickline::monotonic_ns().0;
+        let mut of = IdOf(None);
+        attrs.record(&mut of);
+        if let (Some(task), Some(span)) = (of.0, ctx.span(id)) {
+            span.extensions_mut().insert(Created {
+                name: attrs.metadata().name(),
+                id: task,
+                at_ns,
+            });
+        }
+    }
+
+    fn on_close(&self, id: Id, ctx: Context<'_, S>) {
+        let at_ns = tickline::monotonic_ns().0;
+        if let Some(span) = ctx.span(&id) {
+            if let Some(c) = span.extensions().get::<Created>() {
+                self.0
+                    .lock()
+                    .unwrap()
+                    .insert((c.name.to_owned(), c.id), (c.at_ns, at_ns));
+            }
+        }
+    }
+}
+
+/// Clock reads the program makes itself: just before each span is created, and when its future's body is done
+/// (its close comes after). With the truth layer's reads (just after tickline's layer saw the creation and the
+/// close) they bracket the true creation and close, however the threads were preempted in between.
+fn lower_bounds() -> &'static Mutex<Brackets> {
+    static BOUNDS: std::sync::OnceLock<Mutex<Brackets>> = std::sync::OnceLock::new();
+    BOUNDS.get_or_init(Default::default)
+}
+
+fn note_created(name: &str, id: u64) {
+    let now = tickline::monotonic_ns().0;
+    lower_bounds().lock().unwrap().insert((name.to_owned(), id), (now, 0));
+}
+
+fn note_done(name: &str, id: u64) {
+    let now = tickline::monotonic_ns().0;
+    if let Some(b) = lower_bounds().lock().unwrap().get_mut(&(name.to_owned(), id)) {
+        b.1 = now;
+    }
+}
+
+/// What `#[tracing::instrument] async fn request(id: u64)` makes: the span created at the call, entered for
+/// every poll of the future (and for its drop).
+fn request(id: u64) -> impl std::future::Future<Output = ()> {
+    note_created("request", id);
+    request_body(id).instrument(tracing::info_span!("request", id))
+}
+
+async fn request_body(id: u64) {
+    tokio::task::yield_now().await;
+    note_created("query", id);
+    let child = tokio::spawn(query(id).instrument(tracing::info_span!("query", id)));
+    tokio::time::sleep(Duration::from_micros(100 + id % 7 * 50)).await;
+    child.await.unwrap();
+    // A blocking section inside a poll.
+    std::thread::sleep(Duration::from_micros(20));
+    note_done("request", id);
+}
+
+async fn query(id: u64) {
+    tokio::task::yield_now().await;
+    if id % 3 == 0 {
+        tokio::time::sleep(Duration::from_micros(50)).await;
+    }
+    note_done("query", id);
+}
+
+fn id_of(slice: &RecordedSlice) -> Option<u64> {
+    match slice.field("id") {
+        Some(FieldValue::U64(v)) => Some(*v),
+        Some(FieldValue::I64(v)) => Some(*v as u64),
+        _ => None,
+    }
+}
+
+/// Runs the 1,000 requests on a 4-worker runtime; returns the trace, the truth and the stats.
+fn run(timeline: Timeline, memory: &MemoryExporter) -> (MemoryTrace, Truth, tickline::TimelineStats) {
+    let truth = Truth::default();
+    let subscriber = tracing_subscriber::registry()
+        .with(timeline.layer())
+        .with(truth.clone());
+    let dispatch = tracing::Dispatch::new(subscriber);
+    let runtime = {
+        let dispatch = dispatch.clone();
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(4)
+            .enable_time()
+            .on_thread_start(move || {
+                // Each worker records into the same subscriber for its whole life.
+                std::mem::forget(tracing::dispatcher::set_default(&dispatch));
+            })
+            .build()
+            .unwrap()
+    };
+    tracing::dispatcher::with_default(&dispatch, || {
+        runtime.block_on(async {
+            let handles: Vec<_> = (0..REQUESTS).map(|id| tokio::spawn(request(id))).collect();
+            for h in handles {
+                h.await.unwrap();
+            }
+        });
+    });
+    drop(runtime);
+    let stats = timeline.shutdown().unwrap();
+    (memory.snapshot(), truth, stats)
+}
+
+#[test]
+fn a_thousand_tokio_tasks_each_get_one_lifetime_slice_its_polls_and_a_flow_per_poll() {
+    let _x = exclusive();
+    let memory = MemoryExporter::default();
+    let dir = std::env::temp_dir().join(format!("tickline-async-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let perfetto_path = dir.join("async.pftrace");
+    let timeline = Timeline::builder()
+        .exporter(memory.clone())
+        .exporter(tickline_perfetto::PerfettoExporter::create(&perfetto_path).unwrap())
+        .start()
+        .unwrap();
+    let (trace, truth, stats) = run(timeline, &memory);
+    assert_eq!(stats.dropped_records, 0, "{stats:?}");
+    assert_eq!(stats.truncated_slices, 0, "{stats:?}");
+    assert_eq!(stats.unknown_spans, 0, "{stats:?}");
+
+    let slices = trace.slices();
+    let tracks: HashMap<TrackId, &tickline::TrackDescriptor> = trace.tracks.iter().map(|t| (t.id, t)).collect();
+    // Every task track and its lifetime slice, by (span name, id).
+    let mut lifetimes: HashMap<(String, u64), Vec<&RecordedSlice>> = HashMap::new();
+    let mut task_of_track: HashMap<TrackId, (String, u64)> = HashMap::new();
+    for s in &slices {
+        if matches!(tracks[&s.track].kind, TrackKind::AsyncTask { .. }) && s.depth == 0 && s.name != "poll" {
+            let key = (
+                s.name.clone(),
+                id_of(s).expect("a task's lifetime slice carries its fields"),
+            );
+            task_of_track.insert(s.track, key.clone());
+            lifetimes.entry(key).or_default().push(s);
+        }
+    }
+    let requests = lifetimes.keys().filter(|(n, _)| n == "request").count() as u64;
+    let queries = lifetimes.keys().filter(|(n, _)| n == "query").count() as u64;
+    assert_eq!(
+        (requests, queries),
+        (REQUESTS, REQUESTS),
+        "one task track per request and per query"
+    );
+    assert!(
+        lifetimes.values().all(|l| l.len() == 1),
+        "exactly one lifetime slice per task"
+    );
+    assert_eq!(stats.async_tasks, 2 * REQUESTS, "{stats:?}");
+
+    // Nested: each query's track is a child of its request's track, and named after the span and its id.
+    for ((name, id), l) in &lifetimes {
+        let track = tracks[&l[0].track];
+        let TrackKind::AsyncTask { name: track_name } = &track.kind else {
+            unreachable!()
+        };
+        assert_eq!(track_name, &format!("{name} id={id}"));
+        if name == "query" {
+            let parent = track.parent.expect("a child task's track has a parent");
+            assert_eq!(task_of_track.get(&parent), Some(&("request".to_owned(), *id)));
+        }
+    }
+
+    // Lifetimes: from the span's creation to its close, each inside its bracket (a program read before it and
+    // the truth layer's read after it), up to the CPU calibration's error.
+    const SLACK_NS: u64 = 20_000;
+    let truth = truth.0.lock().unwrap();
+    let lower = lower_bounds().lock().unwrap();
+    let mut widest = 0u64;
+    for (key, l) in &lifetimes {
+        let (created_hi, closed_hi) = truth[key];
+        let (created_lo, closed_lo) = lower[key];
+        let (begin, end) = (l[0].begin_ns, l[0].end_ns);
+        assert!(
+            begin + SLACK_NS >= created_lo && begin <= created_hi + SLACK_NS,
+            "{key:?}: lifetime begins at {begin}, created in [{created_lo}, {created_hi}]"
+        );
+        assert!(
+            end + SLACK_NS >= closed_lo && end <= closed_hi + SLACK_NS,
+            "{key:?}: lifetime ends at {end}, closed in [{closed_lo}, {closed_hi}]"
+        );
+        widest = widest.max(created_hi - created_lo).max(closed_hi - closed_lo);
+    }
+    eprintln!("async tasks: every lifetime inside its truth bracket (widest bracket {widest} ns)");
+
+    // Polls: every slice of a task span on a worker thread starts a flow that ends at a `poll` child of its
+    // lifetime slice on the task's track; counts match exactly.
+    let mut thread_polls: HashMap<(String, u64), HashSet<u64>> = HashMap::new();
+    for s in slices.iter().filter(|s| trace.is_thread_track(s.track)) {
+        if s.name == "request" || s.name == "query" {
+            let key = (s.name.clone(), id_of(s).unwrap());
+            let flow = s
+                .flow_out
+                .unwrap_or_else(|| panic!("{key:?}: a poll on a thread without a flow"));
+            assert!(thread_polls.entry(key).or_default().insert(flow));
+        }
+    }
+    let mut task_polls: HashMap<(String, u64), HashSet<u64>> = HashMap::new();
+    for s in slices.iter().filter(|s| s.name == "poll") {
+        let key = task_of_track[&s.track].clone();
+        assert_eq!(s.depth, 1, "a poll is a child of the lifetime slice");
+        let l = lifetimes[&key][0];
+        assert!(
+            s.begin_ns >= l.begin_ns && s.end_ns <= l.end_ns,
+            "{key:?}: a poll outside the lifetime"
+        );
+        assert!(task_polls
+            .entry(key)
+            .or_default()
+            .insert(s.flow_in.expect("a poll ends a flow")));
+    }
+    assert_eq!(
+        thread_polls, task_polls,
+        "the same polls, by flow, on the threads and on the task tracks"
+    );
+    let polls: usize = task_polls.values().map(HashSet::len).sum();
+    assert!(polls as u64 >= 4 * REQUESTS, "at least two polls per task: {polls}");
+    assert_eq!(stats.async_polls, polls as u64);
+    // Nothing else has a flow: no one-ended flows.
+    let outs = trace.events.iter().filter(|e| e.flow_out.is_some()).count();
+    let ins = trace.events.iter().filter(|e| e.flow_in.is_some()).count();
+    assert_eq!((outs, ins), (polls, polls));
+
+    // The Perfetto trace of the same run, checked by Perfetto's own bindings.
+    let script = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".ci/check_perfetto.py");
+    let bindings = std::process::Command::new("python3")
+        .args(["-c", "import perfetto.protos.perfetto.trace.perfetto_trace_pb2"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if bindings {
+        let out = std::process::Command::new("python3")
+            .arg(script)
+            .arg(&perfetto_path)
+            .args(["--expect-async-tasks", &format!("request={REQUESTS}")])
+            .args(["--expect-async-tasks", &format!("query={REQUESTS}")])
+            .args(["--expect-polls", &polls.to_string()])
+            .args(["--expect-thread-tracks", "5"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        eprintln!("{}", String::from_utf8_lossy(&out.stdout).trim());
+    } else {
+        eprintln!("SKIP: the Perfetto check: Perfetto's Python bindings are missing (pip install perfetto protobuf)");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Synchronous spans, each entered once, as `Auto` sees them: exactly what `Never` shows, no task track and
+/// no flow, even when a drain pass ends between a span's exit and its close.
+#[test]
+fn auto_leaves_synchronous_spans_as_they_were() {
+    let _x = exclusive();
+    let mut views = Vec::new();
+    for mode in [AsyncTasks::Auto, AsyncTasks::Never] {
+        let memory = MemoryExporter::default();
+        let timeline = Timeline::builder()
+            .async_tasks(mode)
+            .poll_interval(Duration::from_micros(50))
+            .exporter(memory.clone())
+            .start()
+            .unwrap();
+        let subscriber = tracing_subscriber::registry().with(timeline.layer());
+        tracing::subscriber::with_default(subscriber, || {
+            for i in 0..2000u64 {
+                let span = tracing::info_span!("step", i);
+                span.in_scope(|| {
+                    let _inner = tracing::info_span!("inner").entered();
+                });
+                // Something between the exit and the close, sometimes a drain pass too.
+                tracing::info!(i, "between");
+                if i % 100 == 0 {
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+                drop(span);
+            }
+        });
+        let stats = timeline.shutdown().unwrap();
+        let trace = memory.snapshot();
+        assert!(trace.async_task_tracks().is_empty(), "{mode:?}");
+        assert!(
+            trace.events.iter().all(|e| e.flow_out.is_none() && e.flow_in.is_none()),
+            "{mode:?}"
+        );
+        assert_eq!(stats.async_tasks, 0);
+        let view: Vec<_> = trace
+            .slices()
+            .into_iter()
+            .map(|s| (s.name, s.fields, s.end_ns - s.begin_ns))
+            .collect();
+        assert_eq!(view.len(), 4000);
+        views.push(view.into_iter().map(|(n, f, _)| (n, f)).collect::<Vec<_>>());
+    }
+    assert_eq!(views[0], views[1]);
+}
+
+/// `Always`: every span is a task, from its creation, even one entered once; `Never`: none, even one
+/// re-entered on two threads.
+#[test]
+fn always_and_never_do_what_they_say() {
+    let _x = exclusive();
+    for (mode, tasks) in [(AsyncTasks::Always, 2), (AsyncTasks::Never, 0)] {
+        let memory = MemoryExporter::default();
+        let timeline = Timeline::builder()
+            .async_tasks(mode)
+            .exporter(memory.clone())
+            .start()
+            .unwrap();
+        let subscriber = Arc::new(tracing_subscriber::registry().with(timeline.layer()));
+        let shared = tracing::subscriber::with_default(subscriber.clone(), || {
+            tracing::info_span!("once").in_scope(|| {});
+            let shared = tracing::info_span!("shared");
+            drop(shared.enter());
+            shared
+        });
+        std::thread::spawn(move || {
+            tracing::subscriber::with_default(subscriber, || drop(shared.enter()));
+        })
+        .join()
+        .unwrap();
+        let stats = timeline.shutdown().unwrap();
+        let trace = memory.snapshot();
+        assert_eq!(trace.async_task_tracks().len(), tasks, "{mode:?}");
+        assert_eq!(stats.async_tasks, tasks as u64);
+        let polls = trace.slices().iter().filter(|s| s.name == "poll").count();
+        assert_eq!(polls, if tasks > 0 { 3 } else { 0 }, "{mode:?}");
+    }
+}
