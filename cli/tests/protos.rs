@@ -124,7 +124,11 @@ fn every_packet_tickline_writes_decodes_with_perfettos_schema() {
         let s = tickline_cli::stats::read(&cut).unwrap();
         assert!(s.packets > 0);
         // A cut that falls exactly between two packets leaves a whole (shorter) trace: nothing to report.
-        assert!(s.cut_at.is_none_or(|c| c as usize <= at), "{:?} for a cut at {at}", s.cut_at);
+        assert!(
+            s.cut_at.is_none_or(|c| c as usize <= at),
+            "{:?} for a cut at {at}",
+            s.cut_at
+        );
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -66,6 +66,22 @@
 //!
 //! Either way a command buffer holding scopes is submitted once (its queries are written once per recycle).
 //!
+//! # lavapipe: query calls hold the queue lock
+//!
+//! Mesa's lavapipe (the CPU driver: seen with 22.3, and 23.2's source reads the same way) answers
+//! `vkGetQueryPoolResults` and `vkResetQueryPool` on the queue's own gallium context, which is not thread-safe. A read first waits for the
+//! device to go idle, then asks that context for each query's result; for a query whose work was not flushed
+//! yet, the *reading* thread flushes the context. Vulkan lets an application submit while another thread reads
+//! queries, and tickline reads a scope's pair as soon as the scope is recorded, so a submission that starts
+//! during a read runs on that context while the reader flushes it: some of the submitted timestamps then never
+//! become available, although the command buffer ran and its fence was signalled (the scope is lost). On
+//! lavapipe the backend therefore makes every query read and reset hold [`VulkanGpu::lock_queue`], the lock every
+//! submission takes: none starts during the call, and lavapipe's idle wait leaves nothing running. Its cost is
+//! lavapipe's alone: a submit waits while the collector reads (a read that waits for the device to go idle
+//! anyway). Vulkan asks no queue synchronisation of these calls, and other drivers need none: they take no lock.
+//! A submission that bypasses the lock (wgpu-core's own, when scopes go through a `wgpu::Device`'s hal queue)
+//! is not serialised with the reads, and on lavapipe a scope may then be lost.
+//!
 //! # Calibration
 //!
 //! With `VK_KHR_calibrated_timestamps` or `VK_EXT_calibrated_timestamps` enabled on the device (say which in
@@ -439,6 +455,9 @@ pub struct VulkanGpu {
     stale: Option<Mutex<Vec<Option<u64>>>>,
     /// The application's queue: every `vkQueueSubmit` to it goes through this lock.
     queue: Mutex<vk::Queue>,
+    /// The driver answers query calls on the queue's context (lavapipe): they hold `queue` (see the
+    /// [module docs](self#lavapipe-query-calls-hold-the-queue-lock)).
+    queries_lock_queue: bool,
     probe: Mutex<Probe>,
 }
 
@@ -553,6 +572,9 @@ impl VulkanGpu {
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|_| "Vulkan device".into());
         let period = f64::from(properties.limits.timestamp_period);
+        // lavapipe is Mesa's only CPU driver (Mesa's vendor id is 0x10005, positive as an i32).
+        let lavapipe = i64::from(properties.vendor_id) == i64::from(vk::VendorId::MESA.as_raw())
+            && properties.device_type == vk::PhysicalDeviceType::CPU;
         let clock = ClockDomain::new(valid_bits, period).map_err(|e| {
             invalid(format!(
                 "{name}: timestampPeriod {period} / {valid_bits} valid bits: {e}"
@@ -689,6 +711,7 @@ impl VulkanGpu {
             calibrator,
             stale: (!options.host_query_reset).then(|| Mutex::new(vec![None; options.timestamp_slots as usize])),
             queue: Mutex::new(queue),
+            queries_lock_queue: lavapipe,
             probe: Mutex::new(Probe {
                 command_buffer: probe,
                 pending: false,
@@ -732,6 +755,13 @@ impl VulkanGpu {
         self.queue.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The queue lock where the driver answers query calls on the queue's context (lavapipe): held across a
+    /// `vkGetQueryPoolResults` or `vkResetQueryPool`, no submission starts during it. `None` elsewhere. See the
+    /// [module docs](self#lavapipe-query-calls-hold-the-queue-lock).
+    fn lock_queue_for_queries(&self) -> Option<MutexGuard<'_, vk::Queue>> {
+        self.queries_lock_queue.then(|| self.lock_queue())
+    }
+
     /// `vkQueueSubmit` to the application's queue under [`lock_queue`](Self::lock_queue).
     ///
     /// # Safety
@@ -744,7 +774,8 @@ impl VulkanGpu {
         unsafe { self.owned.device.queue_submit(*queue, submits, fence) }.map_err(api("vkQueueSubmit"))
     }
 
-    /// Reads `out.len()` queries from `first` without waiting: `Some(masked ticks)` where available.
+    /// Reads `out.len()` queries from `first` without waiting: `Some(masked ticks)` where available. The caller
+    /// holds [`lock_queue_for_queries`](Self::lock_queue_for_queries)'s guard.
     fn read_raw(&self, first: u32, out: &mut [Option<u64>]) -> Result<(), GpuError> {
         debug_assert!(u64::from(first) + out.len() as u64 <= u64::from(self.slots));
         let mut data = [[0u64; 2]; READ_CHUNK];
@@ -825,6 +856,7 @@ impl VulkanGpu {
 
     /// Reads the probe query without waiting.
     fn read_probe(&self) -> Result<Option<u64>, GpuError> {
+        let _queue = self.lock_queue_for_queries();
         let mut data = [[0u64; 2]; 1];
         // SAFETY: query 0 of our one-query probe pool; `data` holds its (value, availability) pair of u64s.
         let result = unsafe {
@@ -1067,6 +1099,8 @@ impl GpuBackend for VulkanGpu {
     fn read_timestamps(&self, first: u32, out: &mut [Option<GpuTicks>]) -> Result<(), GpuError> {
         self.check_range(first, out.len())?;
         let mut raw = [None; READ_CHUNK];
+        // Before `stale`: the order every path takes (queue, then stale).
+        let _queue = self.lock_queue_for_queries();
         let stale = self.stale.as_ref().map(|s| s.lock().unwrap_or_else(|e| e.into_inner()));
         for (index, chunk) in out.chunks_mut(READ_CHUNK).enumerate() {
             let start = first + (index * READ_CHUNK) as u32;
@@ -1085,6 +1119,7 @@ impl GpuBackend for VulkanGpu {
 
     fn recycle(&self, first: u32, count: u32) -> Result<(), GpuError> {
         self.check_range(first, count as usize)?;
+        let _queue = self.lock_queue_for_queries();
         match &self.stale {
             None => {
                 // SAFETY: host reset is enabled (`new`'s contract, checked against the device's support); the

@@ -249,6 +249,9 @@
 //! wgpu encoding API with the raw encoding API is not permitted"), and a scope's two timestamps go into one
 //! command buffer: so with a `wgpu::Device`, scopes bracket hal commands recorded inside `as_hal_mut`, not
 //! wgpu-level passes: time those with [`WgpuProfiler`]. `tests/it/wgpu.rs` runs this path on lavapipe.
+//! On lavapipe, whose query calls must not overlap a submission, wgpu-core's submissions (made without
+//! tickline's queue lock) can still overlap the collector's reads, and a scope may then be lost (see
+//! [the Vulkan backend](super::vulkan#lavapipe-query-calls-hold-the-queue-lock)).
 //!
 //! ## Other hal backends
 //!
