@@ -1,11 +1,13 @@
 //! The collector's side per event: restore the tick, convert it, intern, keep per-track order, assemble the
 //! batch, then encode it as Perfetto packets (into memory). Goal: >= 20 M events/s on one core.
+//! `collector_async_polls`: the collector's cost per poll of a span shown as an async task, against the same
+//! records shown without task tracks.
 
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use tickline::bench_support::ConvertBench;
-use tickline::Exporter;
+use tickline::{AsyncTasks, Exporter};
 use tickline_perfetto::PerfettoExporter;
 
 const SPANS: usize = 50_000;
@@ -57,7 +59,45 @@ fn export(c: &mut Criterion) {
         );
     });
     group.finish();
+
+    // Async tasks: 10,000 spans each polled 4 times (enter/exit pairs, 8 tasks polled in turn) then closed, with task tracks (`Auto`:
+    // each becomes a task with its lifetime slice, 4 poll slices and 4 flows) and without (`Never`: 4 slices
+    // on the thread track). Throughput is per poll.
+    let mut group = c.benchmark_group("collector_async_polls");
+    group.throughput(Throughput::Elements((TASKS * POLLS) as u64));
+    for (name, mode) in [("auto_tasks", AsyncTasks::Auto), ("never", AsyncTasks::Never)] {
+        let mut check = ConvertBench::async_tasks(TASKS, POLLS, mode);
+        check.load();
+        let events = check.convert_and_write();
+        let per_task = if mode == AsyncTasks::Never {
+            2 * POLLS
+        } else {
+            4 * POLLS + 2
+        };
+        // Plus a few of the timeline's own counter values.
+        let expected = (TASKS * per_task) as u64;
+        assert!(
+            (expected..expected + 16).contains(&events),
+            "{name}: {events} events, {expected} expected"
+        );
+        group.bench_function(name, |b| {
+            b.iter_batched_ref(
+                || {
+                    let mut p = ConvertBench::async_tasks(TASKS, POLLS, mode);
+                    p.load();
+                    p
+                },
+                |p| p.convert_and_write(),
+                BatchSize::LargeInput,
+            );
+        });
+    }
+    group.finish();
 }
+
+/// Tasks and polls per task of `collector_async_polls`.
+const TASKS: usize = 10_000;
+const POLLS: usize = 4;
 
 fn spans_loaded() -> ConvertBench {
     let mut p = ConvertBench::tracing_spans(SPANS);

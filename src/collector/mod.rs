@@ -260,6 +260,49 @@ pub mod bench_support {
             bench
         }
 
+        /// `tasks` field-less `tracing` spans, each created, then entered and exited `polls` times (as a future
+        /// polled `polls` times), then closed; in groups of 8 polled in turn, as a worker thread polls several
+        /// tasks. Async task tracks chosen by `mode`. Run with [`ConvertBench::convert_and_write`]: tasks are
+        /// written a few passes after their close.
+        pub fn async_tasks(tasks: usize, polls: usize, mode: crate::AsyncTasks) -> Self {
+            const GROUP: u64 = 8;
+            let mut bench = ConvertBench::tracing_spans(0);
+            bench.processor.set_async_tasks(mode);
+            let base = 1u64 << 44;
+            let mut records = Vec::with_capacity(tasks * (2 + 2 * polls));
+            let mut t = base;
+            let tasks = tasks as u64;
+            for first in (0..tasks).step_by(GROUP as usize) {
+                let group = first..(first + GROUP).min(tasks);
+                for _ in group.clone() {
+                    records.push(crate::codec::span_new_bare(t, 0x2000));
+                    t += 10;
+                }
+                for _ in 0..polls {
+                    for i in group.clone() {
+                        let serial = crate::recorder::span_serial(1, i + 1);
+                        records.push(Record::timed(Kind::SpanEnter, t + 100, serial));
+                        records.push(Record::timed(Kind::SpanExit, t + 200, serial));
+                        t += 300;
+                    }
+                }
+                for i in group {
+                    let serial = crate::recorder::span_serial(1, i + 1);
+                    records.push(Record::timed(Kind::SpanClose, t, serial));
+                    t += 10;
+                }
+            }
+            bench.now_ticks = t + 1_000;
+            bench.records = records;
+            bench
+        }
+
+        /// Processes the queued records and ends enough drain passes for everything to be written (closed
+        /// tasks included); returns how many events went out.
+        pub fn convert_and_write(&mut self) -> u64 {
+            self.processor.finish_passes_for_bench(4, self.now_ticks)
+        }
+
         /// Queues the records as a drain would, and empties the previous batch.
         pub fn load(&mut self) {
             self.processor.clear_batch();

@@ -370,6 +370,21 @@ impl Processor {
     }
 
     /// Processes what is queued and returns the batch, without releasing, reporting or exporting (benches).
+    /// Ends `passes` drain passes after everything queued (benches): returns the events exported meanwhile.
+    pub(crate) fn finish_passes_for_bench(&mut self, passes: u64, drain_ticks: u64) -> u64 {
+        let before = self.stats.events.load(Ordering::Relaxed);
+        let drain_ns = self.last_drain_ns.max(1_000_000_000) + 1;
+        for k in 0..passes {
+            self.input(Input::PassEnd {
+                drain_ns: drain_ns + k,
+                drain_ticks,
+                buffered_bytes: 0,
+                rings_drained: true,
+            });
+        }
+        self.stats.events.load(Ordering::Relaxed) - before
+    }
+
     pub(crate) fn process_for_bench(&mut self) -> &crate::export::Batch {
         let drain = self.last_drain_ns;
         self.process_rings(drain, false, true);
@@ -1019,6 +1034,15 @@ impl Processor {
         }
     }
 
+    /// Span `serial` was just closed or made a task: if its first poll's end heads `track`'s held queue,
+    /// undecided, it is decided now, and what waited behind it goes out without waiting for the pass's end.
+    #[inline]
+    fn release_decided(&mut self, track: &mut Track, serial: u64, now_ns: u64) {
+        if track.held.front().is_some_and(|e| e.undecided == Some(serial)) {
+            self.release(track, false, now_ns);
+        }
+    }
+
     fn span_serial(&self, serial: u64) -> Option<&SpanState> {
         self.spans.get(serial)
     }
@@ -1115,6 +1139,7 @@ impl Processor {
                 }
                 if becomes_task {
                     self.make_task(serial);
+                    self.release_decided(track, serial, ts);
                 }
                 if fieldless {
                     // No values to wait for: out at once (behind anything already held on the track).
@@ -1162,6 +1187,7 @@ impl Processor {
                     },
                 };
                 self.spans.close(serial, self.pass, ts);
+                self.release_decided(track, serial, ts);
             }
             Item::Event {
                 ticks,
