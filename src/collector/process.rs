@@ -18,6 +18,20 @@
 //! still open after [`HOLD_LIMIT_NS`] (or a flush) is released with the values it has then; values changed
 //! later go on its end event.
 //!
+//! # Async tasks
+//!
+//! A span entered a second time, or on a second thread (with [`AsyncTasks::Auto`]; every span with
+//! `Always`), gets a task track under its parent's task track (or the process): its lifetime, creation (stamped
+//! by `SpanNew`) to close, as one slice, and each poll (an enter to its exit that is not nested in another
+//! enter of the span on the same thread) as a `poll` child ending a flow from the poll's slice on the thread
+//! track. Polls are buffered per task and written a few passes after the close (or as they come once a task
+//! has [`MAX_BUFFERED_POLLS`]). Whether a span's *first* poll needs its flow is known only at the span's next
+//! record after that poll: its close (synchronous: no flow, the trace exactly as without tasks) or another
+//! enter (a task). Until then that poll's end waits at the head of its thread track's held queue (as a span
+//! begin waits for its values), released at once when the decision comes on the same thread, otherwise at the
+//! pass's end, and after [`HOLD_LIMIT_NS`] at the latest, with its flow (a span kept open that long after its
+//! only poll may then show a flow with one end, which Perfetto ignores).
+//!
 //! # Losses
 //!
 //! A `Gap` record (records dropped right there) becomes an instant named `tickline: records dropped` with the

@@ -124,8 +124,10 @@ fn id_of(slice: &RecordedSlice) -> Option<u64> {
 }
 
 /// Runs the 1,000 requests on a 4-worker runtime; returns the trace, the truth and the stats.
-fn run(timeline: Timeline, memory: &MemoryExporter) -> (MemoryTrace, Truth, tickline::TimelineStats) {
+fn run(timeline: Timeline, memory: &MemoryExporter, lagging: bool) -> (MemoryTrace, Truth, tickline::TimelineStats) {
     let truth = Truth::default();
+    // A collector that lags: nothing is processed while the program runs.
+    timeline.pause_processing(lagging);
     let subscriber = tracing_subscriber::registry()
         .with(timeline.layer())
         .with(truth.clone());
@@ -151,23 +153,41 @@ fn run(timeline: Timeline, memory: &MemoryExporter) -> (MemoryTrace, Truth, tick
         });
     });
     drop(runtime);
+    timeline.pause_processing(false);
     let stats = timeline.shutdown().unwrap();
     (memory.snapshot(), truth, stats)
 }
 
 #[test]
 fn a_thousand_tokio_tasks_each_get_one_lifetime_slice_its_polls_and_a_flow_per_poll() {
+    check_a_thousand_tasks(false);
+}
+
+/// The same with a collector that processes nothing until the program is done, tiny rings in lossless mode
+/// and a slow drain: the trace is the same, exactly.
+#[test]
+fn a_thousand_tokio_tasks_come_out_exactly_behind_a_lagging_collector() {
+    check_a_thousand_tasks(true);
+}
+
+fn check_a_thousand_tasks(lagging: bool) {
     let _x = exclusive();
     let memory = MemoryExporter::default();
-    let dir = std::env::temp_dir().join(format!("tickline-async-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("tickline-async-{}-{lagging}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let perfetto_path = dir.join("async.pftrace");
-    let timeline = Timeline::builder()
+    let mut builder = Timeline::builder()
         .exporter(memory.clone())
-        .exporter(tickline_perfetto::PerfettoExporter::create(&perfetto_path).unwrap())
-        .start()
-        .unwrap();
-    let (trace, truth, stats) = run(timeline, &memory);
+        .exporter(tickline_perfetto::PerfettoExporter::create(&perfetto_path).unwrap());
+    if lagging {
+        builder = builder
+            .lossless(true)
+            .ring_capacity(1024)
+            .max_ring_capacity(1024)
+            .poll_interval(Duration::from_millis(20));
+    }
+    let timeline = builder.start().unwrap();
+    let (trace, truth, stats) = run(timeline, &memory, lagging);
     assert_eq!(stats.dropped_records, 0, "{stats:?}");
     assert_eq!(stats.truncated_slices, 0, "{stats:?}");
     assert_eq!(stats.unknown_spans, 0, "{stats:?}");
