@@ -11,9 +11,10 @@ usage: check_perfetto.py TRACE [--expect-slices NAME=COUNT ...] [--expect-total-
 Asserts, streaming packet by packet: a clock snapshot comes first and the first packet clears the incremental
 state; every track uuid is described before use; interned ids are defined before use; timestamps never go
 backwards per track; every slice begin has its end on the same track and nothing is left open; every flow
-has both ends. GPU: a device track is named "GPU: ...", every slice that is not on a thread track lies on a
-track whose parent is a device track, carries the `uncertainty_ns` annotation and ends a flow (from the CPU
-code that recorded it). Async tasks: any other track that is not a thread's holds one lifetime slice (named after
+has both ends. What a track is, the exporter says in its description, never in its name: every slice that is
+not on a thread track lies on a GPU queue track ("tickline GPU queue") whose parent is a GPU device track
+("tickline GPU device"), carries the `uncertainty_ns` annotation and ends a flow (from the CPU code that
+recorded it), or on an async task track ("tickline async task"). Async tasks: any other track that is not a thread's holds one lifetime slice (named after
 its span) with `poll` slices as children, or (a lane for polls that overlap) only `poll` slices; every flow a poll
 ends starts on a thread track. With the options, slice counts per name, the total, the thread track count, the GPU
 device count, the GPU slice count, the async task count per span name (its lifetime slice's name) and the poll
@@ -85,7 +86,9 @@ def packets(data, allow_cut=False):
         yield packet
 
 
-GPU_DEVICE_PREFIX = "GPU: "
+GPU_DEVICE = "tickline GPU device"
+GPU_QUEUE = "tickline GPU queue"
+ASYNC_TASK = "tickline async task"
 UNCERTAINTY = "uncertainty_ns"
 POLL = "poll"
 
@@ -139,7 +142,7 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
             if td.HasField("parent_uuid") and td.parent_uuid not in described:
                 raise TraceError(f"track {td.uuid} names parent {td.parent_uuid} before it is described")
             described[td.uuid] = td
-            if td.name.startswith(GPU_DEVICE_PREFIX):
+            if td.description == GPU_DEVICE:
                 gpu_devices.add(td.uuid)
         if packet.HasField("interned_data"):
             for n in packet.interned_data.event_names:
@@ -190,7 +193,7 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
             open_slices[uuid].append(name)
             slice_counts[name] += 1
             td = described[uuid]
-            if not td.HasField("thread") and td.parent_uuid not in gpu_devices:
+            if td.description == ASYNC_TASK:
                 # An async task track (or a lane of one): one lifetime slice, its polls as children, each
                 # ending the flow from its slice on a thread track.
                 depth = len(open_slices[uuid]) - 1
@@ -206,6 +209,9 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
                     raise TraceError(f"packet {index}: slice {name!r} on task track {uuid} is neither its lifetime "
                                      f"nor a poll")
             elif not td.HasField("thread"):
+                if td.description != GPU_QUEUE:
+                    raise TraceError(f"packet {index}: slice {name!r} on track {uuid} ({td.name!r}), which is neither "
+                                     f"a thread, a GPU queue nor an async task track")
                 # A GPU slice: on a queue track under its device, with its uncertainty and a flow from the CPU.
                 gpu_slices += 1
                 if td.parent_uuid not in gpu_devices:

@@ -46,13 +46,29 @@ pub enum TrackKind {
         /// Unit shown next to the values (e.g. "ns", "ppm", "records"); empty for none.
         unit: String,
     },
-    /// A named group of child tracks (a GPU device, a queue...).
+    /// A named group of child tracks.
     Group {
         /// Display name.
         name: String,
     },
-    /// An async task: a span that lives across polls. It holds one slice for the span's life (creation to
-    /// close) with the polls as its children; its child tasks are its child tracks.
+    /// A GPU device (a [`crate::gpu::GpuBackend`]): its queue tracks and its clock's counter tracks are its
+    /// children.
+    GpuDevice {
+        /// The device's name, as its driver reports it.
+        name: String,
+        /// Its API, as the backend names it ("Vulkan", "CUDA", "wgpu-hal (Vulkan)", "simulated"...).
+        api: String,
+    },
+    /// One lane of a GPU queue (parent: its device): GPU slices, each with its `uncertainty_ns`. A queue whose
+    /// slices overlap without nesting gets more lanes.
+    GpuQueue {
+        /// The queue's name.
+        name: String,
+        /// 0 for the queue's first lane, 1.. for the lanes added for overlapping slices.
+        lane: u32,
+    },
+    /// An async task: a span that lives across polls (see [`crate::AsyncTasks`]). It holds one slice for the
+    /// span's life (creation to close) with the polls as its children; its child tasks are its child tracks.
     AsyncTask {
         /// The span's name and identifying fields, for display.
         name: String,

@@ -334,6 +334,7 @@ impl Drain {
                 self.send(input);
             }
         }
+        self.gpu.settle_calibration(deadline, &mut self.tail);
         self.gpu.retire_in_flight(&mut self.tail);
         self.pass(true);
     }

@@ -177,8 +177,9 @@ impl GpuCollector {
     fn add_device(&mut self, out: &mut Output, device: u16, info: GpuDeviceInfo, link: Option<Arc<dyn DeviceLink>>) {
         let track = out.new_track(
             Some(out.process_track()),
-            TrackKind::Group {
-                name: format!("GPU: {} ({})", info.name, info.api),
+            TrackKind::GpuDevice {
+                name: info.name.clone(),
+                api: info.api.to_owned(),
             },
         );
         let counter = |out: &mut Output, what: &str, unit: &str| {
@@ -228,7 +229,13 @@ impl GpuCollector {
             } else {
                 format!("queue {index}")
             };
-            let track = out.new_track(Some(d.track), TrackKind::Group { name: name.clone() });
+            let track = out.new_track(
+                Some(d.track),
+                TrackKind::GpuQueue {
+                    name: name.clone(),
+                    lane: 0,
+                },
+            );
             d.queues.push(QueueState {
                 name,
                 tracks: vec![track],
@@ -409,8 +416,11 @@ impl GpuCollector {
                 lanes.emit(watermark, force, &mut |event| match event {
                     LaneEvent::Begin { lane, ts_ns, payload } => {
                         while tracks.len() <= lane {
-                            let name = format!("{queue_name} ({})", tracks.len() + 1);
-                            tracks.push(out.new_track(Some(device_track), TrackKind::Group { name }));
+                            let kind = TrackKind::GpuQueue {
+                                name: queue_name.clone(),
+                                lane: tracks.len() as u32,
+                            };
+                            tracks.push(out.new_track(Some(device_track), kind));
                         }
                         if open_names.len() <= lane {
                             open_names.resize_with(lane + 1, Vec::new);

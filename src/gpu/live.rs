@@ -5,6 +5,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use super::{pair_state, DeviceLink, GpuCalibrationConfig, GpuControl, GpuTicks};
 use crate::calibration::CalibrationSample;
@@ -18,6 +19,10 @@ struct LiveDevice {
     device: u16,
     link: Arc<dyn DeviceLink>,
     last_burst_ns: Option<u64>,
+    /// How soon the next burst is due after one that brought no sample (failed, or a submit probe still in
+    /// flight behind busy queues): from `min_burst_gap`, doubled per empty burst up to `burst_period`, so a
+    /// device whose clock cannot be sampled right now is tried again soon rather than a period later.
+    retry_gap_ns: Option<u64>,
     /// Pairs seen allocated and not finished yet: `pair -> (generation, first seen ns)`.
     pending: HashMap<u32, (u32, u64)>,
     /// The backend's reset count last seen ([`GpuBackend::resets`](super::GpuBackend::resets)).
@@ -50,6 +55,7 @@ impl GpuLive {
                     device,
                     link: link.clone(),
                     last_burst_ns: None,
+                    retry_gap_ns: None,
                     pending: HashMap::new(),
                     resets_seen: link.resets(),
                 });
@@ -90,25 +96,26 @@ impl GpuLive {
                 None => true,
                 Some(since) => {
                     since >= config.burst_period.as_nanos() as u64
+                        || d.retry_gap_ns.is_some_and(|retry| since >= retry)
                         || (since >= gap && (force || d.link.take_burst_request()))
                 }
             };
             if due {
-                self.samples.clear();
-                let samples = &mut self.samples;
-                let result = crate::collector::drain::at_normal_priority(|| {
-                    d.link.calibrate(config.burst_samples, config.burst_budget, samples)
-                });
-                let at_ns = monotonic_ns().0;
-                d.last_burst_ns = Some(at_ns);
-                out.push(Input::Gpu(GpuInput::Calibration {
-                    device: d.device,
-                    at_ns,
-                    samples: self.samples.clone(),
-                    failed: result.is_err(),
-                }));
+                burst(d, config, &mut self.samples, out);
             }
             read_pairs(d, &mut self.reads, now_ns, config, out);
+        }
+    }
+
+    /// Shutdown, after the last reads: a device whose last burst brought no sample is sampled again until
+    /// one does or `deadline_ns` passes, so the scopes read so far have a calibration to be placed by rather
+    /// than being lost for want of one.
+    pub(crate) fn settle_calibration(&mut self, deadline_ns: u64, out: &mut Vec<Input>) {
+        for d in &mut self.devices {
+            while d.retry_gap_ns.is_some() && monotonic_ns().0 < deadline_ns {
+                std::thread::sleep(Duration::from_millis(1));
+                burst(d, self.config, &mut self.samples, out);
+            }
         }
     }
 
@@ -129,6 +136,29 @@ impl GpuLive {
             d.pending.clear();
         }
     }
+}
+
+/// One calibration burst of `d`, sent to the processing stage (with what it got even when it failed: the
+/// history counts it); an empty one makes the next due sooner (`retry_gap_ns`).
+fn burst(d: &mut LiveDevice, config: GpuCalibrationConfig, samples: &mut Vec<CalibrationSample>, out: &mut Vec<Input>) {
+    samples.clear();
+    let result = crate::collector::drain::at_normal_priority(|| {
+        d.link.calibrate(config.burst_samples, config.burst_budget, samples)
+    });
+    let at_ns = monotonic_ns().0;
+    d.last_burst_ns = Some(at_ns);
+    let empty = result.is_err() || samples.is_empty();
+    d.retry_gap_ns = empty.then(|| {
+        let min = config.min_burst_gap.as_nanos() as u64;
+        let max = (config.burst_period.as_nanos() as u64).max(min);
+        d.retry_gap_ns.map_or(min, |gap| gap.saturating_mul(2)).clamp(min, max)
+    });
+    out.push(Input::Gpu(GpuInput::Calibration {
+        device: d.device,
+        at_ns,
+        samples: samples.clone(),
+        failed: result.is_err(),
+    }));
 }
 
 /// Reads every allocated pair of `d` (runs of consecutive pairs in one call), releases the finished ones

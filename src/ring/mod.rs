@@ -163,7 +163,7 @@ unsafe impl<T: Send> Send for Producer<T> {}
 
 impl<T: Copy + Send> Producer<T> {
     /// Appends `value`, or hands it back if the ring is full. Never blocks, allocates or counts.
-    #[cfg(any(test, loom))]
+    #[cfg(test)]
     ///
     /// Wait-free: at most one atomic load (only when the cached head says full), one slot write and
     /// one `Release` store.
@@ -183,7 +183,7 @@ impl<T: Copy + Send> Producer<T> {
     /// blocks, allocates or counts. A group longer than [`Producer::capacity`] never fits.
     ///
     /// The consumer sees the whole group at once (one `Release` store of tail), never a part of it.
-    #[cfg(any(test, loom))]
+    #[cfg(test)]
     pub(crate) fn try_push_all(&mut self, values: &[T]) -> bool {
         self.try_push_all_keeping(values, 0)
     }
@@ -240,7 +240,7 @@ impl<T: Copy + Send> Producer<T> {
     ///
     /// Returns whether the record was stored. Never blocks, allocates or makes a system call. The
     /// consumer reads the count with [`Consumer::dropped_records`].
-    #[cfg(any(test, loom))]
+    #[cfg(test)]
     pub(crate) fn push_or_count_drop(&mut self, value: T) -> bool {
         match self.try_push(value) {
             Ok(()) => true,
@@ -542,14 +542,14 @@ impl<T: Copy + Send> Consumer<T> {
     }
 
     /// Whether the [`Producer`] still exists: `!self.is_closed()`.
-    #[cfg(any(test, loom))]
+    #[cfg(test)]
     pub(crate) fn is_producer_alive(&self) -> bool {
         !self.is_closed()
     }
 
     /// Whether the producer is gone and every record it pushed has been drained. The collector then
     /// drops this Consumer, which frees the ring.
-    #[cfg(any(test, loom))]
+    #[cfg(test)]
     pub(crate) fn is_finished(&mut self) -> bool {
         if !self.is_closed() {
             return false;

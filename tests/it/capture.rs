@@ -52,6 +52,8 @@ fn thread_names(trace: &MemoryTrace) -> HashMap<tickline::TrackId, String> {
             let name = match &t.kind {
                 TrackKind::Thread { name, .. } => name.clone(),
                 TrackKind::Group { name } => name.clone(),
+                TrackKind::GpuDevice { name, api } => format!("{name} ({api})"),
+                TrackKind::GpuQueue { name, lane } => format!("{name} {lane}"),
                 TrackKind::Counter { name, .. } => name.clone(),
                 TrackKind::Process { name, .. } => name.clone(),
                 _ => String::new(),

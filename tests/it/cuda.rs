@@ -156,13 +156,13 @@ fn scopes_on_two_streams_land_on_their_tracks() {
     let device = trace
         .tracks
         .iter()
-        .find(|t| matches!(&t.kind, TrackKind::Group { name } if name.starts_with("GPU: ")))
+        .find(|t| matches!(t.kind, TrackKind::GpuDevice { .. }))
         .expect("a GPU device track")
         .id;
     let queues: Vec<TrackId> = trace
         .tracks
         .iter()
-        .filter(|t| t.parent == Some(device) && matches!(t.kind, TrackKind::Group { .. }))
+        .filter(|t| t.parent == Some(device) && matches!(t.kind, TrackKind::GpuQueue { .. }))
         .map(|t| t.id)
         .collect();
     assert_eq!(queues.len(), 2, "one track per stream");

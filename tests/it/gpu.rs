@@ -52,13 +52,13 @@ fn gpu_tracks(trace: &MemoryTrace) -> (TrackId, Vec<TrackId>) {
     let device = trace
         .tracks
         .iter()
-        .find(|t| matches!(&t.kind, TrackKind::Group { name } if name.starts_with("GPU: ")))
+        .find(|t| matches!(t.kind, TrackKind::GpuDevice { .. }))
         .expect("a GPU device track")
         .id;
     let queues = trace
         .tracks
         .iter()
-        .filter(|t| t.parent == Some(device) && matches!(t.kind, TrackKind::Group { .. }))
+        .filter(|t| t.parent == Some(device) && matches!(t.kind, TrackKind::GpuQueue { .. }))
         .map(|t| t.id)
         .collect();
     (device, queues)
@@ -456,6 +456,80 @@ fn a_device_that_cannot_be_calibrated_loses_its_scopes_visibly_and_nothing_else(
         "never placed without a calibration"
     );
     assert_eq!(trace.slice_count("cpu work"), 1, "the CPU timeline is intact");
+}
+
+/// A simulated GPU whose first calibration bursts bring nothing (a submit probe stuck behind busy queues).
+struct SlowToCalibrate {
+    gpu: SimGpu,
+    empty_bursts_left: std::sync::atomic::AtomicU64,
+}
+
+impl tickline::gpu::GpuBackend for SlowToCalibrate {
+    type Commands = SimCommands;
+    fn info(&self) -> tickline::gpu::GpuDeviceInfo {
+        self.gpu.info()
+    }
+    fn write_timestamp(&self, commands: &SimCommands, slot: u32) {
+        self.gpu.write_timestamp(commands, slot);
+    }
+    fn read_timestamps(
+        &self,
+        first: u32,
+        out: &mut [Option<tickline::gpu::GpuTicks>],
+    ) -> Result<(), tickline::gpu::GpuError> {
+        self.gpu.read_timestamps(first, out)
+    }
+    fn recycle(&self, first: u32, count: u32) -> Result<(), tickline::gpu::GpuError> {
+        self.gpu.recycle(first, count)
+    }
+    fn calibrate(
+        &self,
+        samples: usize,
+        budget: Duration,
+        out: &mut Vec<tickline::CalibrationSample>,
+    ) -> Result<(), tickline::gpu::GpuError> {
+        use std::sync::atomic::Ordering::Relaxed;
+        if self
+            .empty_bursts_left
+            .fetch_update(Relaxed, Relaxed, |left| left.checked_sub(1))
+            .is_ok()
+        {
+            return Ok(());
+        }
+        self.gpu.calibrate(samples, budget, out)
+    }
+}
+
+#[test]
+fn bursts_that_bring_nothing_are_retried_soon_so_a_short_run_loses_no_scope() {
+    let _one_at_a_time = crate::exclusive();
+    let memory = MemoryExporter::default();
+    let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
+    // Three empty bursts: with one burst per period (250 ms) this 40 ms run, and its shutdown, would never
+    // see a sample, and every scope would be lost for want of a calibration.
+    let gpu = timeline
+        .gpu(SlowToCalibrate {
+            gpu: SimGpu::new(SimGpuConfig::default()).unwrap(),
+            empty_bursts_left: 3.into(),
+        })
+        .unwrap();
+    let queue = gpu.queue("compute").unwrap();
+    for _ in 0..8 {
+        let commands = SimCommands::new();
+        {
+            let _scope = tickline::gpu_scope!(queue, &commands, "early");
+            commands.work(Duration::from_micros(10));
+        }
+        let _ = gpu.backend().gpu.submit(commands).wait();
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let stats = timeline.shutdown().unwrap();
+    assert_eq!((stats.gpu_scopes, stats.gpu_lost_scopes), (8, 0), "{stats:?}");
+    assert!(
+        stats.gpu_failed_calibrations >= 3,
+        "the empty bursts are counted: {stats:?}"
+    );
+    assert_eq!(memory.snapshot().slice_count("early"), 8);
 }
 
 /// A simulated GPU whose backend says, on request, that its clock was reset, and whose reads fail on request.

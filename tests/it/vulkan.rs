@@ -398,7 +398,7 @@ pub(crate) fn gpu_slices(trace: &tickline::MemoryTrace) -> Vec<GpuSlice> {
     let device = trace
         .tracks
         .iter()
-        .find(|t| matches!(&t.kind, TrackKind::Group { name } if name.starts_with("GPU: ")))
+        .find(|t| matches!(t.kind, TrackKind::GpuDevice { .. }))
         .expect("a GPU device track")
         .id;
     let mut open: HashMap<tickline::TrackId, Vec<GpuSlice>> = HashMap::new();

@@ -40,7 +40,7 @@ fn gpu_slices(trace: &MemoryTrace) -> Vec<Slice> {
     let device = trace
         .tracks
         .iter()
-        .find(|t| matches!(&t.kind, TrackKind::Group { name } if name.starts_with("GPU: ")))
+        .find(|t| matches!(t.kind, TrackKind::GpuDevice { .. }))
         .expect("a GPU device track")
         .id;
     let mut open: HashMap<tickline::TrackId, Vec<Slice>> = HashMap::new();

@@ -160,8 +160,16 @@ mod field {
         pub const TID: u32 = 2;
         pub const THREAD_NAME: u32 = 5;
         pub const UNIT_NAME: u32 = 6;
+        pub const DESCRIPTION: u32 = 14;
     }
 }
+
+/// The `TrackDescriptor.description` of a GPU device track.
+pub const DESCRIPTION_GPU_DEVICE: &str = "tickline GPU device";
+/// The `TrackDescriptor.description` of a GPU queue track (a lane of one queue).
+pub const DESCRIPTION_GPU_QUEUE: &str = "tickline GPU queue";
+/// The `TrackDescriptor.description` of an async task track (see `tickline::AsyncTasks`).
+pub const DESCRIPTION_ASYNC_TASK: &str = "tickline async task";
 
 /// Counts of what was written.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -836,8 +844,39 @@ impl<W: Write + Send> PerfettoExporter<W> {
                 }
                 put_bytes_field(&mut self.body, field::track::COUNTER, &self.nested);
             }
-            TrackKind::Group { name } | TrackKind::AsyncTask { name } => {
+            TrackKind::Group { name } => {
                 put_bytes_field(&mut self.body, field::track::NAME, name.as_bytes());
+            }
+            // What a track is goes in its description (shown with it in the UI, read by `.ci/check_perfetto.py`);
+            // the name is for display only.
+            TrackKind::GpuDevice { name, api } => {
+                let name = format!("GPU: {name} ({api})");
+                put_bytes_field(&mut self.body, field::track::NAME, name.as_bytes());
+                put_bytes_field(
+                    &mut self.body,
+                    field::track::DESCRIPTION,
+                    DESCRIPTION_GPU_DEVICE.as_bytes(),
+                );
+            }
+            TrackKind::GpuQueue { name, lane } => {
+                let name = match lane {
+                    0 => name.clone(),
+                    lane => format!("{name} ({})", lane + 1),
+                };
+                put_bytes_field(&mut self.body, field::track::NAME, name.as_bytes());
+                put_bytes_field(
+                    &mut self.body,
+                    field::track::DESCRIPTION,
+                    DESCRIPTION_GPU_QUEUE.as_bytes(),
+                );
+            }
+            TrackKind::AsyncTask { name } => {
+                put_bytes_field(&mut self.body, field::track::NAME, name.as_bytes());
+                put_bytes_field(
+                    &mut self.body,
+                    field::track::DESCRIPTION,
+                    DESCRIPTION_ASYNC_TASK.as_bytes(),
+                );
             }
             other => {
                 // A kind this exporter does not know yet still gets a named track.

@@ -360,14 +360,18 @@ fn gpu_batch(uncertainty: bool) -> Batch {
     b.new_tracks.push(TrackDescriptor {
         id: TrackId(5),
         parent: Some(TrackId(1)),
-        kind: TrackKind::Group {
-            name: "GPU: test device (simulated)".into(),
+        kind: TrackKind::GpuDevice {
+            name: "test device".into(),
+            api: "simulated".into(),
         },
     });
     b.new_tracks.push(TrackDescriptor {
         id: TrackId(6),
         parent: Some(TrackId(5)),
-        kind: TrackKind::Group { name: "compute".into() },
+        kind: TrackKind::GpuQueue {
+            name: "compute".into(),
+            lane: 0,
+        },
     });
     b.new_names.push((NameId(11), "uncertainty_ns".into()));
     b.new_names.push((NameId(12), "kernel".into()));

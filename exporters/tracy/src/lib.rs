@@ -241,13 +241,18 @@ impl TracyExporter {
 
     fn add_track(&mut self, track: &tickline::TrackDescriptor) {
         match &track.kind {
-            TrackKind::Group { name } => {
-                if let Some(device) = name.strip_prefix("GPU: ") {
-                    let vulkan = device.ends_with("(Vulkan)");
-                    self.devices.insert(track.id, (device.to_owned(), vulkan));
-                } else if let Some((device, vulkan)) = track.parent.and_then(|p| self.devices.get(&p)) {
-                    let lane = Lane::new(format!("{device} / {name}"), *vulkan);
-                    self.gpu.add_lane(track.id, lane);
+            TrackKind::GpuDevice { name, api } => {
+                // Tracy's Vulkan context type for Vulkan devices, however they are reached (ash, wgpu-hal).
+                let vulkan = api.contains("Vulkan");
+                self.devices.insert(track.id, (format!("{name} ({api})"), vulkan));
+            }
+            TrackKind::GpuQueue { name, lane } => {
+                if let Some((device, vulkan)) = track.parent.and_then(|p| self.devices.get(&p)) {
+                    let name = match lane {
+                        0 => format!("{device} / {name}"),
+                        lane => format!("{device} / {name} ({})", lane + 1),
+                    };
+                    self.gpu.add_lane(track.id, Lane::new(name, *vulkan));
                 }
             }
             TrackKind::Counter { name, unit } => {

@@ -58,11 +58,16 @@ impl Exporter for Truth {
                 TrackKind::Thread { tid, .. } => {
                     self.threads.insert(t.id, *tid);
                 }
-                TrackKind::Group { name } => {
-                    if let Some(device) = name.strip_prefix("GPU: ") {
-                        self.devices.insert(t.id, device.to_owned());
-                    } else if let Some(device) = t.parent.and_then(|p| self.devices.get(&p)) {
-                        self.lanes.insert(t.id, format!("{device} / {name}"));
+                TrackKind::GpuDevice { name, api } => {
+                    self.devices.insert(t.id, format!("{name} ({api})"));
+                }
+                TrackKind::GpuQueue { name, lane } => {
+                    if let Some(device) = t.parent.and_then(|p| self.devices.get(&p)) {
+                        let name = match lane {
+                            0 => format!("{device} / {name}"),
+                            lane => format!("{device} / {name} ({})", lane + 1),
+                        };
+                        self.lanes.insert(t.id, name);
                     }
                 }
                 _ => {}
