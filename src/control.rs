@@ -1,5 +1,6 @@
 //! What the recording side tells a timeline's collector, over the timeline's control channel: new thread
-//! rings, callsite registrations, GPU devices and queues, flush and shutdown requests.
+//! rings, callsite registrations, flush and shutdown requests. (GPU devices and queues come on a channel of
+//! their own, `gpu::GpuControl`, so this bottom layer knows nothing of GPUs.)
 //!
 //! Messages are sent before any record that needs them is pushed, and the collector reads the channel
 //! after it drains the rings, so every record's registrations reach the collector ahead of it.
@@ -30,8 +31,6 @@ pub(crate) enum Control {
     TracingCallsite(&'static Metadata<'static>),
     /// A native callsite (`scope!`, `instant!`, `counter!`, `gpu_scope!`) that records may name by its key.
     NativeCallsite(&'static Callsite),
-    /// A GPU device or queue joined the timeline.
-    Gpu(crate::gpu::GpuControl),
     /// Drain everything recorded before this message, export, flush, then answer.
     Flush(Reply),
     /// Drain everything, finish the exporters, answer and exit.

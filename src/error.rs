@@ -1,4 +1,6 @@
-//! [`TicklineError`]: what can go wrong while setting up or flushing a timeline.
+//! The crate's errors: [`TicklineError`] (what can go wrong while setting up or flushing a timeline) and
+//! [`GpuError`] (a GPU backend's, re-exported as `tickline::gpu::GpuError`). Defined low in the house, so
+//! every module can return them without depending on the timeline or the GPU layer.
 
 use std::fmt;
 
@@ -19,7 +21,7 @@ pub enum TicklineError {
     /// for the other exporters; this is the first failure.
     Export(ExportError),
     /// A GPU backend could not be set up (no driver, no device, no timestamps...).
-    Gpu(crate::gpu::GpuError),
+    Gpu(GpuError),
 }
 
 impl fmt::Display for TicklineError {
@@ -58,8 +60,56 @@ impl From<ExportError> for TicklineError {
     }
 }
 
-impl From<crate::gpu::GpuError> for TicklineError {
-    fn from(e: crate::gpu::GpuError) -> Self {
+impl From<GpuError> for TicklineError {
+    fn from(e: GpuError) -> Self {
         TicklineError::Gpu(e)
     }
 }
+
+/// Why a GPU backend could not be set up or used. Setup errors are typed; the hot path never fails (a scope
+/// that finds no free timestamp pair is counted as dropped).
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum GpuError {
+    /// The API's loader or driver library is not installed (`libvulkan.so.1`, `libcuda.so`).
+    NoLoader {
+        /// Which library, and what the system said.
+        detail: String,
+    },
+    /// The loader is there but no usable device is.
+    NoDevice {
+        /// What was looked for.
+        detail: String,
+    },
+    /// The device or queue cannot write timestamps (Vulkan: `timestampValidBits == 0` on the queue family).
+    NoTimestamps {
+        /// Which queue or device.
+        detail: String,
+    },
+    /// An API call failed.
+    Api {
+        /// The call.
+        call: &'static str,
+        /// The API's result, in words.
+        detail: String,
+    },
+    /// The arguments do not fit the backend (too many queues, a zero-sized pool...).
+    Invalid {
+        /// What is wrong.
+        detail: String,
+    },
+}
+
+impl fmt::Display for GpuError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            GpuError::NoLoader { detail } => write!(f, "GPU API library not available: {detail}"),
+            GpuError::NoDevice { detail } => write!(f, "no usable GPU device: {detail}"),
+            GpuError::NoTimestamps { detail } => write!(f, "GPU timestamps not supported: {detail}"),
+            GpuError::Api { call, detail } => write!(f, "GPU API call {call} failed: {detail}"),
+            GpuError::Invalid { detail } => write!(f, "invalid GPU setup: {detail}"),
+        }
+    }
+}
+
+impl std::error::Error for GpuError {}

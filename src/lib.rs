@@ -150,6 +150,7 @@ pub use clock::{
 pub use clock::{InjectedPreemption, ProbeFaults, ProbePhase};
 #[doc(hidden)]
 pub use collector::bench_support;
+pub use collector::AsyncTasks;
 pub use collector::TimelineStats;
 pub use error::TicklineError;
 pub use export::{
@@ -171,7 +172,7 @@ pub use sync::{
 };
 #[doc(hidden)]
 pub use sync::{read_real_clocks, simulation, SimulatedClock, SIMULATE_CLOCK_ENV};
-pub use timeline::{AsyncTasks, Timeline, TimelineBuilder};
+pub use timeline::{Timeline, TimelineBuilder};
 
 /// Most bytes of fields one span, `record` or event carries (a ring smaller than 8 Ki records allows less);
 /// fields beyond are left out and counted (`tickline.fields_truncated`).

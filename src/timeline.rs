@@ -9,11 +9,11 @@ use crate::clock::{TickSource, TickSourceDecision, TscCalibrator, TscCalibratorC
 use crate::collector::capture::CaptureWriter;
 use crate::collector::drain::DrainConfig;
 use crate::collector::stats::SharedStats;
-use crate::collector::{self, Collector, CollectorSetup, TimelineStats};
+use crate::collector::{self, AsyncTasks, Collector, CollectorSetup, TimelineStats};
 use crate::control::Control;
 use crate::error::TicklineError;
 use crate::export::{ExportError, Exporter};
-use crate::gpu::{GpuBackend, GpuCalibrationConfig, GpuDevice};
+use crate::gpu::{GpuBackend, GpuCalibrationConfig, GpuControl, GpuDevice};
 use crate::layer::TicklineLayer;
 use crate::live::{self, LiveSink};
 use crate::recorder::{self, Shared};
@@ -43,33 +43,6 @@ pub struct TimelineBuilder {
     live: Option<Arc<dyn LiveSink>>,
     raw_capture: Option<PathBuf>,
     async_tasks: AsyncTasks,
-}
-
-/// Which spans get their own async task track: a lifetime slice from the span's creation to its close,
-/// with every poll (each enter..exit) as a child slice, so the gaps between polls (awaits) show, and a flow
-/// from each poll on the worker thread's track to the same poll on the task's track.
-///
-/// ```
-/// let timeline = tickline::Timeline::builder()
-///     .async_tasks(tickline::AsyncTasks::Never)
-///     .start()
-///     .unwrap();
-/// # drop(timeline);
-/// ```
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum AsyncTasks {
-    /// A span becomes a task once it is entered a second time or entered on more than one thread: what a
-    /// future that is polled, awaits and is polled again looks like. A span entered once on one thread (an
-    /// ordinary synchronous scope) is shown exactly as with `Never`. The first poll's flow is drawn only once
-    /// the span is known to be a task, so a span that turns out to be synchronous gets no flow.
-    #[default]
-    Auto,
-    /// Every span gets a task track, from its creation.
-    Always,
-    /// No task tracks: every enter..exit is a slice on its thread's track only; span creations are not
-    /// timestamped, which saves one clock read per span.
-    Never,
 }
 
 impl std::fmt::Debug for TimelineBuilder {
@@ -275,13 +248,19 @@ impl TimelineBuilder {
             decision: decision.clone(),
             async_tasks: self.async_tasks,
         };
+        let (gpu_registrations, gpu_rx) = crossbeam_channel::unbounded();
+        let inbox = collector::Inbox {
+            control: control_rx,
+            gpu: gpu_rx,
+        };
         let collector =
-            collector::spawn(&shared, control_rx, setup, stats.clone()).map_err(TicklineError::CollectorSpawn)?;
+            collector::spawn(&shared, inbox, setup, stats.clone()).map_err(TicklineError::CollectorSpawn)?;
         let live = self.live.map(live::leak);
         recorder::started(&shared, live);
         register_exit_flush();
         Ok(Timeline {
             shared,
+            gpu_registrations,
             collector: Some(collector),
             stats,
             source,
@@ -326,6 +305,8 @@ fn process_name() -> String {
 /// ```
 pub struct Timeline {
     shared: Arc<Shared>,
+    /// The collector's GPU channel (devices and queues joining).
+    gpu_registrations: crossbeam_channel::Sender<GpuControl>,
     collector: Option<Collector>,
     stats: Arc<SharedStats>,
     source: TickSource,
@@ -387,7 +368,7 @@ impl Timeline {
     /// # let _ = queue;
     /// ```
     pub fn gpu<B: GpuBackend>(&self, backend: B) -> Result<GpuDevice<B>, TicklineError> {
-        GpuDevice::register(&self.shared, backend)
+        GpuDevice::register(&self.shared, &self.gpu_registrations, backend)
     }
 
     /// Drains everything recorded before this call, exports it and flushes the exporters. Slices still open

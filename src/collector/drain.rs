@@ -21,14 +21,14 @@ use std::time::Duration;
 use crossbeam_channel::{Receiver, Sender};
 use crossbeam_queue::ArrayQueue;
 
+use super::drain_gpu::GpuLive;
 use super::input::{CallsiteDef, Chunk, Input};
 use super::stats::SharedStats;
 use crate::calibration::CalibrationSample;
 use crate::clock::{bracketed_sample, monotonic_ns, TickSource};
 use crate::codec::Record;
 use crate::control::{Control, Reply};
-use crate::gpu::live::GpuLive;
-use crate::gpu::GpuCalibrationConfig;
+use crate::gpu::{GpuCalibrationConfig, GpuControl};
 use crate::recorder::Shared;
 use crate::ring::Consumer;
 
@@ -76,6 +76,7 @@ struct LiveRing {
 pub(crate) struct Drain {
     config: DrainConfig,
     control: Receiver<Control>,
+    gpu_registrations: Receiver<GpuControl>,
     out: Sender<Input>,
     rings: Vec<LiveRing>,
     source: TickSource,
@@ -105,7 +106,7 @@ impl Drain {
     pub(crate) fn new(
         config: DrainConfig,
         shared: Arc<Shared>,
-        (control, out): (Receiver<Control>, Sender<Input>),
+        (inbox, out): (super::Inbox, Sender<Input>),
         (budget, pool, stats): (Arc<Budget>, Arc<ChunkPool>, Arc<SharedStats>),
         decision: crate::clock::TickSourceDecision,
     ) -> Self {
@@ -126,7 +127,8 @@ impl Drain {
             dropped_of_ended: (0, 0),
             gpu: GpuLive::new(config.gpu),
             config,
-            control,
+            control: inbox.control,
+            gpu_registrations: inbox.gpu,
             out,
             rings: Vec::new(),
             next_cpu_burst_ns: 0,
@@ -251,13 +253,14 @@ impl Drain {
                 Control::NativeCallsite(callsite) => {
                     self.registrations.push(Input::Callsite(CallsiteDef::native(callsite)));
                 }
-                Control::Gpu(message) => {
-                    let input = self.gpu.register(message);
-                    self.registrations.extend(input.map(Input::Gpu));
-                }
                 Control::Flush(reply) => requests.push(Request::Flush(reply)),
                 Control::Shutdown(reply) => requests.push(Request::Shutdown(reply)),
             }
+        }
+        // GPU registrations after the control messages: one sent before a flush request is seen by its pass.
+        while let Ok(message) = self.gpu_registrations.try_recv() {
+            let input = self.gpu.register(message);
+            self.registrations.extend(input.map(Input::Gpu));
         }
         // Closed rings are settled after the control channel was read: a thread whose ring grew sent the
         // larger ring before it closed the old one, so that message has been read by now.
@@ -493,7 +496,13 @@ mod tests {
         let drain = Drain::new(
             config,
             shared.clone(),
-            (control, tx),
+            (
+                super::super::Inbox {
+                    control,
+                    gpu: unbounded().1,
+                },
+                tx,
+            ),
             (
                 Arc::new(Budget::default()),
                 Arc::new(ChunkPool::new(4)),

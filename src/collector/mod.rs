@@ -15,9 +15,11 @@
 
 pub(crate) mod capture;
 pub(crate) mod drain;
+mod drain_gpu;
 pub(crate) mod input;
 pub(crate) mod output;
 mod process;
+mod process_gpu;
 mod spans;
 pub(crate) mod stats;
 
@@ -33,12 +35,40 @@ use crate::calibration::{ClockDomain, HistoryConfig};
 use crate::clock::TickSource;
 use crate::control::Control;
 use crate::export::Exporter;
+use crate::gpu::GpuControl;
 use crate::recorder::Shared;
 use capture::CaptureWriter;
 use drain::{Budget, ChunkPool, Drain, DrainConfig};
 use input::Input;
 use output::Output;
 use stats::SharedStats;
+
+/// Which spans get their own async task track: a lifetime slice from the span's creation to its close,
+/// with every poll (each enter..exit) as a child slice, so the gaps between polls (awaits) show, and a flow
+/// from each poll on the worker thread's track to the same poll on the task's track.
+///
+/// ```
+/// let timeline = tickline::Timeline::builder()
+///     .async_tasks(tickline::AsyncTasks::Never)
+///     .start()
+///     .unwrap();
+/// # drop(timeline);
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum AsyncTasks {
+    /// A span becomes a task once it is entered a second time or entered on more than one thread: what a
+    /// future that is polled, awaits and is polled again looks like. A span entered once on one thread (an
+    /// ordinary synchronous scope) is shown exactly as with `Never`. The first poll's flow is drawn only once
+    /// the span is known to be a task, so a span that turns out to be synchronous gets no flow.
+    #[default]
+    Auto,
+    /// Every span gets a task track, from its creation.
+    Always,
+    /// No task tracks: every enter..exit is a slice on its thread's track only; span creations are not
+    /// timestamped, which saves one clock read per span.
+    Never,
+}
 
 /// Spare chunk buffers kept for reuse (each a ring's size).
 const POOL_BUFFERS: usize = 32;
@@ -54,7 +84,7 @@ pub(crate) struct CollectorSetup {
     /// The CPU tick-source decision the timeline started with.
     pub(crate) decision: crate::clock::TickSourceDecision,
     /// Which spans get async task tracks.
-    pub(crate) async_tasks: crate::timeline::AsyncTasks,
+    pub(crate) async_tasks: AsyncTasks,
 }
 
 /// The collector's two threads.
@@ -63,10 +93,19 @@ pub(crate) struct Collector {
     pub(crate) process: JoinHandle<()>,
 }
 
+/// What the collector is told, on two channels so that neither sending side depends on the other: the
+/// recording side's control messages (rings, callsites, flush, shutdown) and the GPU layer's registrations
+/// (devices, queues). Both are sent before any record that needs them; the drain stage reads both after
+/// draining the rings, the control channel first, so a registration sent before a flush is seen by it.
+pub(crate) struct Inbox {
+    pub(crate) control: Receiver<Control>,
+    pub(crate) gpu: Receiver<GpuControl>,
+}
+
 /// Starts the drain and processing threads of the timeline `shared`.
 pub(crate) fn spawn(
     shared: &Arc<Shared>,
-    control: Receiver<Control>,
+    inbox: Inbox,
     setup: CollectorSetup,
     stats: Arc<SharedStats>,
 ) -> std::io::Result<Collector> {
@@ -104,7 +143,7 @@ pub(crate) fn spawn(
     let drain = Drain::new(
         setup.drain,
         shared.clone(),
-        (control, tx),
+        (inbox, tx),
         (budget, pool, stats),
         setup.decision,
     );

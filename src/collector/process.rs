@@ -48,13 +48,14 @@ use std::sync::Arc;
 use super::drain::{Budget, ChunkPool};
 use super::input::{CallsiteDef, Chunk, Input};
 use super::output::Output;
+use super::process_gpu::GpuCollector;
 use super::spans::{set_field, IdMap, Poll, SpanState, Spans, TaskData};
 use super::stats::SharedStats;
 use crate::calibration::{CalibrationHistory, ClockDomain, HistoryConfig};
 use crate::clock::{FastConverter, TickSource};
 use crate::codec::{decode_fields, restore_ticks, Decoder, Item, Parent, Payload, RawValue, META_INDEX};
 use crate::export::{CpuClock, EventKind, Field, FieldValue, NameId, TrackId, TrackKind};
-use crate::gpu::{GpuCalibrationConfig, GpuCollector};
+use crate::gpu::GpuCalibrationConfig;
 
 /// Longest a span slice's begin (and what follows it on its track) is held for its final field values.
 pub(crate) const HOLD_LIMIT_NS: u64 = 200_000_000;
@@ -118,7 +119,7 @@ struct OpenSlice {
     dropped_inside: u64,
 }
 
-use crate::timeline::AsyncTasks;
+use super::AsyncTasks;
 
 /// Ancestors followed up from a span when its task track is placed (deeper nesting goes under the process).
 const MAX_TASK_DEPTH: usize = 64;

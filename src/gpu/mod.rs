@@ -12,20 +12,17 @@
 //! Timestamp slots come in pairs (`2k` begin, `2k + 1` end). A backend owns `timestamp_slots` slots (a Vulkan
 //! query pool, an array of device words); tickline hands pairs out, reads them back and recycles them.
 
-mod collect;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-mod lanes;
-pub(crate) mod live;
+pub(crate) mod lanes;
 mod sanity;
 pub mod sim;
-mod tracker;
+pub(crate) mod tracker;
 #[cfg(feature = "vulkan")]
 pub mod vulkan;
 #[cfg(feature = "wgpu")]
 pub mod wgpu;
 
-pub(crate) use collect::GpuCollector;
 pub use sanity::{SliceMarks, CALIBRATION_BREAK, QUEUE_CALIBRATION};
 pub use tracker::GpuCalibrationConfig;
 pub use tracker::GpuClockStats;
@@ -43,8 +40,9 @@ use crossbeam_queue::ArrayQueue;
 use crate::calibration::{CalibrationSample, ClockCalibration, ClockDomain, HistoryStats};
 use crate::callsite::Callsite;
 use crate::codec::FieldEncoder;
-use crate::control::Control;
+pub use crate::error::GpuError;
 use crate::recorder::{self, Shared};
+use crossbeam_channel::Sender;
 
 /// Raw device-clock ticks, as a GPU timestamp query returns them (masked to the clock's valid bits).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -62,54 +60,6 @@ pub struct GpuDeviceInfo {
     /// How many timestamp slots the backend holds (even; each scope uses two while in flight).
     pub timestamp_slots: u32,
 }
-
-/// Why a GPU backend could not be set up or used. Setup errors are typed; the hot path never fails (a scope
-/// that finds no free timestamp pair is counted as dropped).
-#[derive(Debug)]
-#[non_exhaustive]
-pub enum GpuError {
-    /// The API's loader or driver library is not installed (`libvulkan.so.1`, `libcuda.so`).
-    NoLoader {
-        /// Which library, and what the system said.
-        detail: String,
-    },
-    /// The loader is there but no usable device is.
-    NoDevice {
-        /// What was looked for.
-        detail: String,
-    },
-    /// The device or queue cannot write timestamps (Vulkan: `timestampValidBits == 0` on the queue family).
-    NoTimestamps {
-        /// Which queue or device.
-        detail: String,
-    },
-    /// An API call failed.
-    Api {
-        /// The call.
-        call: &'static str,
-        /// The API's result, in words.
-        detail: String,
-    },
-    /// The arguments do not fit the backend (too many queues, a zero-sized pool...).
-    Invalid {
-        /// What is wrong.
-        detail: String,
-    },
-}
-
-impl fmt::Display for GpuError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            GpuError::NoLoader { detail } => write!(f, "GPU API library not available: {detail}"),
-            GpuError::NoDevice { detail } => write!(f, "no usable GPU device: {detail}"),
-            GpuError::NoTimestamps { detail } => write!(f, "GPU timestamps not supported: {detail}"),
-            GpuError::Api { call, detail } => write!(f, "GPU API call {call} failed: {detail}"),
-            GpuError::Invalid { detail } => write!(f, "invalid GPU setup: {detail}"),
-        }
-    }
-}
-
-impl std::error::Error for GpuError {}
 
 /// A GPU API as tickline drives it. Implemented by [`sim::SimGpu`] and the `vulkan`, `cuda` and `wgpu`
 /// backends; implement it for another API (Metal, D3D12, a custom clock) to put its work on the timeline.
@@ -198,7 +148,7 @@ pub trait GpuBackend: Send + Sync + 'static {
     }
 }
 
-/// GPU registrations, sent to the collector over the timeline's control channel.
+/// GPU registrations, sent to the collector over the timeline's GPU channel (the collector's `Inbox`).
 pub(crate) enum GpuControl {
     /// A device joined the timeline.
     Device {
@@ -277,6 +227,8 @@ struct DeviceShared<B: GpuBackend> {
     starved: AtomicU64,
     queue_names: Mutex<Vec<String>>,
     calibration: Mutex<Option<GpuCalibrationReport>>,
+    /// The timeline's GPU channel, for queue registrations.
+    registrations: Sender<GpuControl>,
 }
 
 impl<B: GpuBackend> DeviceLink for DeviceShared<B> {
@@ -351,7 +303,11 @@ impl<B: GpuBackend> fmt::Debug for GpuDevice<B> {
 }
 
 impl<B: GpuBackend> GpuDevice<B> {
-    pub(crate) fn register(timeline: &Arc<Shared>, backend: B) -> Result<Self, crate::TicklineError> {
+    pub(crate) fn register(
+        timeline: &Arc<Shared>,
+        registrations: &Sender<GpuControl>,
+        backend: B,
+    ) -> Result<Self, crate::TicklineError> {
         let info = backend.info();
         let pairs = info.timestamp_slots / 2;
         if pairs == 0 {
@@ -396,15 +352,15 @@ impl<B: GpuBackend> GpuDevice<B> {
             starved: AtomicU64::new(0),
             queue_names: Mutex::new(Vec::new()),
             calibration: Mutex::new(None),
+            registrations: registrations.clone(),
         });
         let link: Arc<dyn DeviceLink> = shared.clone();
-        timeline
-            .control
-            .send(Control::Gpu(GpuControl::Device {
+        registrations
+            .send(GpuControl::Device {
                 device: device as u16,
                 info,
                 link,
-            }))
+            })
             .map_err(|_| crate::TicklineError::CollectorGone)?;
         if let Some(drain) = timeline.drain_thread.get() {
             drain.unpark();
@@ -440,13 +396,12 @@ impl<B: GpuBackend> GpuDevice<B> {
         }
         let queue = names.len() as u16;
         self.shared
-            .timeline
-            .control
-            .send(Control::Gpu(GpuControl::Queue {
+            .registrations
+            .send(GpuControl::Queue {
                 device: self.shared.device,
                 queue,
                 name: name.to_owned(),
-            }))
+            })
             .map_err(|_| crate::TicklineError::CollectorGone)?;
         names.push(name.to_owned());
         Ok(GpuQueue {

@@ -341,6 +341,15 @@ pub(crate) mod tests {
             "{reason}"
         );
         assert!(reason.contains("measured in 2 of 2 passes"), "{reason}");
-        assert!(report.proven_shift_ns > 10_000.0, "{report}");
+        // The numbers: the report's intervals are the last pass's, whose handoffs may all time out on a loaded
+        // machine; then an earlier pass's failed shift check states the proven shift.
+        let shift_failed_with_numbers = report.passes.iter().flat_map(|p| &p.verdicts).any(|v| {
+            v.check == TscCheck::Shift
+                && matches!(&v.verdict, Verdict::Fail(why) if why.contains("TSC shift between CPUs is at least"))
+        });
+        assert!(
+            report.proven_shift_ns > 10_000.0 || shift_failed_with_numbers,
+            "{report}"
+        );
     }
 }

@@ -1,16 +1,16 @@
 //! The GPU's live side, run by the collector's drain stage: calibration bursts on schedule (or when the
 //! processing stage asks for one), non-blocking reads of every timestamp pair a scope holds, release of a
 //! pair's slots as soon as both of its ticks are read, and retirement of pairs never written. What it reads
-//! goes into the input log; conversion happens later, in the processing stage (`collect.rs`).
+//! goes into the input log; conversion happens later, in the processing stage (`process_gpu.rs`).
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{pair_state, DeviceLink, GpuCalibrationConfig, GpuControl, GpuTicks};
+use super::input::{GpuInput, Input, LiveLink, PairRead};
 use crate::calibration::CalibrationSample;
 use crate::clock::monotonic_ns;
-use crate::collector::input::{GpuInput, Input, LiveLink, PairRead};
+use crate::gpu::{pair_state, DeviceLink, GpuCalibrationConfig, GpuControl, GpuTicks};
 
 /// Most pairs read back in one backend call.
 const MAX_READ_RUN: usize = 256;
@@ -25,7 +25,7 @@ struct LiveDevice {
     retry_gap_ns: Option<u64>,
     /// Pairs seen allocated and not finished yet: `pair -> (generation, first seen ns)`.
     pending: HashMap<u32, (u32, u64)>,
-    /// The backend's reset count last seen ([`GpuBackend::resets`](super::GpuBackend::resets)).
+    /// The backend's reset count last seen ([`GpuBackend::resets`](crate::gpu::GpuBackend::resets)).
     resets_seen: u64,
 }
 
@@ -142,9 +142,8 @@ impl GpuLive {
 /// history counts it); an empty one makes the next due sooner (`retry_gap_ns`).
 fn burst(d: &mut LiveDevice, config: GpuCalibrationConfig, samples: &mut Vec<CalibrationSample>, out: &mut Vec<Input>) {
     samples.clear();
-    let result = crate::collector::drain::at_normal_priority(|| {
-        d.link.calibrate(config.burst_samples, config.burst_budget, samples)
-    });
+    let result =
+        super::drain::at_normal_priority(|| d.link.calibrate(config.burst_samples, config.burst_budget, samples));
     let at_ns = monotonic_ns().0;
     d.last_burst_ns = Some(at_ns);
     let empty = result.is_err() || samples.is_empty();

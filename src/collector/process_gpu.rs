@@ -1,17 +1,17 @@
 //! The processing stage's GPU side: per device, the scopes whose begin record was seen, the timestamps the
 //! drain stage read back for them, the clock tracker fed with the calibration bursts, the queues' lanes and
-//! the device's counter tracks. A function of the input log (see `collector/input.rs`): the same code runs
+//! the device's counter tracks. A function of the input log (see `input.rs`): the same code runs
 //! live and when a raw capture is converted later.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use super::lanes::{LaneEvent, Lanes, Slice};
-use super::tracker::{GpuCalibrationConfig, GpuClockTracker, GpuScopeTicks};
-use super::{split_key, DeviceLink, GpuCalibrationReport, GpuDeviceInfo, GpuTicks};
-use crate::collector::input::{GpuInput, PairRead};
-use crate::collector::output::Output;
+use super::input::{GpuInput, PairRead};
+use super::output::Output;
 use crate::export::{EventKind, Field, FieldValue, NameId, TrackId, TrackKind};
+use crate::gpu::lanes::{LaneEvent, Lanes, Slice};
+use crate::gpu::tracker::{GpuCalibrationConfig, GpuClockTracker, GpuScopeTicks};
+use crate::gpu::{split_key, DeviceLink, GpuCalibrationReport, GpuDeviceInfo, GpuTicks};
 
 /// A scope whose begin record the processing stage has seen.
 struct Scope {
@@ -292,8 +292,8 @@ impl GpuCollector {
             .get_or_insert_with(|| out.intern("uncertainty_ns"));
         let (break_name, queue_calibration_name) = *self.mark_names.get_or_insert_with(|| {
             (
-                out.intern(super::CALIBRATION_BREAK),
-                out.intern(super::QUEUE_CALIBRATION),
+                out.intern(crate::gpu::CALIBRATION_BREAK),
+                out.intern(crate::gpu::QUEUE_CALIBRATION),
             )
         });
         for d in self.devices.values_mut() {
