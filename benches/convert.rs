@@ -13,15 +13,18 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use tickline::{ClockCalibration, ClockDomain, FastConverter};
+use tickline::{
+    calibration::{ClockCalibration, ClockDomain},
+    clock::FastConverter,
+};
 
 const N: usize = 4096;
 
 /// A two-point TSC calibration over ~20 ms, anchored at its second point.
 fn calibrate() -> ClockCalibration {
-    let (t0, n0) = (tickline::read_ticks().0, tickline::monotonic_ns().0);
+    let (t0, n0) = (tickline::clock::read_ticks().0, tickline::clock::monotonic_ns().0);
     std::thread::sleep(Duration::from_millis(20));
-    let (t1, n1) = (tickline::read_ticks().0, tickline::monotonic_ns().0);
+    let (t1, n1) = (tickline::clock::read_ticks().0, tickline::clock::monotonic_ns().0);
     let ns_per_tick = (n1 - n0) as f64 / (t1 - t0) as f64;
     ClockCalibration::from_anchor(ClockDomain::new(64, ns_per_tick).unwrap(), t1, n1, ns_per_tick).unwrap()
 }
@@ -61,8 +64,8 @@ fn ticks_to_ns(c: &mut Criterion) {
     fast.convert_slice(&ticks, &mut out);
     assert!(out.iter().zip(&ticks).all(|(&ns, &t)| ns == fast.to_ns(t)));
     let drift = fast
-        .to_ns(tickline::read_ticks().0)
-        .abs_diff(tickline::monotonic_ns().0);
+        .to_ns(tickline::clock::read_ticks().0)
+        .abs_diff(tickline::clock::monotonic_ns().0);
     assert!(drift < 50_000_000, "calibration {drift} ns off the reference clock");
     eprintln!(
         "ticks_to_ns: {:.4} ns/tick, fast vs exact: {off_by_one} of {N} differ by 1 ns, worst-case bound {} ns",
@@ -127,17 +130,17 @@ fn ticks_to_ns(c: &mut Criterion) {
 
 fn clock_read(c: &mut Criterion) {
     let quanta = quanta::Clock::new();
-    let t = tickline::read_ticks();
-    assert!(tickline::read_ticks() >= t);
-    assert!(tickline::monotonic_ns().0 > 0);
+    let t = tickline::clock::read_ticks();
+    assert!(tickline::clock::read_ticks() >= t);
+    assert!(tickline::clock::monotonic_ns().0 > 0);
     assert!(quanta.raw() > 0);
     let m = minstant::Instant::now();
     assert!(minstant::Instant::now() >= m);
 
     let mut group = c.benchmark_group("clock_read");
     group.throughput(Throughput::Elements(1));
-    group.bench_function("tickline_read_ticks", |b| b.iter(tickline::read_ticks));
-    group.bench_function("tickline_monotonic_ns", |b| b.iter(tickline::monotonic_ns));
+    group.bench_function("tickline_read_ticks", |b| b.iter(tickline::clock::read_ticks));
+    group.bench_function("tickline_monotonic_ns", |b| b.iter(tickline::clock::monotonic_ns));
     group.bench_function("std_instant_now", |b| b.iter(Instant::now));
     group.bench_function("quanta_raw", |b| b.iter(|| quanta.raw()));
     group.bench_function("quanta_now", |b| b.iter(|| quanta.now()));

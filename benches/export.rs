@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use tickline::bench_support::ConvertBench;
-use tickline::{AsyncTasks, Exporter};
+use tickline::{export::Exporter, AsyncTasks};
 use tickline_perfetto::PerfettoExporter;
 
 const SPANS: usize = 50_000;

@@ -160,7 +160,7 @@ fn parse_config(name: &str) -> Config {
 /// (its full check runs on background threads for a few seconds after the first timeline starts) and, for
 /// `tracing_tracy`, the Tracy client (its worker and symbol threads).
 fn settle(tracy: bool) -> Option<tracy_client::Client> {
-    let decision = tickline::TscDecider::process().wait_final(Duration::from_secs(60));
+    let decision = tickline::clock::TscDecider::process().wait_final(Duration::from_secs(60));
     assert!(decision.is_final(), "the TSC decision did not finish: {decision:?}");
     tracy.then(|| {
         let client = tracy_client::Client::start();

@@ -14,7 +14,9 @@
 //! `cargo run --release --example calibration_accuracy [-- --json]`
 
 use tickline::calibration::sim::{SimClockConfig, SimClockPair};
-use tickline::{CalibrationHistory, CalibrationSample, ClockCalibration, FitOptions, FitStrategy, HistoryConfig};
+use tickline::calibration::{
+    CalibrationHistory, CalibrationSample, ClockCalibration, FitOptions, FitStrategy, HistoryConfig,
+};
 
 const SECOND: u64 = 1_000_000_000;
 const RUN_NS: u64 = 600 * SECOND;

@@ -20,7 +20,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tickline::gpu::{GpuBackend, GpuDeviceInfo, GpuError, GpuTicks, CALIBRATION_BREAK};
-use tickline::{monotonic_ns, CalibrationSample, ClockDomain, FieldValue, MemoryExporter, Timeline};
+use tickline::{
+    calibration::{CalibrationSample, ClockDomain},
+    clock::monotonic_ns,
+    export::{FieldValue, MemoryExporter},
+    Timeline,
+};
 
 /// The counter's valid bits: it wraps at 2^48 ticks (about 3.3 days of ns).
 const VALID_BITS: u32 = 48;
@@ -245,7 +250,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let frames: Vec<_> = trace
         .events
         .iter()
-        .filter(|e| e.name == "frame" && e.kind == tickline::EventKind::SliceBegin)
+        .filter(|e| e.name == "frame" && e.kind == tickline::export::EventKind::SliceBegin)
         .collect();
     println!(
         "{} GPU scopes, {} lost; clock drift {:.1} ppm (truth 25), {} calibration segment(s) ({} reset reported)",

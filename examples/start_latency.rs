@@ -10,7 +10,7 @@
 
 use std::time::{Duration, Instant};
 
-use tickline::{TickSource, Timeline};
+use tickline::{clock::TickSource, Timeline};
 
 fn main() {
     let mut args = std::env::args().skip(1);
@@ -51,7 +51,7 @@ fn final_decision(wait: Duration) -> String {
     if wait.is_zero() {
         return "null".to_string();
     }
-    let decision = tickline::TscDecider::process().wait_final(wait);
+    let decision = tickline::clock::TscDecider::process().wait_final(wait);
     let figures = &decision.figures;
     serde_json::json!({
         "source": format!("{:?}", decision.source),

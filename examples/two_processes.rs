@@ -9,7 +9,7 @@
 //! Run without a role, the example starts the server and the client as two child processes of itself. To
 //! give the merge something to align on one machine, the server pretends to be another host: its own machine
 //! id (`TICKLINE_MACHINE_ID`) and clocks 2.5 s behind and 50 ppm fast (the test hook `TICKLINE_SIMULATE_CLOCK`;
-//! leave both out between real hosts). The two processes run a `tickline::ClockExchange` beside their
+//! leave both out between real hosts). The two processes run a `tickline::sync::ClockExchange` beside their
 //! requests, stored in both traces, which `tickline merge` uses to map the server's clock onto the
 //! client's, and it states how far off that can be.
 //!
@@ -28,7 +28,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use tickline::{ClockExchange, Timeline};
+use tickline::{sync::ClockExchange, Timeline};
 use tickline_perfetto::PerfettoExporter;
 use tracing::info_span;
 use tracing_subscriber::layer::SubscriberExt;
@@ -113,8 +113,8 @@ fn both(dir: &Path) -> Result<(), Box<dyn Error>> {
     let mut server = Command::new(&me)
         .arg("server")
         .arg(dir)
-        .env(tickline::MACHINE_ID_ENV, "two-processes-server")
-        .env(tickline::SIMULATE_CLOCK_ENV, "offset_ns=-2500000000,drift_ppm=50")
+        .env(tickline::sync::MACHINE_ID_ENV, "two-processes-server")
+        .env(tickline::sync::SIMULATE_CLOCK_ENV, "offset_ns=-2500000000,drift_ppm=50")
         .stdout(Stdio::piped())
         .spawn()?;
     let mut out = BufReader::new(server.stdout.take().ok_or("no server stdout")?);

@@ -1,4 +1,4 @@
-//! [`Callsite`]: what a native macro call site (`scope!`, `instant!`, `counter!`, `frame_mark!`,
+//! [`NativeCallsite`]: what a native macro call site (`scope!`, `instant!`, `counter!`, `frame_mark!`,
 //! `gpu_scope!`) records under. Each call site owns a `static` one; records carry its key, and the collector
 //! learns the name and fields once, from a registration sent on the call site's first use in a timeline.
 
@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 /// What a native call site records. Created by the macros; not constructed by hand.
 #[derive(Debug)]
-pub struct Callsite {
+pub struct NativeCallsite {
     name: &'static str,
     fields: &'static [&'static str],
     file: &'static str,
@@ -16,11 +16,11 @@ pub struct Callsite {
     registered_with: AtomicU64,
 }
 
-impl Callsite {
+impl NativeCallsite {
     /// A call site named `name` at `file:line`. Used by the macros in a `static`.
     #[doc(hidden)]
     pub const fn new(name: &'static str, file: &'static str, line: u32) -> Self {
-        Callsite::with_fields(name, &[], file, line)
+        NativeCallsite::with_fields(name, &[], file, line)
     }
 
     /// A call site with named fields (a [`gpu_scope!`](macro@crate::gpu_scope) with fields).
@@ -31,7 +31,7 @@ impl Callsite {
         file: &'static str,
         line: u32,
     ) -> Self {
-        Callsite {
+        NativeCallsite {
             name,
             fields,
             file,

@@ -8,7 +8,7 @@
 use crossbeam_channel::Sender;
 use tracing::Metadata;
 
-use crate::callsite::Callsite;
+use crate::callsite::NativeCallsite;
 use crate::codec::Record;
 use crate::ring::Consumer;
 
@@ -30,7 +30,7 @@ pub(crate) enum Control {
     /// A `tracing` callsite (span or event) that records may name by its key.
     TracingCallsite(&'static Metadata<'static>),
     /// A native callsite (`scope!`, `instant!`, `counter!`, `gpu_scope!`) that records may name by its key.
-    NativeCallsite(&'static Callsite),
+    NativeCallsite(&'static NativeCallsite),
     /// Drain everything recorded before this message, export, flush, then answer.
     Flush(Reply),
     /// Drain everything, finish the exporters, answer and exit.
@@ -46,6 +46,6 @@ pub(crate) fn metadata_key(meta: &'static Metadata<'static>) -> u64 {
 
 /// The key a record names a native callsite by: its address (see [`metadata_key`]).
 #[inline(always)]
-pub(crate) fn callsite_key(callsite: &'static Callsite) -> u64 {
-    (callsite as *const Callsite).addr() as u64
+pub(crate) fn callsite_key(callsite: &'static NativeCallsite) -> u64 {
+    (callsite as *const NativeCallsite).addr() as u64
 }

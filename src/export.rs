@@ -11,6 +11,9 @@ use std::ops::Range;
 use crate::calibration::ClockCalibration;
 use crate::clock::{RawTicks, TickSource};
 
+pub use crate::callsite::NativeCallsite;
+pub use crate::live::{LiveSink, LiveSpanData};
+
 /// A track: a thread, the process, a counter, a GPU queue. Unique per timeline; never reused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct TrackId(pub u64);
@@ -103,7 +106,7 @@ pub enum FieldValue {
 
 /// One named field of an event.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Field {
+pub struct TraceField {
     /// The field's name.
     pub name: NameId,
     /// Its value.
@@ -125,7 +128,7 @@ pub enum EventKind {
 
 /// One converted event.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Event {
+pub struct TraceEvent {
     /// Reference-clock (`CLOCK_MONOTONIC`) nanoseconds.
     pub ts_ns: u64,
     /// The track it belongs to.
@@ -147,7 +150,7 @@ pub struct Event {
 /// to the raw counter, for viewers whose time axis is the raw counter (Tracy's is the TSC).
 ///
 /// ```
-/// use tickline::{ClockCalibration, ClockDomain, CpuClock, RawTicks, TickSource};
+/// use tickline::{calibration::{ClockCalibration, ClockDomain}, clock::{RawTicks, TickSource}, export::CpuClock};
 /// let domain = ClockDomain::new(64, 0.4).unwrap();
 /// let calibration = ClockCalibration::from_anchor(domain, 1_000_000, 5_000_000_000, 0.4).unwrap();
 /// let clock = CpuClock { source: TickSource::Tsc, calibration };
@@ -196,9 +199,9 @@ pub struct Batch {
     /// Names first used in this batch.
     pub new_names: Vec<(NameId, String)>,
     /// Events, in timestamp order per track.
-    pub events: Vec<Event>,
+    pub events: Vec<TraceEvent>,
     /// The field arena the events' `fields` ranges point into.
-    pub fields: Vec<Field>,
+    pub fields: Vec<TraceField>,
     /// Facts about tracks that are no events, in the order they became known.
     pub metadata: Vec<TrackMetadata>,
     /// The CPU clock the events were converted with (set by the collector on every batch it exports; `None`
@@ -217,12 +220,12 @@ impl Batch {
     }
 
     /// The fields of `event`.
-    pub fn fields_of(&self, event: &Event) -> &[Field] {
+    pub fn fields_of(&self, event: &TraceEvent) -> &[TraceField] {
         &self.fields[event.fields.start as usize..event.fields.end as usize]
     }
 
     /// The fields of `metadata`.
-    pub fn metadata_fields(&self, metadata: &TrackMetadata) -> &[Field] {
+    pub fn metadata_fields(&self, metadata: &TrackMetadata) -> &[TraceField] {
         &self.fields[metadata.fields.start as usize..metadata.fields.end as usize]
     }
 
@@ -291,7 +294,7 @@ impl RecordingOrigin {
     /// This process, recording live.
     ///
     /// ```
-    /// let origin = tickline::RecordingOrigin::this_process();
+    /// let origin = tickline::export::RecordingOrigin::this_process();
     /// assert_eq!(origin.pid, std::process::id());
     /// assert!(!origin.replay);
     /// ```
@@ -453,7 +456,7 @@ impl MemoryTrace {
     /// on either), which is what Perfetto shows.
     ///
     /// ```
-    /// let memory = tickline::MemoryExporter::default();
+    /// let memory = tickline::export::MemoryExporter::default();
     /// let timeline = tickline::Timeline::builder().exporter(memory.clone()).start().unwrap();
     /// drop(tickline::scope!("load"));
     /// timeline.flush().unwrap();
@@ -508,7 +511,7 @@ impl MemoryTrace {
 /// Clones share the same storage: keep one to read what the timeline exported.
 ///
 /// ```
-/// let memory = tickline::MemoryExporter::default();
+/// let memory = tickline::export::MemoryExporter::default();
 /// let timeline = tickline::Timeline::builder().exporter(memory.clone()).start().unwrap();
 /// {
 ///     let _s = tickline::scope!("load");

@@ -8,7 +8,7 @@
 //! ```
 //! use tracing_subscriber::layer::SubscriberExt;
 //!
-//! let memory = tickline::MemoryExporter::default();
+//! let memory = tickline::export::MemoryExporter::default();
 //! let timeline = tickline::Timeline::builder().exporter(memory.clone()).start().unwrap();
 //! let subscriber = tracing_subscriber::registry().with(timeline.layer());
 //! tracing::subscriber::with_default(subscriber, || {
@@ -29,7 +29,7 @@
 //! use std::time::Duration;
 //! use tickline::gpu::sim::{SimCommands, SimGpu, SimGpuConfig};
 //!
-//! let memory = tickline::MemoryExporter::default();
+//! let memory = tickline::export::MemoryExporter::default();
 //! let timeline = tickline::Timeline::builder().exporter(memory.clone()).start().unwrap();
 //! let gpu = timeline.gpu(SimGpu::new(SimGpuConfig::default()).unwrap()).unwrap();
 //! let queue = gpu.queue("compute").unwrap();
@@ -42,6 +42,24 @@
 //! timeline.shutdown().unwrap();
 //! assert_eq!(memory.snapshot().slice_count("blur"), 1);
 //! ```
+//!
+//! # Where things are
+//!
+//! The crate root holds what an application calls: [`Timeline`], [`TimelineBuilder`], [`TicklineLayer`],
+//! [`TimelineStats`], [`AsyncTasks`], [`TicklineError`], [`ScopeGuard`] and the macros. The rest is grouped by
+//! who needs it:
+//!
+//! - [`gpu`]: GPU devices, queues and backends (Vulkan, CUDA, wgpu, a simulated GPU).
+//! - [`export`]: the model exporters consume (batches, events, typed tracks), the [`export::Exporter`] trait,
+//!   [`export::MemoryExporter`], and the [`export::LiveSink`] hook of live viewers.
+//! - [`clock`]: the CPU tick counter, the reference clock, the TSC decision and its reliability check.
+//! - [`calibration`]: clock-pair calibration (samples, fits, the live history) and its simulator of known truth.
+//! - [`sync`]: traces that describe themselves (machine, process, trace UUID, clock snapshots) and clocks
+//!   compared across processes and hosts.
+//! - [`capture`]: raw capture files, converted later.
+//!
+//! How the stages fit together, which module owns what, and the one direction of dependencies: see
+//! `ARCHITECTURE.md` in the repository.
 //!
 //! # Design
 //!
@@ -118,12 +136,12 @@
 pub mod calibration;
 mod callsite;
 pub mod capture;
-mod clock;
+pub mod clock;
 mod codec;
 mod collector;
 mod control;
 mod error;
-mod export;
+pub mod export;
 pub mod gpu;
 mod layer;
 mod live;
@@ -131,48 +149,51 @@ mod recorder;
 mod ring;
 mod scope;
 mod span_table;
-mod sync;
+pub mod sync;
 mod timeline;
 
+// What an application calls. The rest lives in the modules above: `export` (the exporter-facing model),
+// `clock` (the CPU clock), `calibration`, `sync` (hosts and processes), `gpu`, `capture`.
+pub use collector::{AsyncTasks, TimelineStats};
+pub use error::TicklineError;
+pub use layer::TicklineLayer;
+pub use scope::ScopeGuard;
+pub use timeline::{Timeline, TimelineBuilder};
+
+// The crate-root paths of 0.1's first layout, kept so that code written against them still compiles; hidden
+// from the docs, which name each item at its module (see CHANGELOG.md).
+#[doc(hidden)]
 pub use calibration::{
     CalibrationError, CalibrationHistory, CalibrationSample, ClockCalibration, ClockDomain, Converted, FitOptions,
     FitStrategy, HistoryConfig, HistoryStats, Placement,
 };
-pub use callsite::Callsite;
+#[doc(hidden)]
 pub use clock::{
     bracketed_sample, check_independent_reference, check_tsc_reliability, monotonic_ns, monotonic_raw_ns, read_ticks,
     source_name, CheckVerdict, CpuRate, CpuShift, DeciderOptions, DecisionFigures, DecisionStage, FastConverter,
-    IndependentCheck, IndependentRate, Nanos, PassSummary, RawTicks, ReferenceClock, ReliabilityOptions, SkippedCpu,
-    TickSource, TickSourceDecision, TscCalibrator, TscCalibratorConfig, TscCheck, TscDecider, TscDecision, TscReport,
-    Verdict,
+    IndependentCheck, IndependentRate, InjectedPreemption, Nanos, PassSummary, ProbeFaults, ProbePhase, RawTicks,
+    ReferenceClock, ReliabilityOptions, SkippedCpu, TickSource, TickSourceDecision, TscCalibrator, TscCalibratorConfig,
+    TscCheck, TscDecider, TscDecision, TscReport, Verdict,
 };
-#[doc(hidden)]
-pub use clock::{InjectedPreemption, ProbeFaults, ProbePhase};
 #[doc(hidden)]
 pub use collector::bench_support;
-pub use collector::AsyncTasks;
-pub use collector::TimelineStats;
-pub use error::TicklineError;
+#[doc(hidden)]
 pub use export::{
-    Batch, CpuClock, Event, EventKind, ExportError, Exporter, Field, FieldValue, MemoryExporter, MemoryTrace, NameId,
-    RecordedEvent, RecordedMetadata, RecordedSlice, RecordingOrigin, TrackDescriptor, TrackId, TrackKind,
-    TrackMetadata,
+    Batch, CpuClock, EventKind, ExportError, Exporter, FieldValue, LiveSink, LiveSpanData, MemoryExporter, MemoryTrace,
+    NameId, NativeCallsite as Callsite, RecordedEvent, RecordedMetadata, RecordedSlice, RecordingOrigin,
+    TraceEvent as Event, TraceField as Field, TrackDescriptor, TrackId, TrackKind, TrackMetadata,
 };
-pub use layer::TicklineLayer;
-pub use live::{LiveSink, LiveSpanData};
-pub use scope::ScopeGuard;
 #[doc(hidden)]
 pub use scope::{
     record_counter_value as __record_counter, record_frame_mark as __record_frame_mark,
     record_instant as __record_instant,
 };
-pub use sync::{
-    host_boottime_ns, process_name, read_host_clocks, time_sync_state, ClockExchange, ClockExchangeConfig,
-    ClockReadings, ExchangeSample, HostInfo, MachineId, MachineIdSource, TimeSyncState, TraceUuid, MACHINE_ID_ENV,
-};
 #[doc(hidden)]
-pub use sync::{read_real_clocks, simulation, SimulatedClock, SIMULATE_CLOCK_ENV};
-pub use timeline::{Timeline, TimelineBuilder};
+pub use sync::{
+    host_boottime_ns, process_name, read_host_clocks, read_real_clocks, simulation, time_sync_state, ClockExchange,
+    ClockExchangeConfig, ClockReadings, ExchangeSample, HostInfo, MachineId, MachineIdSource, SimulatedClock,
+    TimeSyncState, TraceUuid, MACHINE_ID_ENV, SIMULATE_CLOCK_ENV,
+};
 
 /// Most bytes of fields one span, `record` or event carries (a ring smaller than 8 Ki records allows less);
 /// fields beyond are left out and counted (`tickline.fields_truncated`).

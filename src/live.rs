@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicPtr, Ordering};
 use tracing::span::{Attributes, Record};
 use tracing::{Event, Metadata};
 
-use crate::callsite::Callsite;
+use crate::callsite::NativeCallsite;
 
 /// Data a sink keeps with a span from its creation to its close (its fields formatted, for example).
 pub type LiveSpanData = Box<dyn Any + Send + Sync>;
@@ -51,13 +51,13 @@ pub type LiveSpanData = Box<dyn Any + Send + Sync>;
 ///
 /// #[derive(Default)]
 /// struct Count(AtomicU64);
-/// impl tickline::LiveSink for Count {
-///     fn span_enter(&self, _: &'static tracing::Metadata<'static>, _: Option<&tickline::LiveSpanData>) {}
+/// impl tickline::export::LiveSink for Count {
+///     fn span_enter(&self, _: &'static tracing::Metadata<'static>, _: Option<&tickline::export::LiveSpanData>) {}
 ///     fn span_exit(&self) {}
-///     fn scope_begin(&self, _: &'static tickline::Callsite) {
+///     fn scope_begin(&self, _: &'static tickline::export::NativeCallsite) {
 ///         self.0.fetch_add(1, Ordering::Relaxed);
 ///     }
-///     fn scope_end(&self, _: &'static tickline::Callsite) {}
+///     fn scope_end(&self, _: &'static tickline::export::NativeCallsite) {}
 /// }
 ///
 /// let count = Arc::new(Count::default());
@@ -92,13 +92,13 @@ pub trait LiveSink: Send + Sync + 'static {
     }
 
     /// A native [`scope!`](macro@crate::scope) opened on this thread.
-    fn scope_begin(&self, callsite: &'static Callsite);
+    fn scope_begin(&self, callsite: &'static NativeCallsite);
 
     /// The native scope this thread opened most recently closed.
-    fn scope_end(&self, callsite: &'static Callsite);
+    fn scope_end(&self, callsite: &'static NativeCallsite);
 
     /// An [`instant!`](macro@crate::instant) on this thread.
-    fn instant(&self, callsite: &'static Callsite) {
+    fn instant(&self, callsite: &'static NativeCallsite) {
         let _ = callsite;
     }
 

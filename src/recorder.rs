@@ -23,7 +23,7 @@ use std::thread::Thread;
 
 use crossbeam_channel::Sender;
 
-use crate::callsite::Callsite;
+use crate::callsite::NativeCallsite;
 use crate::clock::TickSource;
 use crate::codec::{self, FieldEncoder, Kind, Parent, Record, DATA_BYTES, MAX_PAYLOAD_BYTES};
 use crate::control::{callsite_key, Control};
@@ -843,7 +843,7 @@ pub(crate) fn event(
 /// Registers a native call site with the ring's timeline on its first use there (before any record names
 /// it, so the collector always knows it first).
 #[inline(always)]
-fn registered(ring: &LocalRing, callsite: &'static Callsite) -> u64 {
+fn registered(ring: &LocalRing, callsite: &'static NativeCallsite) -> u64 {
     if !callsite.is_registered_with(ring.timeline) {
         register_native(ring, callsite);
     }
@@ -852,7 +852,7 @@ fn registered(ring: &LocalRing, callsite: &'static Callsite) -> u64 {
 
 #[cold]
 #[inline(never)]
-fn register_native(ring: &LocalRing, callsite: &'static Callsite) {
+fn register_native(ring: &LocalRing, callsite: &'static NativeCallsite) {
     if ring.shared.control.send(Control::NativeCallsite(callsite)).is_ok() {
         callsite.mark_registered(ring.timeline);
     }
@@ -860,7 +860,7 @@ fn register_native(ring: &LocalRing, callsite: &'static Callsite) {
 
 /// Records a native scope's begin; true when it is in the ring (its end must then be recorded).
 #[inline(always)]
-pub(crate) fn scope_begin(target: &impl Target, callsite: &'static Callsite) -> bool {
+pub(crate) fn scope_begin(target: &impl Target, callsite: &'static NativeCallsite) -> bool {
     with_ring(target, |ring| {
         let key = registered(ring, callsite);
         let record = Record::timed(Kind::ScopeBegin, ring.now(), key);
@@ -875,7 +875,7 @@ pub(crate) fn scope_begin(target: &impl Target, callsite: &'static Callsite) -> 
 
 /// Records a native scope's end (`recorded`: whether its begin went in; if not, the end is dropped too).
 #[inline(always)]
-pub(crate) fn scope_end(target: &impl Target, callsite: &'static Callsite, recorded: bool) {
+pub(crate) fn scope_end(target: &impl Target, callsite: &'static NativeCallsite, recorded: bool) {
     with_ring(target, |ring| {
         if !recorded {
             ring.drop_records(1);
@@ -888,7 +888,7 @@ pub(crate) fn scope_end(target: &impl Target, callsite: &'static Callsite, recor
 
 /// Records an instant at `callsite`.
 #[inline(always)]
-pub(crate) fn instant(target: &impl Target, callsite: &'static Callsite) {
+pub(crate) fn instant(target: &impl Target, callsite: &'static NativeCallsite) {
     with_ring(target, |ring| {
         let key = registered(ring, callsite);
         let record = Record::timed(Kind::Instant, ring.now(), key);
@@ -898,7 +898,7 @@ pub(crate) fn instant(target: &impl Target, callsite: &'static Callsite) {
 
 /// Records a counter value at `callsite`.
 #[inline]
-pub(crate) fn counter(target: &impl Target, callsite: &'static Callsite, value: f64) {
+pub(crate) fn counter(target: &impl Target, callsite: &'static NativeCallsite, value: f64) {
     with_ring(target, |ring| {
         let key = registered(ring, callsite);
         let group = codec::counter(ring.now(), key, value);
@@ -918,7 +918,7 @@ pub(crate) fn count_drop(target: &impl Target, n: usize) {
 pub(crate) fn gpu_begin(
     shared: &Arc<Shared>,
     ticks: u64,
-    callsite: &'static Callsite,
+    callsite: &'static NativeCallsite,
     key: u64,
     encode: Option<impl FnOnce(&mut FieldEncoder<'_>)>,
 ) -> bool {
@@ -953,15 +953,15 @@ mod tests {
 
     // A `const` to repeat in the array below; each element is its own static call site.
     #[allow(clippy::declare_interior_mutable_const)]
-    const SITE: Callsite = Callsite::new("test", file!(), line!());
-    static SITES: [Callsite; 128] = [SITE; 128];
+    const SITE: NativeCallsite = NativeCallsite::new("test", file!(), line!());
+    static SITES: [NativeCallsite; 128] = [SITE; 128];
 
-    fn site(i: u64) -> &'static Callsite {
+    fn site(i: u64) -> &'static NativeCallsite {
         &SITES[i as usize]
     }
 
     fn index_of(key: u64) -> u64 {
-        (key - callsite_key(&SITES[0])) / std::mem::size_of::<Callsite>() as u64
+        (key - callsite_key(&SITES[0])) / std::mem::size_of::<NativeCallsite>() as u64
     }
 
     /// A running timeline whose control channel the test reads instead of a collector.

@@ -1,14 +1,14 @@
 //! Native CPU instrumentation for code that does not go through `tracing`: [`scope!`](macro@crate::scope),
 //! [`instant!`](macro@crate::instant) and [`counter!`](macro@crate::counter).
 //!
-//! Each macro call site owns a `static` [`Callsite`]; the hot path copies its key and a raw tick into the
+//! Each macro call site owns a `static` [`NativeCallsite`]; the hot path copies its key and a raw tick into the
 //! thread's ring. They record into the most recently started [`crate::Timeline`] that is still running (when
 //! that one stops, the one started before it, if still running, takes over), and cost one atomic load when
 //! none is.
 
 use std::marker::PhantomData;
 
-use crate::callsite::Callsite;
+use crate::callsite::NativeCallsite;
 use crate::live::{self, LiveSink};
 use crate::recorder::{self, Current};
 
@@ -33,7 +33,7 @@ use crate::recorder::{self, Current};
 /// ```
 #[must_use = "the scope ends when this guard is dropped"]
 pub struct ScopeGuard {
-    callsite: &'static Callsite,
+    callsite: &'static NativeCallsite,
     /// Whether the begin went into the ring (in drop mode a full ring refuses it, and then the end is
     /// dropped too: the slice is lost whole, and counted).
     recorded: bool,
@@ -57,7 +57,7 @@ impl ScopeGuard {
     /// Opens a scope at `callsite`. Use [`scope!`](macro@crate::scope).
     #[doc(hidden)]
     #[inline(always)]
-    pub fn enter(callsite: &'static Callsite) -> Self {
+    pub fn enter(callsite: &'static NativeCallsite) -> Self {
         let recorded = recorder::scope_begin(&Current, callsite);
         let live = live::current();
         if let Some(sink) = live {
@@ -85,7 +85,7 @@ impl Drop for ScopeGuard {
 /// Records an instant at `callsite`. Use [`instant!`](macro@crate::instant).
 #[doc(hidden)]
 #[inline(always)]
-pub fn record_instant(callsite: &'static Callsite) {
+pub fn record_instant(callsite: &'static NativeCallsite) {
     recorder::instant(&Current, callsite);
     if let Some(sink) = live::current() {
         sink.instant(callsite);
@@ -96,7 +96,7 @@ pub fn record_instant(callsite: &'static Callsite) {
 /// [`frame_mark!`](macro@crate::frame_mark).
 #[doc(hidden)]
 #[inline]
-pub fn record_frame_mark(callsite: &'static Callsite, main: bool) {
+pub fn record_frame_mark(callsite: &'static NativeCallsite, main: bool) {
     recorder::instant(&Current, callsite);
     if let Some(sink) = live::current() {
         sink.frame_mark((!main).then(|| callsite.name()));
@@ -106,7 +106,7 @@ pub fn record_frame_mark(callsite: &'static Callsite, main: bool) {
 /// Records a counter value at `callsite`. Use [`counter!`](macro@crate::counter).
 #[doc(hidden)]
 #[inline(always)]
-pub fn record_counter_value(callsite: &'static Callsite, value: f64) {
+pub fn record_counter_value(callsite: &'static NativeCallsite, value: f64) {
     recorder::counter(&Current, callsite, value);
 }
 
@@ -123,7 +123,7 @@ pub fn record_counter_value(callsite: &'static Callsite, value: f64) {
 #[macro_export]
 macro_rules! scope {
     ($name:expr) => {{
-        static CALLSITE: $crate::Callsite = $crate::Callsite::new($name, file!(), line!());
+        static CALLSITE: $crate::export::NativeCallsite = $crate::export::NativeCallsite::new($name, file!(), line!());
         $crate::ScopeGuard::enter(&CALLSITE)
     }};
 }
@@ -138,7 +138,7 @@ macro_rules! scope {
 #[macro_export]
 macro_rules! instant {
     ($name:expr) => {{
-        static CALLSITE: $crate::Callsite = $crate::Callsite::new($name, file!(), line!());
+        static CALLSITE: $crate::export::NativeCallsite = $crate::export::NativeCallsite::new($name, file!(), line!());
         $crate::__record_instant(&CALLSITE)
     }};
 }
@@ -160,11 +160,12 @@ macro_rules! instant {
 #[macro_export]
 macro_rules! frame_mark {
     () => {{
-        static CALLSITE: $crate::Callsite = $crate::Callsite::new("frame", file!(), line!());
+        static CALLSITE: $crate::export::NativeCallsite =
+            $crate::export::NativeCallsite::new("frame", file!(), line!());
         $crate::__record_frame_mark(&CALLSITE, true)
     }};
     ($name:expr) => {{
-        static CALLSITE: $crate::Callsite = $crate::Callsite::new($name, file!(), line!());
+        static CALLSITE: $crate::export::NativeCallsite = $crate::export::NativeCallsite::new($name, file!(), line!());
         $crate::__record_frame_mark(&CALLSITE, false)
     }};
 }
@@ -179,7 +180,7 @@ macro_rules! frame_mark {
 #[macro_export]
 macro_rules! counter {
     ($name:expr, $value:expr) => {{
-        static CALLSITE: $crate::Callsite = $crate::Callsite::new($name, file!(), line!());
+        static CALLSITE: $crate::export::NativeCallsite = $crate::export::NativeCallsite::new($name, file!(), line!());
         $crate::__record_counter(&CALLSITE, ($value) as f64)
     }};
 }

@@ -47,9 +47,9 @@ pub const SIMULATE_CLOCK_ENV: &str = "TICKLINE_SIMULATE_CLOCK";
 /// overrides it.
 ///
 /// ```
-/// let a = tickline::MachineId::from_name("render-node-3");
-/// assert_eq!(a, tickline::MachineId::from_name("render-node-3"));
-/// assert_ne!(a, tickline::MachineId::from_name("render-node-4"));
+/// let a = tickline::sync::MachineId::from_name("render-node-3");
+/// assert_eq!(a, tickline::sync::MachineId::from_name("render-node-3"));
+/// assert_ne!(a, tickline::sync::MachineId::from_name("render-node-4"));
 /// assert_eq!(a.to_string().len(), 16);
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -124,7 +124,7 @@ impl HostInfo {
     /// This machine, read once per process; [`MACHINE_ID_ENV`] is honoured.
     ///
     /// ```
-    /// let host = tickline::HostInfo::current();
+    /// let host = tickline::sync::HostInfo::current();
     /// assert_ne!(host.machine_id.0, 0);
     /// ```
     pub fn current() -> &'static HostInfo {
@@ -176,7 +176,7 @@ pub fn process_name() -> String {
 /// A trace's UUID (random, version 4): what tells two trace files apart, whatever their content.
 ///
 /// ```
-/// let (a, b) = (tickline::TraceUuid::new_random(), tickline::TraceUuid::new_random());
+/// let (a, b) = (tickline::sync::TraceUuid::new_random(), tickline::sync::TraceUuid::new_random());
 /// assert_ne!(a, b);
 /// assert_eq!(a.to_string().len(), 36);
 /// ```
@@ -277,7 +277,7 @@ pub struct ClockReadings {
 /// readings are the simulated machine's (see [`SimulatedClock`]).
 ///
 /// ```
-/// let r = tickline::read_host_clocks();
+/// let r = tickline::sync::read_host_clocks();
 /// assert!(r.boottime_ns >= r.monotonic_ns.saturating_sub(r.bracket_ns));
 /// assert!(r.realtime_ns > 1_500_000_000 * 1_000_000_000); // after 2017
 /// ```
@@ -349,7 +349,7 @@ pub struct TimeSyncState {
 /// `max_error_us` set, the simulated machine's.
 ///
 /// ```
-/// if let Some(s) = tickline::time_sync_state() {
+/// if let Some(s) = tickline::sync::time_sync_state() {
 ///     assert!(s.max_error_ns >= s.est_error_ns || !s.synchronized);
 /// }
 /// ```
@@ -501,9 +501,9 @@ pub fn simulation() -> Option<&'static SimulatedClock> {
 /// [`offset_ns`]: ExchangeSample::offset_ns
 ///
 /// ```
-/// let s = tickline::ExchangeSample {
-///     client: tickline::MachineId(1),
-///     server: tickline::MachineId(2),
+/// let s = tickline::sync::ExchangeSample {
+///     client: tickline::sync::MachineId(1),
+///     server: tickline::sync::MachineId(2),
 ///     burst: 0,
 ///     t1_client_send_ns: 1_000,
 ///     t2_server_receive_ns: 5_000_020,
@@ -647,8 +647,8 @@ struct ClientConn {
 /// run until [`shutdown`](ClockExchange::shutdown) (or the process ends).
 ///
 /// ```
-/// let server = tickline::ClockExchange::listen("127.0.0.1:0").unwrap();
-/// let client = tickline::ClockExchange::connect(server.local_addr().unwrap()).unwrap();
+/// let server = tickline::sync::ClockExchange::listen("127.0.0.1:0").unwrap();
+/// let client = tickline::sync::ClockExchange::connect(server.local_addr().unwrap()).unwrap();
 /// client.sync_now().unwrap();
 /// let best = client.samples().iter().map(|s| s.round_trip_ns()).min().unwrap();
 /// assert!(best < 50_000_000, "loopback round trip {best} ns");

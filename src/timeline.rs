@@ -184,11 +184,11 @@ impl TimelineBuilder {
     /// ```
     /// # use std::sync::Arc;
     /// # struct Nothing;
-    /// # impl tickline::LiveSink for Nothing {
-    /// #     fn span_enter(&self, _: &'static tracing::Metadata<'static>, _: Option<&tickline::LiveSpanData>) {}
+    /// # impl tickline::export::LiveSink for Nothing {
+    /// #     fn span_enter(&self, _: &'static tracing::Metadata<'static>, _: Option<&tickline::export::LiveSpanData>) {}
     /// #     fn span_exit(&self) {}
-    /// #     fn scope_begin(&self, _: &'static tickline::Callsite) {}
-    /// #     fn scope_end(&self, _: &'static tickline::Callsite) {}
+    /// #     fn scope_begin(&self, _: &'static tickline::export::NativeCallsite) {}
+    /// #     fn scope_end(&self, _: &'static tickline::export::NativeCallsite) {}
     /// # }
     /// let timeline = tickline::Timeline::builder().live_sink(Arc::new(Nothing)).start().unwrap();
     /// # drop(timeline);

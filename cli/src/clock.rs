@@ -5,9 +5,12 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use tickline::{
-    bracketed_sample, check_independent_reference, monotonic_ns, monotonic_raw_ns, CalibrationSample, IndependentCheck,
-    Nanos, PassSummary, RawTicks, TickSource, TickSourceDecision, TscCalibrator, TscCalibratorConfig, TscDecider,
-    TscDecision, TscReport,
+    calibration::CalibrationSample,
+    clock::{
+        bracketed_sample, check_independent_reference, monotonic_ns, monotonic_raw_ns, IndependentCheck, Nanos,
+        PassSummary, RawTicks, TickSource, TickSourceDecision, TscCalibrator, TscCalibratorConfig, TscDecider,
+        TscDecision, TscReport,
+    },
 };
 
 /// The report as JSON, for `tickline clock --json` and for logs. Non-finite numbers become `null`.

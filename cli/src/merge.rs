@@ -7,7 +7,7 @@
 //! `--reference`) gives the merged trace its time axis: its own BOOTTIME. Every other machine is mapped onto
 //! it along the cheapest chain of two kinds of links:
 //!
-//! - **Clock exchange** (`tickline::ClockExchange`): the rounds between two machines, found in either's trace,
+//! - **Clock exchange** (`tickline::sync::ClockExchange`): the rounds between two machines, found in either's trace,
 //!   grouped into bursts, of which the tightest quarter (minimum round trip, as NTP filters) feeds a
 //!   [`CalibrationHistory`] of one machine's clock against the other's: knots at each window's centroid,
 //!   linear between them, so drift is followed; its stated uncertainty is at least what the rounds' brackets
@@ -34,8 +34,8 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
 use tickline::{
-    CalibrationHistory, CalibrationSample, ClockDomain, ExchangeSample, FitOptions, FitStrategy, HistoryConfig,
-    MachineId, TraceUuid,
+    calibration::{CalibrationHistory, CalibrationSample, ClockDomain, FitOptions, FitStrategy, HistoryConfig},
+    sync::{ExchangeSample, MachineId, TraceUuid},
 };
 
 use crate::tracefile::{packet, ReadError, Snapshot, TraceFile};

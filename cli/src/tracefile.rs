@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use tickline::{ExchangeSample, MachineId};
+use tickline::sync::{ExchangeSample, MachineId};
 use tickline_perfetto::{CLOCK_EXCHANGE_EVENT, CLOCK_SNAPSHOT_EVENT, TRACE_INFO_EVENT};
 
 use crate::wire::{self, Value};

@@ -46,7 +46,7 @@ fn probe(seq: u64) {
     info!(probe_truth = seq, truth_lo_ns = lo, truth_hi_ns = hi);
 }
 
-fn start_timeline(exchange: Option<tickline::ClockExchange>) -> tickline::Timeline {
+fn start_timeline(exchange: Option<tickline::sync::ClockExchange>) -> tickline::Timeline {
     let path = std::env::var(TRACE).expect("trace path");
     let mut exporter = tickline_perfetto::PerfettoExporter::create(&path)
         .unwrap()
@@ -61,7 +61,7 @@ fn start_timeline(exchange: Option<tickline::ClockExchange>) -> tickline::Timeli
 
 fn run_server() {
     let app = TcpListener::bind("127.0.0.1:0").unwrap();
-    let exchange = tickline::ClockExchange::listen("127.0.0.1:0").unwrap();
+    let exchange = tickline::sync::ClockExchange::listen("127.0.0.1:0").unwrap();
     let timeline = start_timeline(Some(exchange.clone()));
     println!(
         "READY {} {}",
@@ -100,11 +100,11 @@ fn run_server() {
 fn run_client() {
     let peer = std::env::var(PEER).expect("peer ports");
     let (app_port, exchange_port) = peer.split_once(' ').unwrap();
-    let exchange = tickline::ClockExchange::connect_with(
+    let exchange = tickline::sync::ClockExchange::connect_with(
         ("127.0.0.1", exchange_port.parse::<u16>().unwrap()),
-        tickline::ClockExchangeConfig {
+        tickline::sync::ClockExchangeConfig {
             interval: Duration::from_millis(200),
-            ..tickline::ClockExchangeConfig::default()
+            ..tickline::sync::ClockExchangeConfig::default()
         },
     )
     .unwrap();
@@ -166,8 +166,8 @@ fn spawn(role: &str, machine: &str, simulate: &str, trace: &Path, peer: Option<&
     c.args(["--exact", "child", "--nocapture", "--test-threads", "1"])
         .env(ROLE, role)
         .env(TRACE, trace)
-        .env(tickline::MACHINE_ID_ENV, machine)
-        .env(tickline::SIMULATE_CLOCK_ENV, simulate)
+        .env(tickline::sync::MACHINE_ID_ENV, machine)
+        .env(tickline::sync::SIMULATE_CLOCK_ENV, simulate)
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());
     if let Some(p) = peer {
@@ -274,8 +274,8 @@ fn three_simulated_machines_merge_onto_one_axis_within_their_stated_uncertainty(
     assert!(out.status.success(), "{report}{}", String::from_utf8_lossy(&out.stderr));
     println!("{report}");
     assert!(report.contains("from 3 machines"), "{report}");
-    let beta = tickline::MachineId::from_name("beta").to_string();
-    let gamma = tickline::MachineId::from_name("gamma").to_string();
+    let beta = tickline::sync::MachineId::from_name("beta").to_string();
+    let gamma = tickline::sync::MachineId::from_name("gamma").to_string();
     let section = |id: &str| {
         let at = report
             .find(&format!("machine {id}"))
@@ -315,13 +315,13 @@ fn three_simulated_machines_merge_onto_one_axis_within_their_stated_uncertainty(
 
 /// A trace written in-process by a hand-driven exporter claiming `machine` with simulated clocks.
 fn small_trace(path: &Path, machine: &str, simulate: &str) {
-    use tickline::Exporter;
-    let sim = tickline::SimulatedClock::parse(simulate).unwrap();
+    use tickline::export::Exporter;
+    let sim = tickline::sync::SimulatedClock::parse(simulate).unwrap();
     let mut exporter = tickline_perfetto::PerfettoExporter::create(path)
         .unwrap()
-        .machine_id(tickline::MachineId::from_name(machine))
+        .machine_id(tickline::sync::MachineId::from_name(machine))
         .simulate_clock(Some(sim));
-    exporter.export(&tickline::Batch::default()).unwrap();
+    exporter.export(&tickline::export::Batch::default()).unwrap();
     std::thread::sleep(Duration::from_millis(5));
     exporter.finish().unwrap();
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use tickline::gpu::sim::{SimCommands, SimGpu, SimGpuConfig};
 use tracing_subscriber::layer::SubscriberExt;
 
-fn record(path: &std::path::Path, exchange: tickline::ClockExchange, flow_field: &str) {
+fn record(path: &std::path::Path, exchange: tickline::sync::ClockExchange, flow_field: &str) {
     let exporter = tickline_perfetto::PerfettoExporter::create(path)
         .unwrap()
         .clock_exchange(exchange)
@@ -51,20 +51,20 @@ fn every_packet_tickline_writes_decodes_with_perfettos_schema() {
     let dir = std::env::temp_dir().join(format!("tickline-protos-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let (a, b, merged) = (dir.join("a.pftrace"), dir.join("b.pftrace"), dir.join("all.pftrace"));
-    let server = tickline::ClockExchange::listen_with(
+    let server = tickline::sync::ClockExchange::listen_with(
         "127.0.0.1:0",
-        tickline::ClockExchangeConfig {
-            machine_id: tickline::MachineId::from_name("protos-b"),
-            ..tickline::ClockExchangeConfig::default()
+        tickline::sync::ClockExchangeConfig {
+            machine_id: tickline::sync::MachineId::from_name("protos-b"),
+            ..tickline::sync::ClockExchangeConfig::default()
         },
     )
     .unwrap();
-    let client = tickline::ClockExchange::connect_with(
+    let client = tickline::sync::ClockExchange::connect_with(
         server.local_addr().unwrap(),
-        tickline::ClockExchangeConfig {
-            machine_id: tickline::MachineId::from_name("protos-a"),
+        tickline::sync::ClockExchangeConfig {
+            machine_id: tickline::sync::MachineId::from_name("protos-a"),
             interval: Duration::from_millis(20),
-            ..tickline::ClockExchangeConfig::default()
+            ..tickline::sync::ClockExchangeConfig::default()
         },
     )
     .unwrap();

@@ -179,13 +179,13 @@ impl<'a> HalWork<'a> {
         let buffer = unsafe { self.encoder.end_encoding()? };
         self.value += 1;
         let fence = self.fence.as_ref().expect("alive");
-        let before = tickline::monotonic_ns().0;
+        let before = tickline::clock::monotonic_ns().0;
         // SAFETY: the command buffer was just recorded on this device's queue family and is submitted once; the
         // fence value grows by one per submit.
         unsafe { gpu.submit(&self.hal.queue, &[&buffer], fence, self.value)? };
         // SAFETY: the fence is the device's; waiting has no other requirement.
         let done = unsafe { self.hal.device.wait(fence, self.value, Some(Duration::from_secs(10)))? };
-        let after = tickline::monotonic_ns().0;
+        let after = tickline::clock::monotonic_ns().0;
         if !done {
             return Err("the GPU did not finish a frame within 10 s".into());
         }

@@ -18,7 +18,7 @@ use super::{CalibrationError, CalibrationSample};
 /// [`Ransac`](Self::Ransac).
 ///
 /// ```
-/// use tickline::{CalibrationError, CalibrationSample, ClockCalibration, ClockDomain, FitOptions, FitStrategy};
+/// use tickline::calibration::{CalibrationError, CalibrationSample, ClockCalibration, ClockDomain, FitOptions, FitStrategy};
 /// let domain = ClockDomain::new(64, 1.0).unwrap();
 /// let three: Vec<_> = (0..3u64)
 ///     .map(|i| CalibrationSample { source_ticks: 1_000 + i * 1_000, reference_ns: 5_000 + i * 1_000, max_deviation_ns: 10 })
@@ -70,7 +70,7 @@ impl FitStrategy {
 /// earlier sample), but never fewer than `max(min_samples, strategy.min_samples())` when that many exist.
 ///
 /// ```
-/// use tickline::{CalibrationSample, ClockCalibration, ClockDomain, FitOptions, FitStrategy};
+/// use tickline::calibration::{CalibrationSample, ClockCalibration, ClockDomain, FitOptions, FitStrategy};
 /// // A 3 GHz TSC (1/3 ns per tick) far from zero; every tenth reference is 50 µs late (a preempted read).
 /// let base_ticks = 1_000_000_000_000_000u64;
 /// let samples: Vec<CalibrationSample> = (0..40u64)

@@ -277,7 +277,7 @@ impl Segment {
 ///
 /// ```
 /// use tickline::calibration::sim::{SimClockConfig, SimClockPair};
-/// use tickline::{CalibrationHistory, HistoryConfig};
+/// use tickline::calibration::{CalibrationHistory, HistoryConfig};
 ///
 /// let mut pair = SimClockPair::new(SimClockConfig { drift_ppm: 200.0, jitter_ns: 1_000.0, ..Default::default() })
 ///     .unwrap();

@@ -34,7 +34,7 @@ impl CalibrationSample {
     /// clock: the midpoint, and half the width rounded up (at least 1 ns) as the deviation.
     ///
     /// ```
-    /// let s = tickline::CalibrationSample::from_bracket(42, 1_000, 1_010);
+    /// let s = tickline::calibration::CalibrationSample::from_bracket(42, 1_000, 1_010);
     /// assert_eq!((s.reference_ns, s.max_deviation_ns), (1_005, 5));
     /// ```
     pub fn from_bracket(source_ticks: u64, before_ns: u64, after_ns: u64) -> CalibrationSample {

@@ -22,9 +22,9 @@ impl ClockDomain {
     /// `%globaltimer`; `1e9 / tsc_hz` for the TSC). Drift is reported relative to that period.
     ///
     /// ```
-    /// let gpu = tickline::ClockDomain::new(36, 1.0).unwrap();
+    /// let gpu = tickline::calibration::ClockDomain::new(36, 1.0).unwrap();
     /// assert_eq!(gpu.valid_bits(), 36);
-    /// assert!(tickline::ClockDomain::new(0, 1.0).is_err());
+    /// assert!(tickline::calibration::ClockDomain::new(0, 1.0).is_err());
     /// ```
     pub fn new(valid_bits: u32, nominal_ns_per_tick: f64) -> Result<Self, CalibrationError> {
         if !(1..=64).contains(&valid_bits) {
@@ -46,10 +46,10 @@ impl ClockDomain {
     ///
     /// ```
     /// // %globaltimer: 1 ns ticks that change every microsecond on some GPUs.
-    /// let timer = tickline::ClockDomain::new(64, 1.0).unwrap().with_resolution_ns(1_000.0).unwrap();
+    /// let timer = tickline::calibration::ClockDomain::new(64, 1.0).unwrap().with_resolution_ns(1_000.0).unwrap();
     /// assert_eq!(timer.resolution_ns(), 1_000.0);
     /// assert_eq!(timer.half_resolution_ns(), 500.0);
-    /// assert_eq!(tickline::ClockDomain::new(36, 52.08).unwrap().resolution_ns(), 52.08);
+    /// assert_eq!(tickline::calibration::ClockDomain::new(36, 52.08).unwrap().resolution_ns(), 52.08);
     /// assert!(timer.with_resolution_ns(f64::NAN).is_err());
     /// ```
     pub fn with_resolution_ns(mut self, resolution_ns: f64) -> Result<Self, CalibrationError> {
@@ -143,7 +143,7 @@ const FRAC_BITS: u32 = 64;
 /// distance from the samples; and [`should_recalibrate`](Self::should_recalibrate).
 ///
 /// ```
-/// use tickline::{CalibrationSample, ClockCalibration, ClockDomain, FitOptions};
+/// use tickline::calibration::{CalibrationSample, ClockCalibration, ClockDomain, FitOptions};
 /// // A 1 GHz GPU clock running 100 ppm fast, 5 µs behind the reference.
 /// let samples: Vec<_> = (0..20u64)
 ///     .map(|i| {

@@ -297,9 +297,9 @@ struct Knot {
 /// assert!(at.abs_diff(start + 1_000_000_000) <= 1);
 ///
 /// // A calibration fitted on the samples should find the drift.
-/// let fit = tickline::ClockCalibration::fit(
+/// let fit = tickline::calibration::ClockCalibration::fit(
 ///     &samples,
-///     &tickline::FitOptions::default(),
+///     &tickline::calibration::FitOptions::default(),
 ///     pair.domain(),
 ///     pair.now_ns(),
 /// );

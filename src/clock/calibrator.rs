@@ -53,11 +53,11 @@ impl Default for TscCalibratorConfig {
 /// The live calibration of the CPU tick counter against `CLOCK_MONOTONIC`.
 ///
 /// ```
-/// use tickline::{TickSource, TscCalibrator, TscCalibratorConfig};
+/// use tickline::clock::{TickSource, TscCalibrator, TscCalibratorConfig};
 /// let source = TickSource::hardware().unwrap_or(TickSource::Monotonic);
 /// let mut calibrator = TscCalibrator::new(source, TscCalibratorConfig::default()).unwrap();
 /// let ticks = source.read();
-/// let now = tickline::monotonic_ns();
+/// let now = tickline::clock::monotonic_ns();
 /// let converted = calibrator.convert(ticks).unwrap();
 /// assert!(converted.ns.abs_diff(now.0) < 1_000_000);
 /// ```

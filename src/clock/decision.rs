@@ -51,7 +51,7 @@ impl DecisionStage {
     /// `"provisional"` or `"final"`.
     ///
     /// ```
-    /// assert_eq!(tickline::DecisionStage::Final.name(), "final");
+    /// assert_eq!(tickline::clock::DecisionStage::Final.name(), "final");
     /// ```
     pub fn name(self) -> &'static str {
         match self {
@@ -150,7 +150,7 @@ impl DecisionFigures {
 /// figures: what a trace states on its process track, what `tickline stats` and `tickline clock` print.
 ///
 /// ```
-/// let decision = tickline::TscDecider::process().decide();
+/// let decision = tickline::clock::TscDecider::process().decide();
 /// println!("{decision}");
 /// if let Some(reason) = &decision.fallback_reason {
 ///     eprintln!("tickline records CLOCK_MONOTONIC: {reason}");
@@ -185,7 +185,7 @@ impl TickSourceDecision {
     /// The decision for a source the application set: final, nothing checked, no reason.
     ///
     /// ```
-    /// let d = tickline::TickSourceDecision::forced(tickline::TickSource::Monotonic);
+    /// let d = tickline::clock::TickSourceDecision::forced(tickline::clock::TickSource::Monotonic);
     /// assert!(d.forced && d.fallback_reason.is_none());
     /// assert_eq!(d.summary(), "CLOCK_MONOTONIC (set by the application; not checked)");
     /// ```
@@ -276,8 +276,8 @@ impl TickSourceDecision {
     /// `tickline stats` line.
     ///
     /// ```
-    /// let d = tickline::TscDecider::process().decide();
-    /// assert!(d.summary().starts_with(tickline::source_name(d.source)));
+    /// let d = tickline::clock::TscDecider::process().decide();
+    /// assert!(d.summary().starts_with(tickline::clock::source_name(d.source)));
     /// ```
     pub fn summary(&self) -> String {
         let name = source_name(self.source);
@@ -329,7 +329,7 @@ impl TickSourceDecision {
     /// this (newer) decision: `Some` when the decision changed under it, `None` when it agrees.
     ///
     /// ```
-    /// # use tickline::{TickSource, TickSourceDecision};
+    /// # use tickline::clock::{TickSource, TickSourceDecision};
     /// let d = TickSourceDecision::forced(TickSource::Monotonic);
     /// assert_eq!(d.note_for_timeline(TickSource::Monotonic), None);
     /// ```
@@ -380,7 +380,7 @@ impl fmt::Display for TickSourceDecision {
 /// A tick source's name for humans: `TSC`, `cntvct_el0` or `CLOCK_MONOTONIC`.
 ///
 /// ```
-/// assert_eq!(tickline::source_name(tickline::TickSource::Tsc), "TSC");
+/// assert_eq!(tickline::clock::source_name(tickline::clock::TickSource::Tsc), "TSC");
 /// ```
 pub fn source_name(source: TickSource) -> &'static str {
     match source {
@@ -423,7 +423,7 @@ impl Default for DeciderOptions {
 ///
 /// ```
 /// use std::time::Duration;
-/// let decider = tickline::TscDecider::process();
+/// let decider = tickline::clock::TscDecider::process();
 /// let first = decider.decide();
 /// let settled = decider.wait_final(Duration::from_secs(10));
 /// assert!(settled.revision >= first.revision);
@@ -461,9 +461,9 @@ impl TscDecider {
     /// A decider of its own, with its own cache (tests, tools). Timelines use [`TscDecider::process`].
     ///
     /// ```
-    /// let decider = tickline::TscDecider::new(tickline::DeciderOptions {
+    /// let decider = tickline::clock::TscDecider::new(tickline::clock::DeciderOptions {
     ///     background: false,
-    ///     ..tickline::DeciderOptions::default()
+    ///     ..tickline::clock::DeciderOptions::default()
     /// });
     /// assert!(decider.decide().is_final());
     /// ```

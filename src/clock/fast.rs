@@ -71,7 +71,7 @@ const BOUND_SLACK: f64 = 1e-9;
 ///   constants, never assumed.
 ///
 /// ```
-/// use tickline::{ClockCalibration, ClockDomain, FastConverter};
+/// use tickline::{calibration::{ClockCalibration, ClockDomain}, clock::FastConverter};
 /// // A 3 GHz TSC anchored at tick 1e12 = 5 s of CLOCK_MONOTONIC.
 /// let domain = ClockDomain::new(64, 1.0 / 3.0).unwrap();
 /// let cal = ClockCalibration::from_anchor(domain, 1_000_000_000_000, 5_000_000_000, 1.0 / 3.0).unwrap();
@@ -392,7 +392,7 @@ impl FastConverter {
     /// as [`ClockCalibration::ticks_from_anchor`], and bits above the valid ones are ignored.
     ///
     /// ```
-    /// use tickline::{ClockCalibration, ClockDomain, FastConverter};
+    /// use tickline::{calibration::{ClockCalibration, ClockDomain}, clock::FastConverter};
     /// // A 36-bit GPU timestamp at 52.08 ns per tick, anchored just before its wrap.
     /// let domain = ClockDomain::new(36, 52.08).unwrap();
     /// let cal = ClockCalibration::from_anchor(domain, domain.mask() - 10, 1_000_000_000, 52.08).unwrap();
@@ -480,7 +480,7 @@ impl FastConverter {
     /// [`worst_case_error_ns`](Self::worst_case_error_ns), with u64 multiplies, shifts and adds.
     ///
     /// ```
-    /// use tickline::{ClockCalibration, ClockDomain, FastConverter};
+    /// use tickline::{calibration::{ClockCalibration, ClockDomain}, clock::FastConverter};
     /// let cal = ClockCalibration::from_anchor(ClockDomain::new(64, 1.0).unwrap(), 1_000, 2_000, 1.0).unwrap();
     /// let fast = FastConverter::new(&cal);
     /// assert_eq!(fast.to_ns(1_500), 2_500);
@@ -526,7 +526,7 @@ impl FastConverter {
     /// Converts every tick of `ticks` into `out` (of the same length).
     ///
     /// ```
-    /// use tickline::{ClockCalibration, ClockDomain, FastConverter};
+    /// use tickline::{calibration::{ClockCalibration, ClockDomain}, clock::FastConverter};
     /// let cal = ClockCalibration::from_anchor(ClockDomain::new(64, 0.5).unwrap(), 0, 0, 0.5).unwrap();
     /// let mut out = [0; 3];
     /// FastConverter::new(&cal).convert_slice(&[2, 4, 7], &mut out);
@@ -547,7 +547,7 @@ impl FastConverter {
     /// (`first` before it, `last` after it); all others take the three-multiply general path.
     ///
     /// ```
-    /// use tickline::{ClockCalibration, ClockDomain, FastConverter};
+    /// use tickline::{calibration::{ClockCalibration, ClockDomain}, clock::FastConverter};
     /// let tsc = ClockCalibration::from_anchor(ClockDomain::new(64, 0.4).unwrap(), 0, 1 << 40, 0.4).unwrap();
     /// let (before, after) = FastConverter::new(&tsc).near_window();
     /// // Over half an hour after the anchor, and some minutes before it.
@@ -563,7 +563,7 @@ impl FastConverter {
     /// half a ns cannot round away from).
     ///
     /// ```
-    /// use tickline::{ClockCalibration, ClockDomain, FastConverter};
+    /// use tickline::{calibration::{ClockCalibration, ClockDomain}, clock::FastConverter};
     /// let tsc = ClockCalibration::from_anchor(ClockDomain::new(64, 0.4).unwrap(), 0, 0, 0.4).unwrap();
     /// let fast = FastConverter::new(&tsc);
     /// assert_eq!(fast.max_error_ns(0), 0);
@@ -582,7 +582,7 @@ impl FastConverter {
     /// `ClockCalibration` rate, 0 for power-of-two rates.
     ///
     /// ```
-    /// use tickline::{ClockCalibration, ClockDomain, FastConverter};
+    /// use tickline::{calibration::{ClockCalibration, ClockDomain}, clock::FastConverter};
     /// let ns_clock = ClockCalibration::from_anchor(ClockDomain::new(64, 1.0).unwrap(), 7, 9, 1.0).unwrap();
     /// assert_eq!(FastConverter::new(&ns_clock).worst_case_error_ns(), 0);
     /// ```
@@ -596,7 +596,7 @@ impl FastConverter {
     /// identically.
     ///
     /// ```
-    /// use tickline::{ClockCalibration, ClockDomain, FastConverter};
+    /// use tickline::{calibration::{ClockCalibration, ClockDomain}, clock::FastConverter};
     /// let tsc = ClockCalibration::from_anchor(ClockDomain::new(64, 1.0 / 3.0).unwrap(), 0, 0, 1.0 / 3.0).unwrap();
     /// let fast = FastConverter::new(&tsc);
     /// assert!(fast.approx_error_ns(u64::MAX) < 1.0 / 256.0);

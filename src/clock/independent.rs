@@ -109,7 +109,7 @@ impl fmt::Display for IndependentCheck {
 /// the error). Skips, saying why, where there is none, or no hardware counter.
 ///
 /// ```
-/// let check = tickline::check_independent_reference(std::time::Duration::from_millis(20));
+/// let check = tickline::clock::check_independent_reference(std::time::Duration::from_millis(20));
 /// println!("{check}");
 /// assert!(check.measurement.is_some() || check.skipped.is_some());
 /// ```

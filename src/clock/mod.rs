@@ -22,9 +22,12 @@ pub use decision::{source_name, DeciderOptions, DecisionFigures, DecisionStage, 
 pub use fast::FastConverter;
 pub use independent::{check_independent_reference, IndependentCheck, IndependentRate, ReferenceClock};
 pub use reliability::{
-    check_tsc_reliability, CheckVerdict, CpuRate, CpuShift, InjectedPreemption, PassSummary, ProbeFaults, ProbePhase,
-    ReliabilityOptions, SkippedCpu, TscCheck, TscDecision, TscReport, Verdict,
+    check_tsc_reliability, CheckVerdict, CpuRate, CpuShift, PassSummary, ReliabilityOptions, SkippedCpu, TscCheck,
+    TscDecision, TscReport, Verdict,
 };
+// Fault injection for the check's own tests (a preempted probe, a shifted CPU).
+#[doc(hidden)]
+pub use reliability::{InjectedPreemption, ProbeFaults, ProbePhase};
 
 /// A raw reading of the CPU tick counter (TSC, `cntvct_el0` or, as a fallback, `CLOCK_MONOTONIC` ns).
 ///
@@ -64,7 +67,7 @@ impl TickSource {
     /// Reads this source's counter now. No conversion, no system call for the hardware counters.
     ///
     /// ```
-    /// use tickline::TickSource;
+    /// use tickline::clock::TickSource;
     /// let a = TickSource::Monotonic.read();
     /// let b = TickSource::Monotonic.read();
     /// assert!(b >= a);
@@ -90,8 +93,8 @@ impl TickSource {
 /// Reads the hardware tick counter (TSC or `cntvct_el0`); on other architectures, `CLOCK_MONOTONIC` ns.
 ///
 /// ```
-/// let t = tickline::read_ticks();
-/// assert!(tickline::read_ticks() >= t || cfg!(not(any(target_arch = "x86_64", target_arch = "aarch64"))));
+/// let t = tickline::clock::read_ticks();
+/// assert!(tickline::clock::read_ticks() >= t || cfg!(not(any(target_arch = "x86_64", target_arch = "aarch64"))));
 /// ```
 #[inline(always)]
 pub fn read_ticks() -> RawTicks {
@@ -150,7 +153,7 @@ pub fn monotonic_raw_ns() -> Nanos {
 /// `VK_EXT_calibrated_timestamps` defines `maxDeviation`.
 ///
 /// ```
-/// let s = tickline::bracketed_sample(tickline::TickSource::Monotonic, tickline::monotonic_ns);
+/// let s = tickline::clock::bracketed_sample(tickline::clock::TickSource::Monotonic, tickline::clock::monotonic_ns);
 /// assert!(s.max_deviation_ns < 1_000_000);
 /// ```
 #[inline]

@@ -68,7 +68,7 @@ impl CallsiteDef {
         }
     }
 
-    pub(crate) fn native(callsite: &'static crate::Callsite) -> Self {
+    pub(crate) fn native(callsite: &'static crate::callsite::NativeCallsite) -> Self {
         let (file, line) = callsite.location();
         CallsiteDef {
             key: crate::control::callsite_key(callsite),
@@ -178,7 +178,7 @@ pub(crate) enum Input {
         tid: u32,
         name: String,
     },
-    Callsite(CallsiteDef),
+    NativeCallsite(CallsiteDef),
     Chunk(Chunk),
     /// A thread's ring closed and was drained to its end.
     ThreadEnd {

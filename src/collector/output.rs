@@ -6,13 +6,14 @@ use std::sync::atomic::Ordering;
 
 use super::stats::SharedStats;
 use crate::export::{
-    Batch, Event, EventKind, ExportError, Exporter, Field, NameId, RecordingOrigin, TrackDescriptor, TrackId, TrackKind,
+    Batch, EventKind, ExportError, Exporter, NameId, RecordingOrigin, TraceEvent, TraceField, TrackDescriptor, TrackId,
+    TrackKind,
 };
 
 /// A track shared by threads (a counter): its events are ordered before they join the batch.
 #[derive(Default)]
 struct SharedTrackOrder {
-    pending: Vec<Event>,
+    pending: Vec<TraceEvent>,
     last_ns: HashMap<TrackId, u64>,
 }
 
@@ -127,11 +128,18 @@ impl Output {
 
     /// Appends an event to the batch (`fields` are copied into the batch's arena).
     #[inline]
-    pub(crate) fn push_event(&mut self, ts_ns: u64, track: TrackId, kind: EventKind, name: NameId, fields: &[Field]) {
+    pub(crate) fn push_event(
+        &mut self,
+        ts_ns: u64,
+        track: TrackId,
+        kind: EventKind,
+        name: NameId,
+        fields: &[TraceField],
+    ) {
         let start = self.batch.fields.len() as u32;
         self.batch.fields.extend_from_slice(fields);
         let end = self.batch.fields.len() as u32;
-        self.batch.events.push(Event {
+        self.batch.events.push(TraceEvent {
             ts_ns,
             track,
             kind,
@@ -150,12 +158,12 @@ impl Output {
         track: TrackId,
         kind: EventKind,
         name: NameId,
-        fields: &mut Vec<Field>,
-    ) -> &mut Event {
+        fields: &mut Vec<TraceField>,
+    ) -> &mut TraceEvent {
         let start = self.batch.fields.len() as u32;
         self.batch.fields.append(fields);
         let end = self.batch.fields.len() as u32;
-        self.batch.events.push(Event {
+        self.batch.events.push(TraceEvent {
             ts_ns,
             track,
             kind,
@@ -168,7 +176,7 @@ impl Output {
     }
 
     /// Takes back the last event pushed, if it is number `index` of the batch: the event and its fields.
-    pub(crate) fn take_last_event(&mut self, index: usize) -> Option<(Event, Vec<Field>)> {
+    pub(crate) fn take_last_event(&mut self, index: usize) -> Option<(TraceEvent, Vec<TraceField>)> {
         if index + 1 != self.batch.events.len() {
             return None;
         }
@@ -178,7 +186,7 @@ impl Output {
     }
 
     /// Adds a fact about `track` (no event).
-    pub(crate) fn push_metadata(&mut self, ts_ns: u64, track: TrackId, name: NameId, fields: &[Field]) {
+    pub(crate) fn push_metadata(&mut self, ts_ns: u64, track: TrackId, name: NameId, fields: &[TraceField]) {
         let start = self.batch.fields.len() as u32;
         self.batch.fields.extend_from_slice(fields);
         let end = self.batch.fields.len() as u32;
@@ -197,7 +205,7 @@ impl Output {
         track: TrackId,
         kind: EventKind,
         name: NameId,
-        fields: &[Field],
+        fields: &[TraceField],
         flow_in: Option<u64>,
     ) {
         self.push_event(ts_ns, track, kind, name, fields);
@@ -207,7 +215,7 @@ impl Output {
     /// Queues a counter value; counter tracks are shared by threads, so their values are ordered per track
     /// before they join the batch ([`flush_counters`](Self::flush_counters)).
     pub(crate) fn push_counter(&mut self, track: TrackId, ts_ns: u64, name: NameId, value: f64) {
-        self.counters.pending.push(Event {
+        self.counters.pending.push(TraceEvent {
             ts_ns,
             track,
             kind: EventKind::Counter(value),

@@ -54,7 +54,7 @@ use super::stats::SharedStats;
 use crate::calibration::{CalibrationHistory, ClockDomain, HistoryConfig};
 use crate::clock::{FastConverter, TickSource};
 use crate::codec::{decode_fields, restore_ticks, Decoder, Item, Parent, Payload, RawValue, META_INDEX};
-use crate::export::{CpuClock, EventKind, Field, FieldValue, NameId, TrackId, TrackKind};
+use crate::export::{CpuClock, EventKind, FieldValue, NameId, TraceField, TrackId, TrackKind};
 use crate::gpu::GpuCalibrationConfig;
 
 /// Longest a span slice's begin (and what follows it on its track) is held for its final field values.
@@ -114,7 +114,7 @@ struct OpenSlice {
     /// The sequence number of its begin in the track's held queue, while it is held.
     held: Option<u64>,
     /// The values its begin carried when it was released before the slice ended.
-    released_values: Option<Vec<Field>>,
+    released_values: Option<Vec<TraceField>>,
     /// Records dropped while it was open.
     dropped_inside: u64,
 }
@@ -148,7 +148,7 @@ struct HeldEvent {
     ts_ns: u64,
     kind: EventKind,
     name: NameId,
-    fields: Vec<Field>,
+    fields: Vec<TraceField>,
     flow_out: Option<u64>,
     span: Option<HeldSpan>,
     /// The end of the first poll of this span, which was still open after it: its flow stays only if the
@@ -254,7 +254,7 @@ pub(crate) struct Processor {
     names: OwnNames,
     tracks: OwnTracks,
     payload: Vec<u8>,
-    scratch_fields: Vec<Field>,
+    scratch_fields: Vec<TraceField>,
     recycler: Option<Recycler>,
     stats: Arc<SharedStats>,
     last_export_ns: u64,
@@ -410,7 +410,7 @@ impl Processor {
     pub(crate) fn input(&mut self, input: Input) {
         match input {
             Input::Thread { ring, tid, name } => self.add_ring(ring, tid, name),
-            Input::Callsite(def) => self.add_callsite(def),
+            Input::NativeCallsite(def) => self.add_callsite(def),
             Input::Chunk(chunk) => self.add_chunk(chunk),
             Input::ThreadEnd { ring } => {
                 if let Some(Some(r)) = self.rings.get_mut(ring as usize) {
@@ -700,7 +700,7 @@ impl Processor {
             Vec::new()
         };
         if !closed {
-            end_fields.push(Field {
+            end_fields.push(TraceField {
                 name: self.names.truncated,
                 value: FieldValue::Bool(true),
             });
@@ -932,7 +932,7 @@ impl Processor {
 
     /// Decodes a field payload of callsite `key` into `out` (appending); a truncation marker becomes the
     /// `tickline.fields_truncated` field. Returns how many fields were cut.
-    fn decode_payload(&mut self, key: u64, payload: Payload<'_>, out: &mut Vec<Field>) -> u64 {
+    fn decode_payload(&mut self, key: u64, payload: Payload<'_>, out: &mut Vec<TraceField>) -> u64 {
         if payload.len() == 0 {
             return 0;
         }
@@ -957,7 +957,7 @@ impl Processor {
             if name == NameId(0) {
                 continue;
             }
-            set_field(out, Field { name, value });
+            set_field(out, TraceField { name, value });
         }
         if truncated > 0 {
             self.counts.fields_truncated += 1;
@@ -972,7 +972,7 @@ impl Processor {
         ts_ns: u64,
         kind: EventKind,
         name: NameId,
-        fields: Vec<Field>,
+        fields: Vec<TraceField>,
         flow_out: Option<u64>,
     ) -> EventSlot {
         if track.held.is_empty() {
@@ -1255,7 +1255,7 @@ impl Processor {
                 for slice in &mut track.open {
                     slice.dropped_inside = slice.dropped_inside.saturating_add(dropped);
                 }
-                let fields = vec![Field {
+                let fields = vec![TraceField {
                     name: self.names.records,
                     value: FieldValue::U64(dropped),
                 }];
@@ -1378,13 +1378,13 @@ impl Processor {
     fn end_slice(&mut self, track: &mut Track, slice: OpenSlice, ts_ns: u64, truncated: bool, split: bool) {
         let mut markers = Vec::new();
         if truncated {
-            markers.push(Field {
+            markers.push(TraceField {
                 name: self.names.truncated,
                 value: FieldValue::Bool(true),
             });
         }
         if slice.dropped_inside > 0 {
-            markers.push(Field {
+            markers.push(TraceField {
                 name: self.names.dropped_inside,
                 value: FieldValue::U64(slice.dropped_inside),
             });
@@ -1537,15 +1537,15 @@ impl Processor {
         if let Some((fallback, doubt, text)) = self.clock_note.take() {
             // The CPU clock decision, on the process track, loud: what the timeline records and why.
             let fields = vec![
-                Field {
+                TraceField {
                     name: self.names.clock_decision,
                     value: FieldValue::Str(text),
                 },
-                Field {
+                TraceField {
                     name: self.names.clock_fallback,
                     value: FieldValue::Bool(fallback),
                 },
-                Field {
+                TraceField {
                     name: self.names.clock_doubt,
                     value: FieldValue::Bool(doubt),
                 },
@@ -1700,7 +1700,7 @@ mod tests {
             history: CalibrationHistory::new(domain, HistoryConfig::default()),
             fast: Some(Box::new(FastConverter::new(&cal))),
         });
-        p.input(Input::Callsite(CallsiteDef {
+        p.input(Input::NativeCallsite(CallsiteDef {
             key: KNOWN,
             kind: CallsiteKind::Native,
             name: "known".into(),
@@ -1746,7 +1746,7 @@ mod tests {
     const SPAN: u64 = 0x2000;
 
     fn register_span_callsite(p: &mut Processor) {
-        p.input(Input::Callsite(CallsiteDef {
+        p.input(Input::NativeCallsite(CallsiteDef {
             key: SPAN,
             kind: CallsiteKind::Span,
             name: "job".into(),

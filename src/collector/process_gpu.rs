@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use super::input::{GpuInput, PairRead};
 use super::output::Output;
-use crate::export::{EventKind, Field, FieldValue, NameId, TrackId, TrackKind};
+use crate::export::{EventKind, FieldValue, NameId, TraceField, TrackId, TrackKind};
 use crate::gpu::lanes::{LaneEvent, Lanes, Slice};
 use crate::gpu::tracker::{GpuCalibrationConfig, GpuClockTracker, GpuScopeTicks};
 use crate::gpu::{split_key, DeviceLink, GpuCalibrationReport, GpuDeviceInfo, GpuTicks};
@@ -17,7 +17,7 @@ use crate::gpu::{split_key, DeviceLink, GpuCalibrationReport, GpuDeviceInfo, Gpu
 struct Scope {
     queue: u16,
     name: NameId,
-    fields: Vec<Field>,
+    fields: Vec<TraceField>,
     /// When the CPU recorded it (reference ns): GPU work cannot start before.
     cpu_ns: u64,
     flow: u64,
@@ -35,7 +35,7 @@ struct Finished {
 /// What a laid-out slice carries to its begin event.
 struct SlicePayload {
     name: NameId,
-    fields: Vec<Field>,
+    fields: Vec<TraceField>,
     flow: u64,
 }
 
@@ -246,7 +246,7 @@ impl GpuCollector {
     }
 
     /// A scope's begin record, recorded by the CPU at `cpu_ns` with flow `flow`.
-    pub(crate) fn begin(&mut self, key: u64, name: NameId, fields: Vec<Field>, cpu_ns: u64, flow: u64) {
+    pub(crate) fn begin(&mut self, key: u64, name: NameId, fields: Vec<TraceField>, cpu_ns: u64, flow: u64) {
         let (device, queue, pair, generation) = split_key(key);
         self.stats.scopes += 1;
         let Some(d) = self.devices.get_mut(&device) else {
@@ -364,18 +364,18 @@ impl GpuCollector {
                 }
                 let (begin_ns, end_ns) = (placed.begin.ns, placed.end.ns.max(placed.begin.ns));
                 let mut fields = scope.fields;
-                fields.push(Field {
+                fields.push(TraceField {
                     name: uncertainty_name,
                     value: FieldValue::U64(placed.begin.uncertainty_ns.max(placed.end.uncertainty_ns)),
                 });
                 if let Some(why) = placed.marks.annotation() {
-                    fields.push(Field {
+                    fields.push(TraceField {
                         name: break_name,
                         value: FieldValue::Str(why.into()),
                     });
                 }
                 if placed.marks.queue_calibration {
-                    fields.push(Field {
+                    fields.push(TraceField {
                         name: queue_calibration_name,
                         value: FieldValue::Bool(true),
                     });

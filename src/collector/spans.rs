@@ -3,7 +3,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use crate::export::{Field, NameId};
+use crate::export::{NameId, TraceField};
 use crate::recorder::span_serial;
 
 /// Hashes u64 keys (serials, callsite keys) with one multiply: the collector looks one up per record, and
@@ -86,7 +86,7 @@ pub(crate) struct TaskData {
     pub(crate) polls: Vec<Poll>,
     /// The values its lifetime slice began with, once that begin is written (a task with many polls is
     /// written as it goes, so memory stays bounded).
-    pub(crate) begun: Option<Vec<crate::export::Field>>,
+    pub(crate) begun: Option<Vec<crate::export::TraceField>>,
     /// The track each lane of polls goes on (the task's own first) and when its last poll ended.
     pub(crate) lanes: Vec<(crate::export::TrackId, u64)>,
     /// Its lifetime and polls were written (at its sweep, or at shutdown).
@@ -97,12 +97,18 @@ pub(crate) struct TaskData {
 /// oldest first.
 #[derive(Default)]
 struct SpanValues {
-    base: Vec<Field>,
-    updates: Vec<(u64, Field)>,
+    base: Vec<TraceField>,
+    updates: Vec<(u64, TraceField)>,
 }
 
 impl SpanState {
-    pub(crate) fn new(name: NameId, callsite: u64, created_ns: u64, parent: Option<u64>, fields: Vec<Field>) -> Self {
+    pub(crate) fn new(
+        name: NameId,
+        callsite: u64,
+        created_ns: u64,
+        parent: Option<u64>,
+        fields: Vec<TraceField>,
+    ) -> Self {
         SpanState {
             name,
             open_slices: 0,
@@ -134,7 +140,7 @@ impl SpanState {
     }
 
     /// Records new values at `ts_ns` (updates from several threads may arrive out of time order).
-    pub(crate) fn update(&mut self, ts_ns: u64, fields: impl IntoIterator<Item = Field>) {
+    pub(crate) fn update(&mut self, ts_ns: u64, fields: impl IntoIterator<Item = TraceField>) {
         let values = self.values.get_or_insert_with(Box::default);
         for field in fields {
             let pos = values.updates.partition_point(|(ts, _)| *ts <= ts_ns);
@@ -143,7 +149,7 @@ impl SpanState {
         if values.updates.len() > MAX_UPDATES {
             // Fold the oldest half: slices that end before them were released long ago (a slice is held at
             // most the hold limit).
-            let fold: Vec<(u64, Field)> = values.updates.drain(..MAX_UPDATES / 2).collect();
+            let fold: Vec<(u64, TraceField)> = values.updates.drain(..MAX_UPDATES / 2).collect();
             for (_, field) in fold {
                 set_field(&mut values.base, field);
             }
@@ -151,7 +157,7 @@ impl SpanState {
     }
 
     /// The span's values at `ts_ns`: its creation values with every update at or before `ts_ns` applied.
-    pub(crate) fn values_at(&self, ts_ns: u64, out: &mut Vec<Field>) {
+    pub(crate) fn values_at(&self, ts_ns: u64, out: &mut Vec<TraceField>) {
         out.clear();
         let Some(values) = &self.values else { return };
         out.extend_from_slice(&values.base);
@@ -172,13 +178,13 @@ impl SpanState {
     }
 
     /// Its creation values (for a task track's name).
-    pub(crate) fn creation_values(&self) -> &[Field] {
+    pub(crate) fn creation_values(&self) -> &[TraceField] {
         self.values.as_ref().map_or(&[], |v| &v.base)
     }
 }
 
 /// Sets `field` in `fields`, replacing the value of a field of the same name.
-pub(crate) fn set_field(fields: &mut Vec<Field>, field: Field) {
+pub(crate) fn set_field(fields: &mut Vec<TraceField>, field: TraceField) {
     match fields.iter_mut().find(|f| f.name == field.name) {
         Some(existing) => existing.value = field.value,
         None => fields.push(field),
@@ -396,8 +402,8 @@ mod tests {
     use super::*;
     use crate::export::FieldValue;
 
-    fn field(name: u32, v: i64) -> Field {
-        Field {
+    fn field(name: u32, v: i64) -> TraceField {
+        TraceField {
             name: NameId(name),
             value: FieldValue::I64(v),
         }

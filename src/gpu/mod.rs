@@ -38,7 +38,7 @@ use std::time::Duration;
 use crossbeam_queue::ArrayQueue;
 
 use crate::calibration::{CalibrationSample, ClockCalibration, ClockDomain, HistoryStats};
-use crate::callsite::Callsite;
+use crate::callsite::NativeCallsite;
 use crate::codec::FieldEncoder;
 pub use crate::error::GpuError;
 use crate::recorder::{self, Shared};
@@ -471,7 +471,7 @@ impl<B: GpuBackend> GpuQueue<B> {
     #[inline]
     pub(crate) fn begin_external(
         &self,
-        callsite: &'static Callsite,
+        callsite: &'static NativeCallsite,
         fields: Option<&dyn Fn(&mut GpuFieldEncoder<'_, '_>)>,
         write_begin: impl FnOnce(u32),
     ) -> Option<u32> {
@@ -483,7 +483,7 @@ impl<B: GpuBackend> GpuQueue<B> {
     #[inline]
     fn open_pair(
         &self,
-        callsite: &'static Callsite,
+        callsite: &'static NativeCallsite,
         fields: Option<&dyn Fn(&mut GpuFieldEncoder<'_, '_>)>,
         write_begin: impl FnOnce(u32),
     ) -> Option<u32> {
@@ -574,7 +574,7 @@ impl<'a, B: GpuBackend> GpuScope<'a, B> {
     pub fn begin(
         queue: &'a GpuQueue<B>,
         commands: &'a B::Commands,
-        callsite: &'static Callsite,
+        callsite: &'static NativeCallsite,
         fields: Option<&dyn Fn(&mut GpuFieldEncoder<'_, '_>)>,
     ) -> Self {
         let pair = queue
@@ -686,12 +686,12 @@ impl GpuFieldEncoder<'_, '_> {
 #[macro_export]
 macro_rules! gpu_scope {
     ($queue:expr, $commands:expr, $name:expr $(,)?) => {{
-        static CALLSITE: $crate::Callsite = $crate::Callsite::new($name, file!(), line!());
+        static CALLSITE: $crate::export::NativeCallsite = $crate::export::NativeCallsite::new($name, file!(), line!());
         $crate::gpu::GpuScope::begin(&$queue, $commands, &CALLSITE, None)
     }};
     ($queue:expr, $commands:expr, $name:expr, $($field:ident = $value:expr),+ $(,)?) => {{
-        static CALLSITE: $crate::Callsite =
-            $crate::Callsite::with_fields($name, &[$(stringify!($field)),+], file!(), line!());
+        static CALLSITE: $crate::export::NativeCallsite =
+            $crate::export::NativeCallsite::with_fields($name, &[$(stringify!($field)),+], file!(), line!());
         $crate::gpu::GpuScope::begin(
             &$queue,
             $commands,

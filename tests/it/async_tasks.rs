@@ -5,7 +5,10 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tickline::{AsyncTasks, FieldValue, MemoryExporter, MemoryTrace, RecordedSlice, Timeline, TrackId, TrackKind};
+use tickline::{
+    export::{FieldValue, MemoryExporter, MemoryTrace, RecordedSlice, TrackId, TrackKind},
+    AsyncTasks, Timeline,
+};
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id};
 use tracing::{Instrument, Subscriber};
@@ -44,7 +47,7 @@ impl Visit for IdOf {
 
 impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Truth {
     fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, ctx: Context<'_, S>) {
-        let at_ns = tickline::monotonic_ns().0;
+        let at_ns = tickline::clock::monotonic_ns().0;
         let mut of = IdOf(None);
         attrs.record(&mut of);
         if let (Some(task), Some(span)) = (of.0, ctx.span(id)) {
@@ -57,7 +60,7 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Truth {
     }
 
     fn on_close(&self, id: Id, ctx: Context<'_, S>) {
-        let at_ns = tickline::monotonic_ns().0;
+        let at_ns = tickline::clock::monotonic_ns().0;
         if let Some(span) = ctx.span(&id) {
             if let Some(c) = span.extensions().get::<Created>() {
                 self.0
@@ -78,12 +81,12 @@ fn lower_bounds() -> &'static Mutex<Brackets> {
 }
 
 fn note_created(name: &str, id: u64) {
-    let now = tickline::monotonic_ns().0;
+    let now = tickline::clock::monotonic_ns().0;
     lower_bounds().lock().unwrap().insert((name.to_owned(), id), (now, 0));
 }
 
 fn note_done(name: &str, id: u64) {
-    let now = tickline::monotonic_ns().0;
+    let now = tickline::clock::monotonic_ns().0;
     if let Some(b) = lower_bounds().lock().unwrap().get_mut(&(name.to_owned(), id)) {
         b.1 = now;
     }
@@ -193,7 +196,7 @@ fn check_a_thousand_tasks(lagging: bool) {
     assert_eq!(stats.unknown_spans, 0, "{stats:?}");
 
     let slices = trace.slices();
-    let tracks: HashMap<TrackId, &tickline::TrackDescriptor> = trace.tracks.iter().map(|t| (t.id, t)).collect();
+    let tracks: HashMap<TrackId, &tickline::export::TrackDescriptor> = trace.tracks.iter().map(|t| (t.id, t)).collect();
     // Every task track and its lifetime slice, by (span name, id).
     let mut lifetimes: HashMap<(String, u64), Vec<&RecordedSlice>> = HashMap::new();
     let mut task_of_track: HashMap<TrackId, (String, u64)> = HashMap::new();

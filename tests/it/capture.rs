@@ -10,7 +10,11 @@ use std::time::Duration;
 
 use tickline::gpu::sim::{SimCommands, SimGpu, SimGpuConfig};
 use tickline::gpu::{GpuBackend, GpuDeviceInfo, GpuError, GpuTicks};
-use tickline::{CalibrationSample, FieldValue, MemoryExporter, MemoryTrace, Timeline, TrackKind};
+use tickline::{
+    calibration::CalibrationSample,
+    export::{FieldValue, MemoryExporter, MemoryTrace, TrackKind},
+    Timeline,
+};
 use tracing_subscriber::layer::SubscriberExt;
 
 use crate::exclusive;
@@ -44,7 +48,7 @@ impl GpuBackend for TruthGpu {
 }
 
 /// A thread's name for each track, to compare traces whose track ids differ.
-fn thread_names(trace: &MemoryTrace) -> HashMap<tickline::TrackId, String> {
+fn thread_names(trace: &MemoryTrace) -> HashMap<tickline::export::TrackId, String> {
     trace
         .tracks
         .iter()

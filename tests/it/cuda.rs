@@ -8,7 +8,10 @@ use std::time::Duration;
 use tickline::gpu::cuda::cudarc::driver::CudaContext;
 use tickline::gpu::cuda::{driver_library, open, CudaGpu, CudaOptions, CudaTiming, CudaTimingInUse};
 use tickline::gpu::{GpuBackend, GpuError, GpuTicks};
-use tickline::{EventKind, MemoryExporter, Timeline, TrackId, TrackKind};
+use tickline::{
+    export::{EventKind, MemoryExporter, TrackId, TrackKind},
+    Timeline,
+};
 
 /// Prints why a test did not run. Written to stderr directly, which the test harness does not capture.
 fn skip(test: &str, reason: impl std::fmt::Display) {

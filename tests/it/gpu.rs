@@ -4,7 +4,10 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use tickline::gpu::sim::{SimCommands, SimGpu, SimGpuConfig};
-use tickline::{EventKind, FieldValue, MemoryExporter, MemoryTrace, Timeline, TrackId, TrackKind};
+use tickline::{
+    export::{EventKind, FieldValue, MemoryExporter, MemoryTrace, TrackId, TrackKind},
+    Timeline,
+};
 use tracing_subscriber::layer::SubscriberExt;
 
 /// A slice as the trace shows it.
@@ -121,7 +124,7 @@ fn simulated_gpu_slices_sit_in_their_submission_window_with_flows_and_uncertaint
 
     // Every GPU slice: inside its submission's window (the sim clock's truth lies there), an uncertainty
     // annotation, and a flow from an instant on the recording thread.
-    let flow_starts: HashMap<u64, &tickline::RecordedEvent> =
+    let flow_starts: HashMap<u64, &tickline::export::RecordedEvent> =
         trace.events.iter().filter_map(|e| e.flow_out.map(|f| (f, e))).collect();
     let thread = trace.thread_track("main").or_else(|| {
         trace
@@ -419,7 +422,7 @@ impl tickline::gpu::GpuBackend for Uncalibratable {
         &self,
         _: usize,
         _: Duration,
-        _: &mut Vec<tickline::CalibrationSample>,
+        _: &mut Vec<tickline::calibration::CalibrationSample>,
     ) -> Result<(), tickline::gpu::GpuError> {
         Err(tickline::gpu::GpuError::Api {
             call: "vkGetCalibratedTimestampsKHR",
@@ -486,7 +489,7 @@ impl tickline::gpu::GpuBackend for SlowToCalibrate {
         &self,
         samples: usize,
         budget: Duration,
-        out: &mut Vec<tickline::CalibrationSample>,
+        out: &mut Vec<tickline::calibration::CalibrationSample>,
     ) -> Result<(), tickline::gpu::GpuError> {
         use std::sync::atomic::Ordering::Relaxed;
         if self
@@ -570,7 +573,7 @@ impl tickline::gpu::GpuBackend for Resettable {
         &self,
         samples: usize,
         budget: Duration,
-        out: &mut Vec<tickline::CalibrationSample>,
+        out: &mut Vec<tickline::calibration::CalibrationSample>,
     ) -> Result<(), tickline::gpu::GpuError> {
         self.gpu.calibrate(samples, budget, out)
     }

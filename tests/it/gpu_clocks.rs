@@ -15,8 +15,8 @@
 //! `GPU_CLOCKS_DEBUG=<part of a name>` prints each burst and every miss of that model, and
 //! `GPU_CLOCKS_LATENCY_MS` sets another latency bound.
 
+use tickline::calibration::{CalibrationSample, ClockDomain};
 use tickline::gpu::{GpuCalibrationConfig, GpuClockTracker, GpuScopeTicks};
-use tickline::{CalibrationSample, ClockDomain};
 
 const US: u64 = 1_000;
 const MS: u64 = 1_000_000;

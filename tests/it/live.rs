@@ -2,7 +2,8 @@
 
 use std::sync::{Arc, Mutex};
 
-use tickline::{Callsite, LiveSink, LiveSpanData, Timeline};
+use tickline::export::{LiveSink, LiveSpanData, NativeCallsite};
+use tickline::Timeline;
 use tracing::span::{Attributes, Record};
 use tracing::{Event, Metadata};
 use tracing_subscriber::layer::SubscriberExt;
@@ -38,13 +39,13 @@ impl LiveSink for Log {
     fn event(&self, event: &Event<'_>) {
         self.push(format!("event {}", event.metadata().level()));
     }
-    fn scope_begin(&self, callsite: &'static Callsite) {
+    fn scope_begin(&self, callsite: &'static NativeCallsite) {
         self.push(format!("begin {}", callsite.name()));
     }
-    fn scope_end(&self, callsite: &'static Callsite) {
+    fn scope_end(&self, callsite: &'static NativeCallsite) {
         self.push(format!("end {}", callsite.name()));
     }
-    fn instant(&self, callsite: &'static Callsite) {
+    fn instant(&self, callsite: &'static NativeCallsite) {
         self.push(format!("instant {}", callsite.name()));
     }
     fn frame_mark(&self, name: Option<&'static str>) {

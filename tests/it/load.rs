@@ -5,7 +5,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tickline::{Batch, EventKind, ExportError, Exporter, FieldValue, MemoryExporter, NameId, Timeline, TrackId};
+use tickline::{
+    export::{Batch, EventKind, ExportError, Exporter, FieldValue, MemoryExporter, NameId, TrackId},
+    Timeline,
+};
 use tracing_subscriber::layer::SubscriberExt;
 
 use crate::exclusive;
@@ -261,19 +264,19 @@ fn drop_mode_never_invents_or_stretches_a_slice_and_accounts_for_every_one() {
         for round in 0..2_000u64 {
             let outer = next;
             next += 1;
-            let begin = tickline::monotonic_ns().0;
+            let begin = tickline::clock::monotonic_ns().0;
             {
                 let _o = tracing::info_span!("outer", k = outer).entered();
                 for _ in 0..3 {
                     let inner = next;
                     next += 1;
-                    let b = tickline::monotonic_ns().0;
+                    let b = tickline::clock::monotonic_ns().0;
                     drop(tracing::info_span!("inner", k = inner).entered());
                     truth.insert(
                         inner,
                         Truth {
                             begin_ns: b,
-                            end_ns: tickline::monotonic_ns().0,
+                            end_ns: tickline::clock::monotonic_ns().0,
                             parent: Some(outer),
                         },
                     );
@@ -283,7 +286,7 @@ fn drop_mode_never_invents_or_stretches_a_slice_and_accounts_for_every_one() {
                 outer,
                 Truth {
                     begin_ns: begin,
-                    end_ns: tickline::monotonic_ns().0,
+                    end_ns: tickline::clock::monotonic_ns().0,
                     parent: None,
                 },
             );
@@ -313,7 +316,7 @@ fn drop_mode_never_invents_or_stretches_a_slice_and_accounts_for_every_one() {
         assert!(s.depth <= 1, "nesting deeper than the program made: {s:?}");
     }
     // Parents: an inner slice at depth 1 sits inside its own outer slice.
-    let by_k: HashMap<u64, &tickline::RecordedSlice> = slices
+    let by_k: HashMap<u64, &tickline::export::RecordedSlice> = slices
         .iter()
         .filter_map(|s| match s.field("k") {
             Some(FieldValue::U64(k)) => Some((*k, s)),

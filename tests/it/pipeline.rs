@@ -6,7 +6,8 @@ use std::sync::{Arc, Mutex};
 use crate::exclusive;
 
 use tickline::{
-    AsyncTasks, Batch, EventKind, ExportError, Exporter, FieldValue, MemoryExporter, Timeline, TrackId, TrackKind,
+    export::{Batch, EventKind, ExportError, Exporter, FieldValue, MemoryExporter, TrackId, TrackKind},
+    AsyncTasks, Timeline,
 };
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::Layer as _;
@@ -305,14 +306,14 @@ fn native_scopes_instants_and_counters() {
     let _x = exclusive();
     let memory = MemoryExporter::default();
     let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
-    let before = tickline::monotonic_ns().0;
+    let before = tickline::clock::monotonic_ns().0;
     for i in 0..10 {
         let _outer = tickline::scope!("outer");
         let _inner = tickline::scope!("inner");
         tickline::instant!("tick");
         tickline::counter!("depth", i);
     }
-    let after = tickline::monotonic_ns().0;
+    let after = tickline::clock::monotonic_ns().0;
     timeline.flush().unwrap();
     let trace = memory.snapshot();
     assert_eq!(trace.slice_count("outer"), 10);
@@ -506,10 +507,10 @@ fn spans_without_field_values_are_named_and_take_later_values() {
 
 #[test]
 fn a_timeline_that_falls_back_to_clock_monotonic_says_so_in_its_trace() {
-    use tickline::{DeciderOptions, ProbeFaults, ReliabilityOptions, TscDecider};
+    use tickline::clock::{DeciderOptions, ProbeFaults, ReliabilityOptions, TscDecider};
     let _x = exclusive();
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    if cpus < 2 || tickline::TickSource::hardware().is_none() {
+    if cpus < 2 || tickline::clock::TickSource::hardware().is_none() {
         eprintln!("SKIP: a shifted TSC needs two CPUs and a hardware counter");
         return;
     }
@@ -531,7 +532,7 @@ fn a_timeline_that_falls_back_to_clock_monotonic_says_so_in_its_trace() {
         background: false,
     });
     let decision = decider.wait_final(std::time::Duration::from_secs(20));
-    if decision.source != tickline::TickSource::Monotonic {
+    if decision.source != tickline::clock::TickSource::Monotonic {
         eprintln!("SKIP: the pinned probes could not run on two CPUs here: {decision}");
         return;
     }
@@ -541,7 +542,7 @@ fn a_timeline_that_falls_back_to_clock_monotonic_says_so_in_its_trace() {
         .exporter(memory.clone())
         .start()
         .unwrap();
-    assert_eq!(timeline.tick_source(), tickline::TickSource::Monotonic);
+    assert_eq!(timeline.tick_source(), tickline::clock::TickSource::Monotonic);
     let reason = timeline.tsc_fallback_reason().expect("a reason").to_owned();
     drop(tickline::scope!("work"));
     timeline.shutdown().unwrap();

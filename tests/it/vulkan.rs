@@ -17,7 +17,12 @@ use tickline::gpu::vulkan::{
     find_timestamp_queue, load_entry, CalibrationExtension, CalibrationPath, VulkanGpu, VulkanOptions,
 };
 use tickline::gpu::{GpuBackend, GpuDeviceInfo, GpuError, GpuTicks};
-use tickline::{monotonic_ns, CalibrationSample, EventKind, FieldValue, MemoryExporter, Timeline, TrackKind};
+use tickline::{
+    calibration::CalibrationSample,
+    clock::monotonic_ns,
+    export::{EventKind, FieldValue, MemoryExporter, TrackKind},
+    Timeline,
+};
 
 /// Says why a test does not run, on the process's stderr: straight to the stream, not through `eprintln!`, which
 /// the test harness captures, so the line shows even when the test passes.
@@ -394,14 +399,14 @@ pub(crate) struct GpuSlice {
     pub(crate) uncertainty: u64,
 }
 
-pub(crate) fn gpu_slices(trace: &tickline::MemoryTrace) -> Vec<GpuSlice> {
+pub(crate) fn gpu_slices(trace: &tickline::export::MemoryTrace) -> Vec<GpuSlice> {
     let device = trace
         .tracks
         .iter()
         .find(|t| matches!(t.kind, TrackKind::GpuDevice { .. }))
         .expect("a GPU device track")
         .id;
-    let mut open: HashMap<tickline::TrackId, Vec<GpuSlice>> = HashMap::new();
+    let mut open: HashMap<tickline::export::TrackId, Vec<GpuSlice>> = HashMap::new();
     let mut done = Vec::new();
     for e in &trace.events {
         if trace.track(e.track).and_then(|t| t.parent) != Some(device) {

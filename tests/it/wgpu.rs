@@ -14,7 +14,7 @@ use std::time::Duration;
 use tickline::gpu::vulkan::{CalibrationPath, VulkanOptions};
 use tickline::gpu::wgpu::{hal, WgpuCommands, WgpuGpu};
 use tickline::gpu::{GpuBackend, GpuError};
-use tickline::{MemoryExporter, Timeline};
+use tickline::{export::MemoryExporter, Timeline};
 
 use crate::vulkan::{gpu_slices, percentile, skip, GpuSlice, Log, Logged};
 use support::{ready, HalDevice, HalWork};
@@ -279,10 +279,10 @@ fn a_wgpu_device_reaches_the_backend_through_as_hal() {
                 let _scope = tickline::gpu_scope!(gpu_queue, &commands, "frame", frame = frame);
             })
         };
-        let before = tickline::monotonic_ns().0;
+        let before = tickline::clock::monotonic_ns().0;
         queue.submit([work.finish(), raw.finish()]);
         device.poll(wgpu::PollType::wait_indefinitely()).unwrap();
-        windows.push((before, tickline::monotonic_ns().0));
+        windows.push((before, tickline::clock::monotonic_ns().0));
     }
     let stats = timeline.shutdown().unwrap();
     assert_eq!((stats.gpu_scopes, stats.gpu_lost_scopes), (10, 0), "{stats:?}");

@@ -11,7 +11,10 @@ use std::time::Duration;
 use tickline::gpu::vulkan::CalibrationPath;
 use tickline::gpu::wgpu::{EndFrameError, WgpuProfiler, WgpuProfilerSettings};
 use tickline::gpu::{GpuCalibrationConfig, GpuError};
-use tickline::{EventKind, MemoryExporter, MemoryTrace, TicklineError, Timeline, TrackKind};
+use tickline::{
+    export::{EventKind, MemoryExporter, MemoryTrace, TrackKind},
+    TicklineError, Timeline,
+};
 
 use crate::vulkan::{percentile, skip};
 use crate::wgpu::support::{FrameWork, WgpuSetup, FRAME_SCOPES};
@@ -43,7 +46,7 @@ fn gpu_slices(trace: &MemoryTrace) -> Vec<Slice> {
         .find(|t| matches!(t.kind, TrackKind::GpuDevice { .. }))
         .expect("a GPU device track")
         .id;
-    let mut open: HashMap<tickline::TrackId, Vec<Slice>> = HashMap::new();
+    let mut open: HashMap<tickline::export::TrackId, Vec<Slice>> = HashMap::new();
     let mut done = Vec::new();
     for e in &trace.events {
         if trace.track(e.track).and_then(|t| t.parent) != Some(device) {
@@ -55,7 +58,7 @@ fn gpu_slices(trace: &MemoryTrace) -> Vec<Slice> {
                     .fields
                     .iter()
                     .find_map(|(k, v)| match (k.as_str(), v) {
-                        ("uncertainty_ns", tickline::FieldValue::U64(u)) => Some(*u),
+                        ("uncertainty_ns", tickline::export::FieldValue::U64(u)) => Some(*u),
                         _ => None,
                     })
                     .expect("an uncertainty annotation");
@@ -102,11 +105,11 @@ fn run_frames(test: &str, calibrated: bool) -> Option<(Vec<u64>, CalibrationPath
     for frame in 0..FRAMES {
         let mut encoder = setup.device.create_command_encoder(&Default::default());
         work.record(&mut encoder, Some(&profiler), frame);
-        let before = tickline::monotonic_ns().0;
+        let before = tickline::clock::monotonic_ns().0;
         setup.queue.submit([encoder.finish()]);
         profiler.end_frame().unwrap();
         setup.wait().unwrap();
-        windows.push((before, tickline::monotonic_ns().0));
+        windows.push((before, tickline::clock::monotonic_ns().0));
         std::thread::sleep(Duration::from_millis(3));
     }
     let stats = timeline.shutdown().unwrap();

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use tickline::{Batch, Event, EventKind, Exporter, NameId, TrackDescriptor, TrackId, TrackKind};
+use tickline::export::{Batch, EventKind, Exporter, NameId, TraceEvent, TrackDescriptor, TrackId, TrackKind};
 use tickline_perfetto::PerfettoExporter;
 
 const EVENTS: usize = 100_000;
@@ -26,7 +26,7 @@ fn batch() -> Batch {
         } else {
             EventKind::SliceEnd
         };
-        b.events.push(Event {
+        b.events.push(TraceEvent {
             ts_ns: 1_000_000_000 + i * 40,
             track: TrackId(1),
             kind,

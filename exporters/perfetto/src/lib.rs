@@ -58,8 +58,12 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use tickline::{
-    Batch, ClockExchange, ClockReadings, Event, EventKind, ExchangeSample, ExportError, Exporter, FieldValue, HostInfo,
-    MachineId, MachineIdSource, RecordingOrigin, SimulatedClock, TraceUuid, TrackDescriptor, TrackKind,
+    export::{
+        Batch, EventKind, ExportError, Exporter, FieldValue, RecordingOrigin, TraceEvent, TrackDescriptor, TrackKind,
+    },
+    sync::{
+        ClockExchange, ClockReadings, ExchangeSample, HostInfo, MachineId, MachineIdSource, SimulatedClock, TraceUuid,
+    },
 };
 
 /// The one packet sequence this writer emits.
@@ -394,7 +398,7 @@ impl<W: Write + Send> PerfettoExporter<W> {
             stats: PerfettoStats::default(),
             trace_uuid,
             host: HostInfo::current().clone(),
-            simulate: tickline::simulation().copied(),
+            simulate: tickline::sync::simulation().copied(),
             flush_interval: Duration::from_millis(500),
             snapshot_interval: Duration::from_secs(2),
             last_write: now,
@@ -407,7 +411,7 @@ impl<W: Write + Send> PerfettoExporter<W> {
             last_clock_ts: 0,
             pending_snapshots: Vec::new(),
             recorded_pid: std::process::id(),
-            recorded_process: tickline::process_name(),
+            recorded_process: tickline::sync::process_name(),
             replay: None,
         }
     }
@@ -471,7 +475,7 @@ impl<W: Write + Send> PerfettoExporter<W> {
         Ok(self.writer)
     }
 
-    fn uuid(&self, track: tickline::TrackId) -> u64 {
+    fn uuid(&self, track: tickline::export::TrackId) -> u64 {
         self.uuid_salt ^ track.0
     }
 
@@ -500,7 +504,7 @@ impl<W: Write + Send> PerfettoExporter<W> {
     }
 
     fn read_clocks(&self) -> ClockReadings {
-        let real = tickline::read_real_clocks();
+        let real = tickline::sync::read_real_clocks();
         match &self.simulate {
             Some(sim) => sim.apply(real),
             None => real,
@@ -517,7 +521,7 @@ impl<W: Write + Send> PerfettoExporter<W> {
     /// A bracketed snapshot of the four clocks read now (live), and (once the clock track exists) its
     /// instant with the bracket and the time-sync state.
     fn write_clock_snapshot(&mut self, first: bool) {
-        let real = tickline::read_real_clocks();
+        let real = tickline::sync::read_real_clocks();
         self.boot_offset_ns = real.boottime_ns as i64 - real.monotonic_ns as i64;
         let r = match &self.simulate {
             Some(sim) => sim.apply(real),
@@ -583,7 +587,7 @@ impl<W: Write + Send> PerfettoExporter<W> {
         let sync = if self.replay.is_some() {
             None
         } else {
-            tickline::time_sync_state()
+            tickline::sync::time_sync_state()
         };
         let mut annotations = vec![
             Annotation::U64("boottime_ns", r.boottime_ns),
@@ -889,7 +893,7 @@ impl<W: Write + Send> PerfettoExporter<W> {
     }
 
     /// Interns names for both event names and debug annotation names (the same iid serves both tables).
-    fn write_interned(&mut self, names: &[(tickline::NameId, String)]) {
+    fn write_interned(&mut self, names: &[(tickline::export::NameId, String)]) {
         if names.is_empty() {
             return;
         }
@@ -915,7 +919,7 @@ impl<W: Write + Send> PerfettoExporter<W> {
     /// The hot path: an event with no fields and no flows (most slice ends, most begins, every counter)
     /// is assembled on the stack with hand-rolled varints and appended in one copy.
     #[inline]
-    fn write_plain_event<const SIM: bool>(&mut self, event: &Event) {
+    fn write_plain_event<const SIM: bool>(&mut self, event: &TraceEvent) {
         let mut b = [0u8; 64];
         // b[0] = Trace.packet key, b[1] = packet length, then the packet body from b[2].
         b[0] = 0x0a; // field 1, length-delimited
@@ -958,7 +962,7 @@ impl<W: Write + Send> PerfettoExporter<W> {
         self.stats.packets += 1;
     }
 
-    fn write_event<const SIM: bool>(&mut self, batch: &Batch, event: &Event) {
+    fn write_event<const SIM: bool>(&mut self, batch: &Batch, event: &TraceEvent) {
         if event.fields.is_empty() && event.flow_out.is_none() && event.flow_in.is_none() {
             return self.write_plain_event::<SIM>(event);
         }
@@ -1090,7 +1094,7 @@ impl<W: Write + Send> Exporter for PerfettoExporter<W> {
         }
         // Facts about tracks (the CPU clock decision on the process track): an instant carrying them.
         for m in &batch.metadata {
-            let event = Event {
+            let event = TraceEvent {
                 ts_ns: m.ts_ns,
                 track: m.track,
                 kind: EventKind::Instant,

@@ -6,13 +6,14 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::process::Command;
 
-use tickline::{
-    Batch, Event, EventKind, ExportError, Exporter, Field, FieldValue, NameId, TrackDescriptor, TrackId, TrackKind,
+use tickline::export::{
+    Batch, EventKind, ExportError, Exporter, FieldValue, NameId, TraceEvent, TraceField, TrackDescriptor, TrackId,
+    TrackKind,
 };
 use tickline_perfetto::PerfettoExporter;
 
-fn event(ts_ns: u64, track: u64, kind: EventKind, name: u32) -> Event {
-    Event {
+fn event(ts_ns: u64, track: u64, kind: EventKind, name: u32) -> TraceEvent {
+    TraceEvent {
         ts_ns,
         track: TrackId(track),
         kind,
@@ -75,23 +76,23 @@ fn sample_batch(open_end: bool) -> Batch {
         b.new_names.push((NameId(id as u32 + 1), name.to_string()));
     }
     b.fields = vec![
-        Field {
+        TraceField {
             name: NameId(6),
             value: FieldValue::I64(-3),
         },
-        Field {
+        TraceField {
             name: NameId(7),
             value: FieldValue::U64(u64::MAX),
         },
-        Field {
+        TraceField {
             name: NameId(8),
             value: FieldValue::F64(0.25),
         },
-        Field {
+        TraceField {
             name: NameId(9),
             value: FieldValue::Bool(true),
         },
-        Field {
+        TraceField {
             name: NameId(10),
             value: FieldValue::Str("héllo".into()),
         },
@@ -381,7 +382,7 @@ fn gpu_batch(uncertainty: bool) -> Batch {
     let mut kernel = event(1_600, 6, EventKind::SliceBegin, 12);
     kernel.flow_in = Some(9);
     if uncertainty {
-        b.fields.push(Field {
+        b.fields.push(TraceField {
             name: NameId(11),
             value: FieldValue::U64(40),
         });
@@ -573,7 +574,7 @@ fn the_trace_describes_itself() {
     // The process track carries host= and machine= labels (ProcessDescriptor.process_labels, 8).
     let text = String::from_utf8_lossy(&bytes);
     assert!(text.contains("host="), "process labels");
-    assert!(text.contains(&format!("machine={}", tickline::MachineId::current())));
+    assert!(text.contains(&format!("machine={}", tickline::sync::MachineId::current())));
     // tickline's instants, with plain names.
     for name in [
         tickline_perfetto::TRACE_INFO_EVENT,

@@ -3,7 +3,10 @@
 
 use std::collections::HashMap;
 
-use tickline::{CpuClock, NameId, TickSource, TrackId};
+use tickline::{
+    clock::TickSource,
+    export::{CpuClock, NameId, TrackId},
+};
 use tracy_client::{Client, GpuContext, GpuContextType};
 
 use crate::TracyStats;
@@ -75,7 +78,7 @@ impl Axis {
                 ns_per_tick: clock.calibration.ns_per_tick(),
             },
             _ => Axis::Ns {
-                origin: tickline::monotonic_ns().0,
+                origin: tickline::clock::monotonic_ns().0,
             },
         }
     }
@@ -113,7 +116,7 @@ impl Axis {
         let before = unsafe { tracy_client::sys::___tracy_get_time() };
         let g = match *self {
             Axis::Tsc { .. } => self.of_ticks(before as u64),
-            Axis::Ns { origin } => tickline::monotonic_ns().0.wrapping_sub(origin) as i64,
+            Axis::Ns { origin } => tickline::clock::monotonic_ns().0.wrapping_sub(origin) as i64,
         };
         (g, before)
     }
@@ -239,7 +242,7 @@ impl GpuZones {
         let axis = *axis;
         // Oldest first across lanes, so Tracy's GPU times (delta-coded across contexts) move forwards.
         self.ready.sort_by_key(|(first, _, _)| *first);
-        let now_ns = tickline::monotonic_ns().0;
+        let now_ns = tickline::clock::monotonic_ns().0;
         let mut anchored: Vec<TrackId> = Vec::new();
         for (first, track, items) in self.ready.drain(..) {
             let zones = items.len() as u64 / 2;

@@ -25,7 +25,7 @@
 //! # Design
 //!
 //! **CPU zones are emitted on the thread itself, at the moment tickline records** (through
-//! [`tickline::LiveSink`]), with one leaked, static Tracy source location per call site (`tracing` metadata or
+//! [`tickline::export::LiveSink`]), with one leaked, static Tracy source location per call site (`tracing` metadata or
 //! native callsite), found again with two atomic loads and no lock or allocation. Tracy's public API offers no
 //! other way: its zone calls stamp "now" on the calling thread (tracy#1154, #1440 ask for more). Tracy and
 //! tickline both read the TSC, a few nanoseconds apart, so a Tracy zone and tickline's slice of the same
@@ -50,7 +50,7 @@
 //! one Tracy GPU context per GPU lane track (a queue's track, or a sibling lane tickline opened for
 //! partially overlapping slices: slices within one lane nest strictly, as a Tracy context requires), created
 //! with period 1.0 and fed with timestamps already on Tracy's CPU axis. Tracy's CPU time is the raw TSC: each
-//! slice's reference-ns time goes back to the TSC through the batch's [`tickline::CpuClock`] (the collector's
+//! slice's reference-ns time goes back to the TSC through the batch's [`tickline::export::CpuClock`] (the collector's
 //! calibration), then to ns with a rate frozen when the exporter first sees a clock. Tracy converts its own
 //! TSC readings with a rate it measured once at startup, which no API exposes; so before each upload the
 //! context is re-anchored (`sync_gpu_time`) to the TSC read just before the call, and the only error left is
@@ -124,7 +124,10 @@ mod srcloc;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use tickline::{Batch, EventKind, ExportError, Exporter, LiveSink, NameId, TimelineBuilder, TrackId, TrackKind};
+use tickline::{
+    export::{Batch, EventKind, ExportError, Exporter, LiveSink, NameId, TrackId, TrackKind},
+    TimelineBuilder,
+};
 use tracy_client::{Client, PlotName};
 
 use gpu::{GpuZones, Lane};
@@ -239,7 +242,7 @@ impl TracyExporter {
         Client::is_connected()
     }
 
-    fn add_track(&mut self, track: &tickline::TrackDescriptor) {
+    fn add_track(&mut self, track: &tickline::export::TrackDescriptor) {
         match &track.kind {
             TrackKind::GpuDevice { name, api } => {
                 // Tracy's Vulkan context type for Vulkan devices, however they are reached (ash, wgpu-hal).

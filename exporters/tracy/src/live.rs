@@ -7,7 +7,7 @@ use std::ffi::c_char;
 use std::fmt::Write as _;
 use std::sync::Mutex;
 
-use tickline::{Callsite, LiveSink, LiveSpanData};
+use tickline::export::{LiveSink, LiveSpanData, NativeCallsite};
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Record};
 use tracing::{Event, Level, Metadata};
@@ -144,8 +144,8 @@ impl TracyLive {
     }
 
     #[inline]
-    fn callsite_location(&self, callsite: &'static Callsite) -> *const sys::___tracy_source_location_data {
-        let key = callsite as *const Callsite as usize;
+    fn callsite_location(&self, callsite: &'static NativeCallsite) -> *const sys::___tracy_source_location_data {
+        let key = callsite as *const NativeCallsite as usize;
         self.locations.get(key, || {
             let (file, line) = callsite.location();
             Site {
@@ -266,16 +266,16 @@ impl LiveSink for TracyLive {
     }
 
     #[inline]
-    fn scope_begin(&self, callsite: &'static Callsite) {
+    fn scope_begin(&self, callsite: &'static NativeCallsite) {
         self.begin(self.callsite_location(callsite), None);
     }
 
     #[inline]
-    fn scope_end(&self, _callsite: &'static Callsite) {
+    fn scope_end(&self, _callsite: &'static NativeCallsite) {
         self.end();
     }
 
-    fn instant(&self, callsite: &'static Callsite) {
+    fn instant(&self, callsite: &'static NativeCallsite) {
         if !capturing() {
             return;
         }

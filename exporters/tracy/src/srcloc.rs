@@ -2,7 +2,7 @@
 //!
 //! Tracy identifies a zone's call site by the address of a `___tracy_source_location_data` that must stay
 //! valid for the whole process (the server asks for its strings later, by address). tickline's call sites
-//! (`tracing`'s `&'static Metadata`, a native `&'static Callsite`) are `'static` too, so each one gets a
+//! (`tracing`'s `&'static Metadata`, a native `&'static NativeCallsite`) are `'static` too, so each one gets a
 //! leaked source location with leaked NUL-terminated strings, made the first time the call site is seen.
 //!
 //! The hot path finds it again in an insert-only open-addressing table keyed by the call site's address:

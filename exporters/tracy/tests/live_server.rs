@@ -26,7 +26,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tickline::gpu::sim::{SimCommands, SimGpu, SimGpuConfig};
-use tickline::{Batch, EventKind, ExportError, Exporter, Timeline, TrackId, TrackKind};
+use tickline::{
+    export::{Batch, EventKind, ExportError, Exporter, TrackId, TrackKind},
+    Timeline,
+};
 use tracing_subscriber::layer::SubscriberExt;
 
 fn main() {
@@ -47,7 +50,7 @@ struct Truth {
     threads: HashMap<TrackId, u32>,
     lanes: HashMap<TrackId, String>,
     devices: HashMap<TrackId, String>,
-    names: HashMap<tickline::NameId, String>,
+    names: HashMap<tickline::export::NameId, String>,
     open: HashMap<TrackId, Vec<(String, u64, u64)>>,
 }
 
@@ -139,7 +142,7 @@ fn app() {
     let stats = tracy.stats();
     // Tracy's CPU axis is the TSC: use it without tickline's start-up reliability check (which a loaded
     // 2-core test machine can fail, and which would move tickline to CLOCK_MONOTONIC, off Tracy's axis).
-    let source = tickline::TickSource::hardware().expect("a hardware tick counter (x86_64 TSC)");
+    let source = tickline::clock::TickSource::hardware().expect("a hardware tick counter (x86_64 TSC)");
     let builder = Timeline::builder()
         .tick_source(source)
         .lossless(true)

@@ -66,10 +66,10 @@ pub use report::{CheckVerdict, CpuRate, CpuShift, PassSummary, SkippedCpu, TscCh
 /// check is bounded by [`ReliabilityOptions::time_budget_ms`] (plus at most one rate interval).
 ///
 /// ```
-/// let report = tickline::check_tsc_reliability(&tickline::ReliabilityOptions::default());
+/// let report = tickline::clock::check_tsc_reliability(&tickline::clock::ReliabilityOptions::default());
 /// println!("{report}");
 /// if !report.is_reliable() {
-///     // record with tickline::TickSource::Monotonic instead
+///     // record with tickline::clock::TickSource::Monotonic instead
 /// }
 /// assert_eq!(report.cpus_tested, report.tested_cpus.len());
 /// ```

@@ -13,9 +13,9 @@ use std::time::Duration;
 /// [`ReliabilityOptions::up_front`] in about 1-2 ms (the check a process's first timeline waits for).
 ///
 /// ```
-/// let options = tickline::ReliabilityOptions {
+/// let options = tickline::clock::ReliabilityOptions {
 ///     max_shift_limit_ns: 500,
-///     ..tickline::ReliabilityOptions::default()
+///     ..tickline::clock::ReliabilityOptions::default()
 /// };
 /// assert_eq!(options.attempts, 3);
 /// ```
@@ -120,7 +120,7 @@ impl ReliabilityOptions {
     /// limit is wider (200 ppm) because a short interval measures the rate less precisely.
     ///
     /// ```
-    /// let report = tickline::check_tsc_reliability(&tickline::ReliabilityOptions::quick());
+    /// let report = tickline::clock::check_tsc_reliability(&tickline::clock::ReliabilityOptions::quick());
     /// assert!(report.passes.len() <= 2);
     /// ```
     pub fn quick() -> Self {
@@ -144,7 +144,7 @@ impl ReliabilityOptions {
     /// background does that). A 1 ms rate interval measures the rate to some 50 ppm, hence the 500 ppm limit.
     ///
     /// ```
-    /// let options = tickline::ReliabilityOptions::up_front();
+    /// let options = tickline::clock::ReliabilityOptions::up_front();
     /// assert!(!options.retry_inconclusive);
     /// ```
     pub fn up_front() -> Self {
@@ -240,7 +240,7 @@ impl PartialEq for InjectedPreemption {
 ///
 /// ```
 /// # use std::time::Duration;
-/// use tickline::{InjectedPreemption, ProbeFaults, ProbePhase, ReliabilityOptions};
+/// use tickline::clock::{InjectedPreemption, ProbeFaults, ProbePhase, ReliabilityOptions};
 /// let options = ReliabilityOptions {
 ///     faults: ProbeFaults {
 ///         preempt: Some(InjectedPreemption::new(ProbePhase::Shift, Duration::from_millis(12), 1)),

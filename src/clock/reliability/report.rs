@@ -10,7 +10,7 @@ use crate::clock::TickSource;
 /// What to do with the TSC after [`check_tsc_reliability`](crate::check_tsc_reliability).
 ///
 /// ```
-/// let d = tickline::TscDecision::FallBack { reason: "CPUID reports no invariant TSC".into() };
+/// let d = tickline::clock::TscDecision::FallBack { reason: "CPUID reports no invariant TSC".into() };
 /// assert_eq!(d.to_string(), "fall back to clock_gettime: CPUID reports no invariant TSC");
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -53,7 +53,7 @@ impl TscCheck {
     /// The name used in reports and JSON.
     ///
     /// ```
-    /// assert_eq!(tickline::TscCheck::Shift.name(), "shift");
+    /// assert_eq!(tickline::clock::TscCheck::Shift.name(), "shift");
     /// ```
     pub fn name(self) -> &'static str {
         match self {
@@ -84,7 +84,7 @@ impl Verdict {
     /// `"pass"`, `"fail"` or `"inconclusive"`.
     ///
     /// ```
-    /// assert_eq!(tickline::Verdict::Pass.label(), "pass");
+    /// assert_eq!(tickline::clock::Verdict::Pass.label(), "pass");
     /// ```
     pub fn label(&self) -> &'static str {
         match self {
@@ -215,7 +215,7 @@ pub struct CpuRate {
 /// measured, each pass's verdicts, and the decision over all passes.
 ///
 /// ```
-/// let report = tickline::check_tsc_reliability(&tickline::ReliabilityOptions::quick());
+/// let report = tickline::clock::check_tsc_reliability(&tickline::clock::ReliabilityOptions::quick());
 /// assert_eq!(report.passes.last().map(|p| p.attempt), Some(report.passes.len() as u32));
 /// println!("{report}");
 /// ```

@@ -8,7 +8,7 @@ use super::calibrate;
 use super::queries::{RawTicksLog, WgpuQueries};
 use super::scope::{self, WgpuOwningScope, WgpuRecorder, WgpuScope};
 use crate::calibration::ClockDomain;
-use crate::callsite::Callsite;
+use crate::callsite::NativeCallsite;
 use crate::gpu::vulkan::CalibrationPath;
 use crate::gpu::{GpuCalibrationReport, GpuDevice, GpuDeviceInfo, GpuError, GpuFieldEncoder, GpuQueue};
 use crate::{TicklineError, Timeline};
@@ -282,7 +282,7 @@ impl WgpuProfiler {
     #[inline]
     pub fn scope_at<'a, R: WgpuRecorder>(
         &'a self,
-        callsite: &'static Callsite,
+        callsite: &'static NativeCallsite,
         fields: Option<&dyn Fn(&mut GpuFieldEncoder<'_, '_>)>,
         encoder_or_pass: &'a mut R,
     ) -> WgpuScope<'a, R> {
@@ -474,7 +474,7 @@ impl WgpuProfiler {
     #[inline]
     fn open<R: WgpuRecorder>(
         &self,
-        callsite: &'static Callsite,
+        callsite: &'static NativeCallsite,
         fields: Option<&dyn Fn(&mut GpuFieldEncoder<'_, '_>)>,
         label: &str,
         recorder: &mut R,

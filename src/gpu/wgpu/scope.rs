@@ -11,7 +11,7 @@ use std::panic::Location;
 use std::sync::Mutex;
 
 use super::profiler::{Opened, WgpuProfiler};
-use crate::callsite::Callsite;
+use crate::callsite::NativeCallsite;
 
 mod sealed {
     pub trait Sealed {}
@@ -237,12 +237,12 @@ guard_methods!(WgpuOwningScope);
 #[macro_export]
 macro_rules! wgpu_scope {
     ($profiler:expr, $recorder:expr, $name:expr $(,)?) => {{
-        static CALLSITE: $crate::Callsite = $crate::Callsite::new($name, file!(), line!());
+        static CALLSITE: $crate::export::NativeCallsite = $crate::export::NativeCallsite::new($name, file!(), line!());
         $crate::gpu::wgpu::WgpuProfiler::scope_at(&$profiler, &CALLSITE, None, $recorder)
     }};
     ($profiler:expr, $recorder:expr, $name:expr, $($field:ident = $value:expr),+ $(,)?) => {{
-        static CALLSITE: $crate::Callsite =
-            $crate::Callsite::with_fields($name, &[$(stringify!($field)),+], file!(), line!());
+        static CALLSITE: $crate::export::NativeCallsite =
+            $crate::export::NativeCallsite::with_fields($name, &[$(stringify!($field)),+], file!(), line!());
         $crate::gpu::wgpu::WgpuProfiler::scope_at(
             &$profiler,
             &CALLSITE,
@@ -260,10 +260,10 @@ macro_rules! wgpu_scope {
 }
 
 /// The call site of scopes whose label did not fit in the label table: the label is recorded as a field.
-pub(super) static OVERFLOW: Callsite =
-    Callsite::with_fields("wgpu scope (label table full)", &["label"], file!(), line!());
+pub(super) static OVERFLOW: NativeCallsite =
+    NativeCallsite::with_fields("wgpu scope (label table full)", &["label"], file!(), line!());
 
-/// Most distinct `(label, call site)` pairs interned per process (each is a leaked [`Callsite`] of a few dozen
+/// Most distinct `(label, call site)` pairs interned per process (each is a leaked [`NativeCallsite`] of a few dozen
 /// bytes plus its label); past it, scopes record their label as a field of [`OVERFLOW`].
 const MAX_LABELS: usize = 4096;
 /// Most labels a thread caches per call site: a call site with labels made at run time (`format!("pass
@@ -289,7 +289,7 @@ impl Hasher for AddressHasher {
     }
 }
 
-type Sites = HashMap<usize, Vec<(Box<str>, &'static Callsite)>, BuildHasherDefault<AddressHasher>>;
+type Sites = HashMap<usize, Vec<(Box<str>, &'static NativeCallsite)>, BuildHasherDefault<AddressHasher>>;
 
 thread_local! {
     static CACHE: RefCell<Sites> = RefCell::new(Sites::default());
@@ -300,7 +300,7 @@ static TABLE: Mutex<(usize, Option<Sites>)> = Mutex::new((0, None));
 /// The call site for scopes labelled `label` at `location`: made once per process for each pair, then found in
 /// this thread's cache (a hash of the location's address and a string compare). `None` once the process table
 /// holds [`MAX_LABELS`] of them.
-pub(super) fn callsite(label: &str, location: &'static Location<'static>) -> Option<&'static Callsite> {
+pub(super) fn callsite(label: &str, location: &'static Location<'static>) -> Option<&'static NativeCallsite> {
     let site = location as *const Location<'static> as usize;
     let cached = CACHE.try_with(|cache| {
         let cache = cache.borrow();
@@ -324,7 +324,7 @@ pub(super) fn callsite(label: &str, location: &'static Location<'static>) -> Opt
 }
 
 #[cold]
-fn intern(label: &str, site: usize, location: &'static Location<'static>) -> Option<&'static Callsite> {
+fn intern(label: &str, site: usize, location: &'static Location<'static>) -> Option<&'static NativeCallsite> {
     let mut table = TABLE.lock().unwrap_or_else(|e| e.into_inner());
     let (count, sites) = &mut *table;
     let labels = sites.get_or_insert_with(Sites::default).entry(site).or_default();
@@ -338,7 +338,8 @@ fn intern(label: &str, site: usize, location: &'static Location<'static>) -> Opt
     // Leaked on purpose: the collector resolves a scope's name through its call site's address at any later
     // time, so call sites live as long as the process (as `static`s do); MAX_LABELS bounds the leak.
     let name: &'static str = Box::leak(label.into());
-    let callsite: &'static Callsite = Box::leak(Box::new(Callsite::new(name, location.file(), location.line())));
+    let callsite: &'static NativeCallsite =
+        Box::leak(Box::new(NativeCallsite::new(name, location.file(), location.line())));
     labels.push((name.into(), callsite));
     Some(callsite)
 }
@@ -366,9 +367,10 @@ mod tests {
         let other_label = callsite(&format!("interned {}", "twice"), a).unwrap();
         assert_eq!(other_label.name(), "interned twice");
         // Another thread finds the same call site through the process table.
-        let from_thread = std::thread::spawn(move || callsite("interned once", a).unwrap() as *const Callsite as usize)
-            .join()
-            .unwrap();
-        assert_eq!(from_thread, first as *const Callsite as usize);
+        let from_thread =
+            std::thread::spawn(move || callsite("interned once", a).unwrap() as *const NativeCallsite as usize)
+                .join()
+                .unwrap();
+        assert_eq!(from_thread, first as *const NativeCallsite as usize);
     }
 }
