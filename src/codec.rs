@@ -225,9 +225,15 @@ fn push_payload(out: &mut Vec<Record>, first_index: usize, payload: &[u8]) {
 /// The group of a span's creation with fields or a parent that is not the contextual one, at `ticks` (0:
 /// untimed).
 pub(crate) fn encode_span_new(out: &mut Vec<Record>, ticks: u64, callsite: u64, parent: Parent, payload: &[u8]) {
+    encode_with_parent(out, Kind::SpanNew, ticks, callsite, parent, payload);
+}
+
+/// A group of `kind` whose first data record carries the payload length, the parent mode and an explicit
+/// parent's serial (0 otherwise): span creations and events.
+fn encode_with_parent(out: &mut Vec<Record>, kind: Kind, ticks: u64, callsite: u64, parent: Parent, payload: &[u8]) {
     out.clear();
     out.push(Record::head(
-        Kind::SpanNew,
+        kind,
         (1 + payload_records(payload.len())) as u64,
         ticks,
         callsite,
@@ -265,23 +271,7 @@ pub(crate) fn encode_span_record(out: &mut Vec<Record>, ticks: u64, serial: u64,
 
 /// The group of an event.
 pub(crate) fn encode_event(out: &mut Vec<Record>, ticks: u64, callsite: u64, parent: Parent, payload: &[u8]) {
-    out.clear();
-    out.push(Record::head(
-        Kind::Event,
-        (1 + payload_records(payload.len())) as u64,
-        ticks,
-        callsite,
-    ));
-    let parent_serial = match parent {
-        Parent::Explicit(serial) => serial,
-        _ => 0,
-    };
-    out.push(Record::data(
-        1,
-        payload.len() as u64 | (parent.mode() << 16),
-        parent_serial,
-    ));
-    push_payload(out, 2, payload);
+    encode_with_parent(out, Kind::Event, ticks, callsite, parent, payload);
 }
 
 /// The group of a GPU scope's begin: the callsite, the scope key (device, queue, timestamp pair), fields.

@@ -240,7 +240,7 @@ impl TimelineBuilder {
                 cpu_burst_interval: self.calibration.interval,
                 gpu: self.gpu_calibration,
             },
-            process_name: process_name(),
+            process_name: crate::sync::process_name(),
             cpu_domain: calibrator.history().domain(),
             cpu_history: self.calibration.history,
             exporters: self.exporters,
@@ -269,17 +269,6 @@ impl TimelineBuilder {
             live,
         })
     }
-}
-
-fn process_name() -> String {
-    std::env::args()
-        .next()
-        .and_then(|a| {
-            std::path::Path::new(&a)
-                .file_name()
-                .map(|f| f.to_string_lossy().into_owned())
-        })
-        .unwrap_or_else(|| format!("process {}", std::process::id()))
 }
 
 /// A running timeline: the collector's threads and their exporters. Dropping it drains everything recorded

@@ -358,7 +358,7 @@ impl CaptureWriter {
                 self.fail(stats, e);
             }
         }
-        first_error(stats)
+        stats.first_export_failure()
     }
 
     /// Writes the end frame and flushes.
@@ -369,18 +369,6 @@ impl CaptureWriter {
             }
         }
         self.flush(stats)
-    }
-}
-
-fn first_error(stats: &SharedStats) -> Result<(), String> {
-    match stats
-        .first_export_error
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .as_ref()
-    {
-        Some((_, message)) => Err(message.clone()),
-        None => Ok(()),
     }
 }
 

@@ -6,10 +6,12 @@
 //! ```
 //!
 //! - `drain.rs` (thread `tickline-drain`): the live side. Moves raw records out of the rings into chunks,
-//!   reads registrations, takes calibration bursts of every clock, polls GPUs. Cheap and bounded, so an
-//!   ordinary burst never fills a ring.
+//!   reads registrations, takes calibration bursts of every clock, polls GPUs (`drain_gpu.rs`: bursts, reads
+//!   of timestamp pairs, pairs released and retired). Cheap and bounded, so an ordinary burst never fills a
+//!   ring.
 //! - `input.rs`: the log between the stages; `capture.rs` writes it to a file and reads it back.
-//! - `process.rs` (thread `tickline-collector`): decode, name, order, convert; `spans.rs` its span table.
+//! - `process.rs` (thread `tickline-collector`): decode, name, order, convert; `spans.rs` its span table;
+//!   `process_gpu.rs` the GPU side (scopes matched with their ticks, the device clock's tracker, lanes).
 //! - `output.rs`: tracks, names, batches and the exporters.
 //! - `stats.rs`: [`TimelineStats`].
 

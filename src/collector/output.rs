@@ -138,16 +138,7 @@ impl Output {
     ) {
         let start = self.batch.fields.len() as u32;
         self.batch.fields.extend_from_slice(fields);
-        let end = self.batch.fields.len() as u32;
-        self.batch.events.push(TraceEvent {
-            ts_ns,
-            track,
-            kind,
-            name,
-            fields: start..end,
-            flow_out: None,
-            flow_in: None,
-        });
+        self.push_event_with_fields_from(start, ts_ns, track, kind, name);
     }
 
     /// Appends an event whose fields the caller gives up (no copy of the values).
@@ -162,6 +153,19 @@ impl Output {
     ) -> &mut TraceEvent {
         let start = self.batch.fields.len() as u32;
         self.batch.fields.append(fields);
+        self.push_event_with_fields_from(start, ts_ns, track, kind, name)
+    }
+
+    /// Appends an event whose fields are the field arena's entries from `start` on.
+    #[inline]
+    fn push_event_with_fields_from(
+        &mut self,
+        start: u32,
+        ts_ns: u64,
+        track: TrackId,
+        kind: EventKind,
+        name: NameId,
+    ) -> &mut TraceEvent {
         let end = self.batch.fields.len() as u32;
         self.batch.events.push(TraceEvent {
             ts_ns,
@@ -277,15 +281,7 @@ impl Output {
                 record_failure(stats, slot, e);
             }
         }
-        match stats
-            .first_export_error
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-        {
-            Some((_, message)) => Err(message.clone()),
-            None => Ok(()),
-        }
+        stats.first_export_failure()
     }
 }
 

@@ -65,6 +65,21 @@ pub struct TimelineStats {
     pub async_polls: u64,
 }
 
+impl SharedStats {
+    /// The first export failure, in words, if any.
+    pub(crate) fn first_export_failure(&self) -> Result<(), String> {
+        match self
+            .first_export_error
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+        {
+            Some((_, message)) => Err(message.clone()),
+            None => Ok(()),
+        }
+    }
+}
+
 macro_rules! shared_stats {
     ($($field:ident),* $(,)?) => {
         /// [`TimelineStats`] as atomics, written by the collector's threads and read by the handle.

@@ -696,16 +696,26 @@ macro_rules! gpu_scope {
             &$queue,
             $commands,
             &CALLSITE,
-            Some(&|encoder: &mut $crate::gpu::GpuFieldEncoder<'_, '_>| {
-                let mut index = 0u8;
-                $(
-                    encoder.field(index, &$value);
-                    index += 1;
-                )+
-                let _ = index;
-            }),
+            $crate::__gpu_field_encoder!($($value),+),
         )
     }};
+}
+
+/// The field encoder `gpu_scope!` and `wgpu_scope!` hand their scope: field `k` is the `k`-th value, in the
+/// order of the call site's field names.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __gpu_field_encoder {
+    ($($value:expr),+) => {
+        Some(&|encoder: &mut $crate::gpu::GpuFieldEncoder<'_, '_>| {
+            let mut index = 0u8;
+            $(
+                encoder.field(index, &$value);
+                index += 1;
+            )+
+            let _ = index;
+        })
+    };
 }
 
 #[cfg(test)]

@@ -817,41 +817,17 @@ impl VulkanGpu {
         budget: Duration,
         out: &mut Vec<CalibrationSample>,
     ) -> Result<(), GpuError> {
-        let infos = [
-            vk::CalibratedTimestampInfoKHR::default().time_domain(vk::TimeDomainKHR::DEVICE),
-            vk::CalibratedTimestampInfoKHR::default().time_domain(vk::TimeDomainKHR::CLOCK_MONOTONIC),
-        ];
-        let started = Instant::now();
-        for _ in 0..samples {
-            if started.elapsed() >= budget {
-                break;
-            }
-            let mut timestamps = [0u64; 2];
-            let mut max_deviation = 0u64;
-            debug_assert_eq!(infos.len(), timestamps.len());
-            // SAFETY: the entry point was resolved for this device in `check_extension`, which also checked that
-            // the extension is offered and both domains are calibrateable; `infos` and `timestamps` hold 2
-            // elements each, as the count says, and outlive the call.
-            let result = unsafe {
-                (get_calibrated_timestamps)(
-                    self.owned.device.handle(),
-                    infos.len() as u32,
-                    infos.as_ptr(),
-                    timestamps.as_mut_ptr(),
-                    &mut max_deviation,
-                )
-            };
-            if result != vk::Result::SUCCESS {
-                return Err(api("vkGetCalibratedTimestamps")(result));
-            }
-            out.push(CalibrationSample {
-                source_ticks: timestamps[0] & self.mask,
-                reference_ns: timestamps[1],
-                // Never zero (the proposal: at least the longest tick of the domains sampled).
-                max_deviation_ns: max_deviation.max(1),
-            });
+        // SAFETY: the entry point was resolved for this device in `check_extension`, which also checked that
+        // the extension is offered and both domains are calibrateable; the device is ours and alive.
+        unsafe {
+            sample_calibrated_timestamps(
+                get_calibrated_timestamps,
+                self.owned.device.handle(),
+                self.mask,
+                (samples, budget),
+                out,
+            )
         }
-        Ok(())
     }
 
     /// Reads the probe query without waiting.
@@ -1152,6 +1128,55 @@ impl GpuBackend for VulkanGpu {
             Calibrator::Submit => self.calibrate_submit(samples, budget, out),
         }
     }
+}
+
+/// Up to `samples` samples of `[DEVICE, CLOCK_MONOTONIC]` through `vkGetCalibratedTimestamps*` within `budget`,
+/// device ticks masked to the queue's valid bits; shared by [`VulkanGpu`] and the wgpu profiler's Vulkan route.
+///
+/// # Safety
+///
+/// `get_calibrated_timestamps` was resolved for `device` with a calibrated-timestamps extension enabled whose
+/// time domains include `DEVICE` and `CLOCK_MONOTONIC`, and `device` stays alive during the call.
+pub(crate) unsafe fn sample_calibrated_timestamps(
+    get_calibrated_timestamps: vk::PFN_vkGetCalibratedTimestampsKHR,
+    device: vk::Device,
+    mask: u64,
+    (samples, budget): (usize, Duration),
+    out: &mut Vec<CalibrationSample>,
+) -> Result<(), GpuError> {
+    let infos = [
+        vk::CalibratedTimestampInfoKHR::default().time_domain(vk::TimeDomainKHR::DEVICE),
+        vk::CalibratedTimestampInfoKHR::default().time_domain(vk::TimeDomainKHR::CLOCK_MONOTONIC),
+    ];
+    let started = Instant::now();
+    for _ in 0..samples {
+        if started.elapsed() >= budget {
+            break;
+        }
+        let mut timestamps = [0u64; 2];
+        let mut max_deviation = 0u64;
+        // SAFETY: the caller's contract (entry point resolved for this live device, both domains calibrateable);
+        // `infos` and `timestamps` hold 2 elements each, as the count says, and outlive the call.
+        let result = unsafe {
+            (get_calibrated_timestamps)(
+                device,
+                infos.len() as u32,
+                infos.as_ptr(),
+                timestamps.as_mut_ptr(),
+                &mut max_deviation,
+            )
+        };
+        if result != vk::Result::SUCCESS {
+            return Err(api("vkGetCalibratedTimestamps")(result));
+        }
+        out.push(CalibrationSample {
+            source_ticks: timestamps[0] & mask,
+            reference_ns: timestamps[1],
+            // Never zero (the proposal: at least the longest tick of the domains sampled).
+            max_deviation_ns: max_deviation.max(1),
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]

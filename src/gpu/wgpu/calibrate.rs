@@ -199,44 +199,17 @@ impl VulkanClock {
     }
 
     fn calibrate(&self, samples: usize, budget: Duration, out: &mut Vec<CalibrationSample>) -> Result<(), GpuError> {
-        let infos = [
-            vk::CalibratedTimestampInfoKHR::default().time_domain(vk::TimeDomainKHR::DEVICE),
-            vk::CalibratedTimestampInfoKHR::default().time_domain(vk::TimeDomainKHR::CLOCK_MONOTONIC),
-        ];
-        let started = Instant::now();
-        for _ in 0..samples {
-            if started.elapsed() >= budget {
-                break;
-            }
-            let mut timestamps = [0u64; 2];
-            let mut max_deviation = 0u64;
-            debug_assert_eq!(infos.len(), timestamps.len());
-            // SAFETY: the entry point was resolved for this device in `new`, which also checked that both domains
-            // are calibrateable; the device is alive (the backend holds its `wgpu::Device`); `infos` and
-            // `timestamps` hold 2 elements each, as the count says, and outlive the call.
-            let result = unsafe {
-                (self.get_calibrated_timestamps)(
-                    self.device,
-                    infos.len() as u32,
-                    infos.as_ptr(),
-                    timestamps.as_mut_ptr(),
-                    &mut max_deviation,
-                )
-            };
-            if result != vk::Result::SUCCESS {
-                return Err(GpuError::Api {
-                    call: "vkGetCalibratedTimestamps",
-                    detail: format!("{result}"),
-                });
-            }
-            out.push(CalibrationSample {
-                source_ticks: timestamps[0] & self.mask,
-                reference_ns: timestamps[1],
-                // Never zero (the proposal: at least the longest tick of the domains sampled).
-                max_deviation_ns: max_deviation.max(1),
-            });
+        // SAFETY: the entry point was resolved for this device in `new`, which also checked that both domains are
+        // calibrateable; the device is alive (the backend holds its `wgpu::Device`).
+        unsafe {
+            crate::gpu::vulkan::sample_calibrated_timestamps(
+                self.get_calibrated_timestamps,
+                self.device,
+                self.mask,
+                (samples, budget),
+                out,
+            )
         }
-        Ok(())
     }
 }
 

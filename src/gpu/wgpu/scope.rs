@@ -246,14 +246,7 @@ macro_rules! wgpu_scope {
         $crate::gpu::wgpu::WgpuProfiler::scope_at(
             &$profiler,
             &CALLSITE,
-            Some(&|encoder: &mut $crate::gpu::GpuFieldEncoder<'_, '_>| {
-                let mut index = 0u8;
-                $(
-                    encoder.field(index, &$value);
-                    index += 1;
-                )+
-                let _ = index;
-            }),
+            $crate::__gpu_field_encoder!($($value),+),
             $recorder,
         )
     }};
