@@ -3,33 +3,11 @@
 //! started at a break or a reported reset.
 
 use super::brackets::burst_point;
-use super::segment::Segment;
+use super::segment::{Segment, Suspect};
 use super::wander::{END_BOW, RATE_MISS};
 use super::CalibrationHistory;
 use crate::calibration::model::wander_sigma_ns;
-use crate::calibration::{CalibrationSample, ClockCalibration};
-
-/// The newest burst of a segment when the fit before it predicted it worse than two standard errors: maybe
-/// noise, maybe the first sign of a break that the next burst will show. Until then, conversions after the
-/// burst before it state the difference between the fits with and without it, and if the next burst breaks
-/// on the same side, this burst moves to the new segment, so that it never bends the map before the break.
-#[derive(Clone, Debug)]
-pub(super) struct Suspect {
-    /// The segment's fit before the burst joined, and whether that fit had a rate.
-    pub(super) pre_fit: Option<ClockCalibration>,
-    pub(super) pre_has_rate: bool,
-    /// The segment's newest burst before it.
-    pub(super) pre_last_burst: (u64, u64),
-    /// Whether its refit placed a knot, and the window burst and point its joining pushed out.
-    pub(super) knot_placed: bool,
-    pub(super) popped_burst: Option<Vec<CalibrationSample>>,
-    pub(super) popped_point: Option<(u64, u64, f64)>,
-    /// The burst (kept samples), its point and its representative sample.
-    pub(super) burst: Vec<CalibrationSample>,
-    pub(super) point: (u64, u64, f64),
-    /// Whether it lay after (later than) the prediction.
-    pub(super) late: bool,
-}
+use crate::calibration::CalibrationSample;
 
 /// What a burst's check against the open segment's prediction found.
 #[derive(Clone, Copy, Debug, Default)]

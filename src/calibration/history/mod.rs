@@ -45,11 +45,12 @@
 //!
 //! # Where the code is
 //!
-//! This file holds the public types and the intake of a burst (unwrap, widen, check, push, refit). Beside it:
-//! `segment` (one stretch of the map between breaks, and its knots), `breaks` (the check of a burst against
-//! the prediction, suspect bursts, starting a segment), `wander` (measuring the rate's wander and what it does to
-//! the window), `brackets` (what the brackets say whatever the fit: Marzullo agreement, floors, a burst's
-//! point), `refit` (the window's fit and the knot it places) and `placement` (converting a tick: choosing among
+//! This file holds the public types and the intake of a burst (unwrap, widen, check, push, refit). Beside it,
+//! each using only the ones named before it: `segment` (one stretch of the map between breaks, its knots, and
+//! the burst it holds as a suspect of a break), `brackets` (what the brackets say whatever the fit: Marzullo
+//! agreement, floors, a burst's point), `wander` (measuring the rate's wander and what it does to the
+//! window), `breaks` (the check of a burst against the prediction, restoring a suspect, starting a segment),
+//! `refit` (the window's fit and the knot it places) and `placement` (converting a tick: choosing among
 //! segments, interpolating between knots, the monotonic guard).
 
 use std::collections::VecDeque;
@@ -67,8 +68,8 @@ mod tests;
 mod wander;
 
 use brackets::burst_point;
-use breaks::{BurstCheck, Suspect};
-use segment::Segment;
+use breaks::BurstCheck;
+use segment::{Segment, Suspect};
 use wander::{second_difference, MIN_WINDOW};
 
 /// Burst points kept per segment for the second differences.

@@ -1,9 +1,8 @@
 //! One stretch of the map between breaks: its window of bursts, its knots, its newest fit, and the thinning
-//! that keeps its knots bounded.
+//! that keeps its knots bounded, and the burst it holds as a suspect of a break.
 
 use std::collections::VecDeque;
 
-use super::breaks::Suspect;
 use crate::calibration::{CalibrationSample, ClockCalibration};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -75,4 +74,26 @@ pub(super) fn push_knot(knots: &mut VecDeque<Knot>, knot: Knot, max_knots: usize
         *knots = thinned;
     }
     knots.push_back(knot);
+}
+
+/// The newest burst of a segment when the fit before it predicted it worse than two standard errors: maybe
+/// noise, maybe the first sign of a break that the next burst will show. Until then, conversions after the
+/// burst before it state the difference between the fits with and without it, and if the next burst breaks
+/// on the same side, this burst moves to the new segment, so that it never bends the map before the break.
+#[derive(Clone, Debug)]
+pub(super) struct Suspect {
+    /// The segment's fit before the burst joined, and whether that fit had a rate.
+    pub(super) pre_fit: Option<ClockCalibration>,
+    pub(super) pre_has_rate: bool,
+    /// The segment's newest burst before it.
+    pub(super) pre_last_burst: (u64, u64),
+    /// Whether its refit placed a knot, and the window burst and point its joining pushed out.
+    pub(super) knot_placed: bool,
+    pub(super) popped_burst: Option<Vec<CalibrationSample>>,
+    pub(super) popped_point: Option<(u64, u64, f64)>,
+    /// The burst (kept samples), its point and its representative sample.
+    pub(super) burst: Vec<CalibrationSample>,
+    pub(super) point: (u64, u64, f64),
+    /// Whether it lay after (later than) the prediction.
+    pub(super) late: bool,
 }
