@@ -1,0 +1,443 @@
+use super::*;
+use crate::calibration::sim::{SimClockConfig, SimClockPair};
+
+fn pair(config: SimClockConfig) -> SimClockPair {
+    SimClockPair::new(config).unwrap()
+}
+
+/// Runs `bursts` bursts of 16 samples every `period_ns` and returns the history.
+fn run(pair: &mut SimClockPair, config: HistoryConfig, bursts: usize, period_ns: u64) -> CalibrationHistory {
+    let mut history = CalibrationHistory::new(pair.domain(), config);
+    for _ in 0..bursts {
+        let burst: Vec<_> = (0..16)
+            .map(|_| {
+                let s = pair.sample();
+                let next = pair.now_ns() + 3_000;
+                pair.advance_to(next);
+                s
+            })
+            .collect();
+        let _ = history.add_burst(&burst);
+        let next = pair.now_ns() + period_ns;
+        pair.advance_to(next);
+    }
+    history
+}
+
+#[test]
+fn empty_history_converts_nothing_and_rejects_empty_bursts() {
+    let mut h = CalibrationHistory::new(ClockDomain::new(64, 1.0).unwrap(), HistoryConfig::default());
+    assert_eq!(h.convert(5), None);
+    assert!(matches!(h.add_burst(&[]), Err(CalibrationError::TooFewSamples { .. })));
+    assert_eq!(h.stats().rejected, 1);
+}
+
+#[test]
+fn noiseless_drifting_clock_is_exact_between_knots() {
+    let mut p = pair(SimClockConfig {
+        drift_ppm: 200.0,
+        offset_ns: -7_000,
+        ..Default::default()
+    });
+    let mut h = run(&mut p, HistoryConfig::default(), 40, 100_000_000);
+    let start = p.now_ns() - 3_000_000_000;
+    for i in 0..1_000u64 {
+        let t = start + i * 1_234_567;
+        let got = h.convert(p.true_ticks_at(t)).unwrap();
+        assert!(got.ns.abs_diff(t) <= 2, "at {t}: {got:?}");
+    }
+    assert!((h.stats().drift_ppm - 200.0).abs() < 0.01, "{:?}", h.stats());
+}
+
+#[test]
+fn two_sided_conversion_tracks_wander_within_its_uncertainty() {
+    let mut p = pair(SimClockConfig {
+        drift_ppm: 200.0,
+        wander_ppm_per_sqrt_s: 0.05,
+        jitter_ns: 1_000.0,
+        outlier_fraction: 0.05,
+        outlier_ns: 50_000.0,
+        seed: 7,
+        ..Default::default()
+    });
+    let mut h = run(&mut p, HistoryConfig::default(), 400, 250_000_000);
+    let (mut inside, mut total, mut worst) = (0, 0, 0);
+    let first = p.now_ns() - 90_000_000_000;
+    let mut t = first;
+    while t < p.now_ns() - 3_000_000_000 {
+        let ticks = p.true_ticks_at(t);
+        assert!(h.is_bracketed(ticks));
+        let got = h.convert(ticks).unwrap();
+        let err = got.ns.abs_diff(t);
+        worst = worst.max(err);
+        inside += usize::from(err <= got.uncertainty_ns);
+        if total % 500 == 0 {
+            eprintln!("err {err} unc {}", got.uncertainty_ns);
+        }
+        total += 1;
+        t += 7_777_777;
+    }
+    eprintln!("worst {worst} inside {inside}/{total} stats {:?}", h.stats());
+    assert!(worst < 200, "worst error {worst} ns");
+    assert!(
+        inside * 100 >= total * 95,
+        "{inside}/{total} inside the stated uncertainty"
+    );
+}
+
+#[test]
+fn brackets_that_all_lean_one_way_widen_the_stated_uncertainty() {
+    // Like lavapipe's submit probe: each read happens 1-4 µs into a 25-35 µs bracket, so every midpoint is
+    // ~12 µs late. The fit cannot see it; the brackets' agreement can.
+    let mut pair = pair(SimClockConfig::default());
+    let mut history = CalibrationHistory::new(pair.domain(), HistoryConfig::default());
+    let mut rng = crate::calibration::SplitMix64(3);
+    for _ in 0..24 {
+        let burst: Vec<CalibrationSample> = (0..16)
+            .map(|_| {
+                let t = pair.now_ns();
+                let before = t - 1_000 - rng.next_u64() % 3_000;
+                let after = t + 24_000 + rng.next_u64() % 10_000;
+                pair.advance_by(40_000);
+                CalibrationSample {
+                    source_ticks: pair.true_ticks_at(t),
+                    reference_ns: (before + after) / 2,
+                    max_deviation_ns: (after - before).div_ceil(2),
+                }
+            })
+            .collect();
+        history.add_burst(&burst).unwrap();
+        pair.advance_by(250_000_000);
+    }
+    for back_ms in [3_000u64, 1_000, 0] {
+        let t = pair.now_ns() - back_ms * 1_000_000;
+        let c = history.convert(pair.true_ticks_at(t)).unwrap();
+        let error = c.ns.abs_diff(t);
+        assert!(error > 5_000, "the bias is real: {error} ns");
+        assert!(
+            error <= c.uncertainty_ns,
+            "{error} ns off, {} ns stated",
+            c.uncertainty_ns
+        );
+    }
+}
+
+#[test]
+fn output_is_monotonic_across_refits() {
+    let mut p = pair(SimClockConfig {
+        drift_ppm: -150.0,
+        jitter_ns: 2_000.0,
+        seed: 3,
+        ..Default::default()
+    });
+    let mut h = CalibrationHistory::new(p.domain(), HistoryConfig::default());
+    let mut last = 0;
+    for _ in 0..200 {
+        let burst: Vec<_> = (0..8).map(|_| p.sample()).collect();
+        let _ = h.add_burst(&burst);
+        for _ in 0..20 {
+            let next = p.now_ns() + 1_000_000;
+            p.advance_to(next);
+            let now_ticks = p.true_ticks_at(p.now_ns());
+            if let Some(c) = h.convert(now_ticks) {
+                assert!(c.ns >= last, "went back from {last} to {}", c.ns);
+                last = c.ns;
+            }
+        }
+    }
+}
+
+#[test]
+fn wrapping_36_bit_counter_converts_across_the_wrap() {
+    // 2^36 ns is about 68.7 s: run long enough to wrap twice.
+    let mut p = pair(SimClockConfig {
+        valid_bits: 36,
+        drift_ppm: 50.0,
+        jitter_ns: 200.0,
+        ..Default::default()
+    });
+    let mut h = run(&mut p, HistoryConfig::default(), 700, 200_000_000);
+    // 36 bits of 1 ns wrap every 68.7 s: a tick is unambiguous within half of that from the newest sample.
+    let mut t = p.now_ns() - 30_000_000_000;
+    while t < p.now_ns() - 1_000_000_000 {
+        let got = h.convert(p.true_ticks_at(t)).unwrap();
+        assert!(got.ns.abs_diff(t) < 100, "at {t}: {got:?}");
+        t += 333_333_333;
+    }
+}
+
+#[test]
+fn memory_stays_bounded_and_old_times_still_convert() {
+    let config = HistoryConfig {
+        max_knots: 64,
+        ..HistoryConfig::default()
+    };
+    let mut p = pair(SimClockConfig {
+        drift_ppm: 30.0,
+        jitter_ns: 100.0,
+        ..Default::default()
+    });
+    let start = p.now_ns();
+    let mut h = run(&mut p, config, 1_000, 100_000_000);
+    assert!(h.stats().knots <= 64);
+    assert!(h.segments.iter().all(|s| s.window.len() <= config.window_bursts));
+    let t = start + 10_000_000_000;
+    let got = h.convert(p.true_ticks_at(t)).unwrap();
+    assert!(got.ns.abs_diff(t) < 100, "{got:?} vs {t}");
+}
+
+#[test]
+fn early_bursts_use_the_nominal_rate() {
+    let mut p = pair(SimClockConfig {
+        drift_ppm: 100.0,
+        jitter_ns: 1_000.0,
+        ..Default::default()
+    });
+    let mut h = run(&mut p, HistoryConfig::default(), 1, 0);
+    let latest = h.latest().unwrap();
+    assert!(latest.drift_ppm().abs() < 1e-6, "{}", latest.drift_ppm());
+    // One burst: extrapolating 1 ms ahead is off by the 100 ppm the nominal rate misses, and says so.
+    let t = p.now_ns() + 1_000_000;
+    let got = h.convert(p.true_ticks_at(t)).unwrap();
+    assert!(got.ns.abs_diff(t) <= got.uncertainty_ns, "{got:?} vs {t}");
+}
+
+/// A device clock of the tests' own: `rate` ticks per ns from `start`, plus jumps and rate steps.
+struct Clock {
+    start_ns: u64,
+    start_ticks: f64,
+    ppm: f64,
+    /// `(reference ns, ns the clock jumps by)`.
+    jumps: Vec<(u64, f64)>,
+    /// `(reference ns, new ppm)`.
+    steps: Vec<(u64, f64)>,
+    /// The counter changes every this many ticks.
+    resolution: f64,
+}
+
+impl Clock {
+    fn new(ppm: f64) -> Self {
+        Clock {
+            start_ns: 1_000_000_000,
+            start_ticks: 9e12,
+            ppm,
+            jumps: Vec::new(),
+            steps: Vec::new(),
+            resolution: 1.0,
+        }
+    }
+
+    fn ticks(&self, t: u64) -> u64 {
+        let mut ticks = self.start_ticks;
+        let (mut from, mut ppm) = (self.start_ns, self.ppm);
+        for &(at, next) in &self.steps {
+            if at >= t {
+                break;
+            }
+            ticks += (at - from) as f64 * (1.0 + ppm * 1e-6);
+            (from, ppm) = (at, next);
+        }
+        ticks += (t - from) as f64 * (1.0 + ppm * 1e-6);
+        ticks += self.jumps.iter().filter(|j| j.0 <= t).map(|j| j.1).sum::<f64>();
+        ((ticks / self.resolution).floor() * self.resolution) as u64
+    }
+
+    /// A burst of 16 samples at `t`, brackets 200-1200 ns wide, the read anywhere inside.
+    fn burst(&self, t: u64, rng: &mut crate::calibration::SplitMix64) -> Vec<CalibrationSample> {
+        (0..16u64)
+            .map(|i| {
+                // Reads at random phases: a counter coarser than its ticks is seen at every phase.
+                let read = t + i * 3_000 + rng.next_u64() % 1_000;
+                let width = 200 + rng.next_u64() % 1_000;
+                let before = read - rng.next_u64() % (width + 1);
+                CalibrationSample::from_bracket(self.ticks(read), before, before + width)
+            })
+            .collect()
+    }
+}
+
+fn feed(history: &mut CalibrationHistory, clock: &Clock, from: u64, to: u64, period: u64, seed: u64) {
+    let mut rng = crate::calibration::SplitMix64(seed);
+    let mut t = from;
+    while t < to {
+        let _ = history.add_burst(&clock.burst(t, &mut rng));
+        t += period;
+    }
+}
+
+const MS: u64 = 1_000_000;
+const S: u64 = 1_000_000_000;
+
+#[test]
+fn a_jump_starts_a_segment_and_never_bends_the_map_before_it() {
+    let mut clock = Clock::new(80.0);
+    let jump_at = clock.start_ns + 10 * S + 100 * MS;
+    clock.jumps.push((jump_at, 2e6));
+    let mut history = CalibrationHistory::new(ClockDomain::new(64, 1.0).unwrap(), HistoryConfig::default());
+    feed(&mut history, &clock, clock.start_ns, jump_at, 250 * MS, 1);
+    let before: Vec<(u64, Converted)> = (0..20)
+        .map(|i| clock.start_ns + 6 * S + i * 200 * MS)
+        .map(|t| (t, history.peek(clock.ticks(t)).unwrap()))
+        .collect();
+    feed(&mut history, &clock, jump_at + 150 * MS, jump_at + 5 * S, 250 * MS, 2);
+    let stats = history.stats();
+    assert_eq!((stats.breaks, stats.segments), (1, 2), "{stats:?}");
+    for (t, was) in before {
+        let now = history.peek(clock.ticks(t)).unwrap();
+        assert!(now.ns.abs_diff(t) <= now.uncertainty_ns, "{t}: {now:?}");
+        assert!(
+            now.ns.abs_diff(was.ns) <= 2,
+            "the map before the jump moved: {was:?} -> {now:?}"
+        );
+    }
+    // After it: the new segment, within its uncertainty.
+    for i in 0..10 {
+        let t = jump_at + 500 * MS + i * 300 * MS;
+        let p = history.place(clock.ticks(t), None).unwrap();
+        assert!(!p.ambiguous && p.segment == 1, "{p:?}");
+        assert!(p.converted.ns.abs_diff(t) <= p.converted.uncertainty_ns, "{t}: {p:?}");
+    }
+    // Between the last burst before it and the first after: either side; the window decides.
+    let t = jump_at + 20 * MS;
+    let ticks = clock.ticks(t);
+    let open = history.place(ticks, None).unwrap();
+    assert!(open.ambiguous, "{open:?}");
+    assert!(open.converted.ns.abs_diff(t) <= open.converted.uncertainty_ns);
+    let windowed = history.place(ticks, Some((t - 500_000, t + 500_000))).unwrap();
+    assert!(!windowed.ambiguous && windowed.segment == 1, "{windowed:?}");
+    assert!(windowed.converted.ns.abs_diff(t) <= windowed.converted.uncertainty_ns);
+    assert!(windowed.converted.uncertainty_ns < 1_000, "{windowed:?}");
+}
+
+#[test]
+fn after_a_backwards_jump_one_tick_value_is_placed_by_its_window() {
+    let mut clock = Clock::new(-40.0);
+    let jump_at = clock.start_ns + 8 * S + 60 * MS;
+    clock.jumps.push((jump_at, -2e6));
+    let mut history = CalibrationHistory::new(ClockDomain::new(64, 1.0).unwrap(), HistoryConfig::default());
+    feed(&mut history, &clock, clock.start_ns, jump_at + 4 * S, 250 * MS, 3);
+    assert_eq!(history.stats().breaks, 1);
+    // The same tick values (within the 80 ns the rate makes of 2 ms) 1 ms before the jump and 1 ms after.
+    let early = jump_at - MS;
+    let late = early + 2 * MS;
+    assert!(clock.ticks(late).abs_diff(clock.ticks(early)) < 100);
+    for t in [early, late] {
+        let p = history.place(clock.ticks(t), Some((t - 300_000, t + 300_000))).unwrap();
+        assert!(p.converted.ns.abs_diff(t) <= p.converted.uncertainty_ns, "{t}: {p:?}");
+        assert!(p.converted.uncertainty_ns < 1_000, "{p:?}");
+    }
+}
+
+#[test]
+fn a_rate_step_is_detected_and_the_burst_before_it_moves_after_the_break() {
+    let mut clock = Clock::new(80.0);
+    let step_at = clock.start_ns + 9 * S + 240 * MS;
+    clock.steps.push((step_at, 110.0));
+    let mut history = CalibrationHistory::new(ClockDomain::new(64, 1.0).unwrap(), HistoryConfig::default());
+    feed(&mut history, &clock, clock.start_ns, step_at + 5 * S, 250 * MS, 4);
+    let stats = history.stats();
+    assert_eq!(stats.breaks, 1, "{stats:?}");
+    assert!((stats.drift_ppm - 110.0).abs() < 0.5, "{stats:?}");
+    // Before the step the map is the old rate's, unbent; across it, honest.
+    let mut t = step_at - 3 * S;
+    while t < step_at + 3 * S {
+        let c = history.peek(clock.ticks(t)).unwrap();
+        assert!(
+            c.ns.abs_diff(t) <= c.uncertainty_ns,
+            "{} ms from the step: {c:?}",
+            (t as i64 - step_at as i64) / 1_000_000
+        );
+        if t + 300 * MS < step_at {
+            assert!(c.ns.abs_diff(t) < 100, "{t}: {c:?}");
+        }
+        t += 7 * MS;
+    }
+}
+
+#[test]
+fn a_reported_reset_starts_a_segment_whatever_the_samples_say() {
+    let clock = Clock::new(10.0);
+    let mut history = CalibrationHistory::new(ClockDomain::new(64, 1.0).unwrap(), HistoryConfig::default());
+    feed(
+        &mut history,
+        &clock,
+        clock.start_ns,
+        clock.start_ns + 2 * S,
+        250 * MS,
+        5,
+    );
+    let before = history.current_segment();
+    history.report_reset();
+    feed(
+        &mut history,
+        &clock,
+        clock.start_ns + 2 * S,
+        clock.start_ns + 3 * S,
+        250 * MS,
+        6,
+    );
+    assert_ne!(history.current_segment(), before);
+    let stats = history.stats();
+    assert_eq!((stats.resets, stats.breaks, stats.segments), (1, 0, 2));
+}
+
+#[test]
+fn a_coarse_counter_is_unbiased_and_its_resolution_is_stated() {
+    // 1 ns ticks that change every microsecond (%globaltimer on some GPUs).
+    let mut clock = Clock::new(30.0);
+    clock.resolution = 1_000.0;
+    let domain = ClockDomain::new(64, 1.0).unwrap().with_resolution_ns(1_000.0).unwrap();
+    let mut history = CalibrationHistory::new(domain, HistoryConfig::default());
+    feed(
+        &mut history,
+        &clock,
+        clock.start_ns,
+        clock.start_ns + 20 * S,
+        250 * MS,
+        7,
+    );
+    assert!(
+        history.stats().max_deviation_ns >= 500,
+        "brackets widened by half the resolution"
+    );
+    let (mut sum, mut n, mut inside) = (0i64, 0i64, 0);
+    let mut t = clock.start_ns + 5 * S + 17;
+    while t < clock.start_ns + 19 * S {
+        let c = history.peek(clock.ticks(t)).unwrap();
+        sum += c.ns as i64 - t as i64;
+        n += 1;
+        inside += usize::from(c.ns.abs_diff(t) <= c.uncertainty_ns);
+        assert!(c.uncertainty_ns >= 500, "{c:?}");
+        t += 1_234_567;
+    }
+    let mean = sum / n;
+    assert!(mean.abs() < 60, "placed {mean} ns off on average");
+    assert_eq!(inside as i64, n);
+}
+
+#[test]
+fn the_wander_is_measured_not_assumed() {
+    for (wander, lo, hi) in [(0.0, 0.0, 0.2), (0.05, 0.0, 0.2), (1.0, 0.5, 3.0)] {
+        let mut p = SimClockPair::new(SimClockConfig {
+            drift_ppm: 200.0,
+            wander_ppm_per_sqrt_s: wander,
+            jitter_ns: 1_000.0,
+            seed: 7,
+            ..Default::default()
+        })
+        .unwrap();
+        let h = run(&mut p, HistoryConfig::default(), 200, 250_000_000);
+        let stats = h.stats();
+        assert!(
+            (lo..=hi).contains(&stats.wander_ppm_per_sqrt_s),
+            "true {wander}: {stats:?}"
+        );
+        assert_eq!(stats.breaks, 0, "wander is no break: {stats:?}");
+        if wander > 0.5 {
+            assert!(
+                stats.window_bursts < 8,
+                "a shorter window for a wandering clock: {stats:?}"
+            );
+        }
+    }
+}
