@@ -978,32 +978,67 @@ unsafe fn check_extension(
             extension.domains_fn().to_string_lossy()
         )));
     }
-    // SAFETY: the entry point resolved (checked just above), so ash's loader finds it too; the physical device
-    // belongs to the instance (contract).
+    // SAFETY: the domains entry point resolved (checked just above); the physical device belongs to the instance
+    // (contract).
+    let missing = unsafe { missing_time_domain(entry, instance, physical_device, extension) }
+        .map_err(api("vkGetPhysicalDeviceCalibrateableTimeDomains"))?;
+    if let Some(reason) = missing {
+        return Ok((Calibrator::Submit, CalibrationPath::Submit { reason }));
+    }
+    // SAFETY: the device entry point resolved (checked above).
+    let get_calibrated_timestamps = unsafe { calibrated_timestamps_fn(instance, device, extension) };
+    Ok((
+        Calibrator::Extension {
+            get_calibrated_timestamps,
+        },
+        CalibrationPath::Extension(extension),
+    ))
+}
+
+/// Why `extension` cannot calibrate the device clock against `CLOCK_MONOTONIC` (a domain it does not offer),
+/// or `None` when it can.
+///
+/// # Safety
+///
+/// `instance` is alive, was created from `entry` and resolves `extension`'s physical-device domains entry
+/// point; `physical` belongs to it.
+pub(crate) unsafe fn missing_time_domain(
+    entry: &ash::Entry,
+    instance: &ash::Instance,
+    physical: vk::PhysicalDevice,
+    extension: CalibrationExtension,
+) -> Result<Option<String>, vk::Result> {
+    // SAFETY: the caller's contract: the entry point resolves, so ash's loader finds it too.
     let domains = unsafe {
         match extension {
             CalibrationExtension::Khr => ash::khr::calibrated_timestamps::Instance::new(entry, instance)
-                .get_physical_device_calibrateable_time_domains(physical_device),
+                .get_physical_device_calibrateable_time_domains(physical),
             CalibrationExtension::Ext => ash::ext::calibrated_timestamps::Instance::new(entry, instance)
-                .get_physical_device_calibrateable_time_domains(physical_device),
+                .get_physical_device_calibrateable_time_domains(physical),
         }
-    }
-    .map_err(api("vkGetPhysicalDeviceCalibrateableTimeDomains"))?;
-    for (domain, domain_name) in [
+    }?;
+    let ext_name = extension.name().to_string_lossy();
+    Ok([
         (vk::TimeDomainKHR::DEVICE, "DEVICE"),
         (vk::TimeDomainKHR::CLOCK_MONOTONIC, "CLOCK_MONOTONIC"),
-    ] {
-        if !domains.contains(&domain) {
-            return Ok((
-                Calibrator::Submit,
-                CalibrationPath::Submit {
-                    reason: format!("{ext_name} cannot calibrate the {domain_name} domain (offers {domains:?})"),
-                },
-            ));
-        }
-    }
-    // The entry point resolved (checked above), so ash's loader stores it rather than its panicking stub.
-    let get_calibrated_timestamps = match extension {
+    ]
+    .into_iter()
+    .find(|(domain, _)| !domains.contains(domain))
+    .map(|(_, domain_name)| format!("{ext_name} cannot calibrate the {domain_name} domain (offers {domains:?})")))
+}
+
+/// `extension`'s `vkGetCalibratedTimestamps*` for `device`.
+///
+/// # Safety
+///
+/// The entry point resolves on `device` (the extension was enabled at `vkCreateDevice`), so ash's loader
+/// stores it rather than its panicking stub.
+pub(crate) unsafe fn calibrated_timestamps_fn(
+    instance: &ash::Instance,
+    device: &ash::Device,
+    extension: CalibrationExtension,
+) -> vk::PFN_vkGetCalibratedTimestampsKHR {
+    match extension {
         CalibrationExtension::Khr => {
             ash::khr::calibrated_timestamps::Device::new(instance, device)
                 .fp()
@@ -1014,13 +1049,7 @@ unsafe fn check_extension(
                 .fp()
                 .get_calibrated_timestamps_ext
         }
-    };
-    Ok((
-        Calibrator::Extension {
-            get_calibrated_timestamps,
-        },
-        CalibrationPath::Extension(extension),
-    ))
+    }
 }
 
 impl Drop for VulkanGpu {

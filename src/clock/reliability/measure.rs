@@ -624,14 +624,9 @@ mod tests {
         // Both threads on one CPU: the tested thread runs only when the spinning base is preempted, so most
         // rounds time out and some answers arrive after the base gave the round up. Stale answers must never
         // be paired with a later round: the intervals still intersect (the shift of a CPU against itself is 0).
-        let Some(&cpu) = affinity::allowed_cpus().unwrap_or_default().first() else {
-            eprintln!("skipped: no CPU affinity here");
+        let Some(cpu) = first_cpu_with_hardware_ticks() else {
             return;
         };
-        if TickSource::hardware().is_none() {
-            eprintln!("skipped: no hardware tick counter");
-            return;
-        }
         let options = ReliabilityOptions {
             shift_rounds: u32::MAX,
             shift_time_limit_ms: 40,
@@ -650,16 +645,25 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_preempted_round_is_discarded() {
+    /// The first CPU this thread may run on, or `None` (with a printed reason) where the test cannot run: no
+    /// CPU affinity, or no hardware tick counter.
+    fn first_cpu_with_hardware_ticks() -> Option<usize> {
         let Some(&cpu) = affinity::allowed_cpus().unwrap_or_default().first() else {
             eprintln!("skipped: no CPU affinity here");
-            return;
+            return None;
         };
         if TickSource::hardware().is_none() {
             eprintln!("skipped: no hardware tick counter");
-            return;
+            return None;
         }
+        Some(cpu)
+    }
+
+    #[test]
+    fn a_preempted_round_is_discarded() {
+        let Some(cpu) = first_cpu_with_hardware_ticks() else {
+            return;
+        };
         // Both threads on one CPU, the base sleeping 3 ms inside the first round: the tested thread answers
         // meanwhile, and the round comes back 3 ms wide. With a 20 µs width limit (~1e5 ticks at any
         // plausible rate, far below 3 ms) it must be counted as interrupted, never intersected.
@@ -685,14 +689,9 @@ mod tests {
 
     #[test]
     fn cas_order_holds_for_two_threads_on_one_cpu() {
-        let Some(&cpu) = affinity::allowed_cpus().unwrap_or_default().first() else {
-            eprintln!("skipped: no CPU affinity here");
+        let Some(cpu) = first_cpu_with_hardware_ticks() else {
             return;
         };
-        if TickSource::hardware().is_none() {
-            eprintln!("skipped: no hardware tick counter");
-            return;
-        }
         let options = ReliabilityOptions {
             monotonic_reads_per_cpu: 2_000,
             ..ReliabilityOptions::quick()

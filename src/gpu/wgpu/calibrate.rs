@@ -23,7 +23,7 @@ use wgpu_hal as hal;
 
 use crate::calibration::CalibrationSample;
 use crate::clock::monotonic_ns;
-use crate::gpu::vulkan::{CalibrationExtension, CalibrationPath};
+use crate::gpu::vulkan::{calibrated_timestamps_fn, missing_time_domain, CalibrationExtension, CalibrationPath};
 use crate::gpu::GpuError;
 
 /// Probe states, set by wgpu's mapping callback (Release) and read by the prober (Acquire).
@@ -157,40 +157,14 @@ impl VulkanClock {
                 "{name} is enabled but the device does not resolve {device_fn:?}"
             ));
         }
-        // SAFETY: the entry point resolved (checked above), so ash's loader finds it too; `physical` belongs to the
-        // instance (contract).
-        let domains = unsafe {
-            match extension {
-                CalibrationExtension::Khr => ash::khr::calibrated_timestamps::Instance::new(entry, instance)
-                    .get_physical_device_calibrateable_time_domains(physical),
-                CalibrationExtension::Ext => ash::ext::calibrated_timestamps::Instance::new(entry, instance)
-                    .get_physical_device_calibrateable_time_domains(physical),
-            }
+        // SAFETY: the domains entry point resolved (checked above); `physical` belongs to the instance (contract).
+        let missing = unsafe { missing_time_domain(entry, instance, physical, extension) }
+            .map_err(|e| format!("vkGetPhysicalDeviceCalibrateableTimeDomains failed: {e}"))?;
+        if let Some(reason) = missing {
+            return Err(reason);
         }
-        .map_err(|e| format!("vkGetPhysicalDeviceCalibrateableTimeDomains failed: {e}"))?;
-        for (domain, domain_name) in [
-            (vk::TimeDomainKHR::DEVICE, "DEVICE"),
-            (vk::TimeDomainKHR::CLOCK_MONOTONIC, "CLOCK_MONOTONIC"),
-        ] {
-            if !domains.contains(&domain) {
-                return Err(format!(
-                    "{name} cannot calibrate the {domain_name} domain (offers {domains:?})"
-                ));
-            }
-        }
-        // The device entry point resolved (checked above), so ash stores it rather than its panicking stub.
-        let get_calibrated_timestamps = match extension {
-            CalibrationExtension::Khr => {
-                ash::khr::calibrated_timestamps::Device::new(instance, device)
-                    .fp()
-                    .get_calibrated_timestamps_khr
-            }
-            CalibrationExtension::Ext => {
-                ash::ext::calibrated_timestamps::Device::new(instance, device)
-                    .fp()
-                    .get_calibrated_timestamps_ext
-            }
-        };
+        // SAFETY: the device entry point resolved (checked above).
+        let get_calibrated_timestamps = unsafe { calibrated_timestamps_fn(instance, device, extension) };
         Ok(VulkanClock {
             device: device.handle(),
             get_calibrated_timestamps,
