@@ -40,14 +40,14 @@ const FRAMES: u32 = 30;
 
 /// The Vulkan device the render thread uses, when built with the `vulkan` feature and one opens.
 #[cfg(feature = "vulkan")]
-type Vulkan = vulkan_support::Device;
+type Vulkan = vulkan_support::Vulkan;
 /// Without the `vulkan` feature there is never one.
 #[cfg(not(feature = "vulkan"))]
 enum Vulkan {}
 
 fn open_vulkan() -> Option<Vulkan> {
     #[cfg(feature = "vulkan")]
-    match vulkan_support::Device::new() {
+    match vulkan_support::Vulkan::new(vulkan_support::Wants::OFFERED) {
         Ok(device) => return Some(device),
         Err(e) => println!("no Vulkan device ({e}): the GPU is simulated"),
     }
@@ -71,28 +71,17 @@ fn render_vulkan(_: &Timeline, device: &Vulkan) -> Result<(), Box<dyn Error>> {
 /// into one command buffer, submitted and waited for.
 #[cfg(feature = "vulkan")]
 fn render_vulkan(timeline: &Timeline, d: &Vulkan) -> Result<(), Box<dyn Error>> {
-    use tickline::gpu::vulkan::VulkanGpu;
     use vulkan_support::{Work, SIZE};
 
-    // SAFETY: the handles are related and outlive the backend: `main` keeps the device open until the timeline
-    // (whose collector holds the backend) has shut down. Every submission to the queue goes through
+    // SAFETY: the backend is dropped before `d`: `main` keeps the device open until the timeline (whose collector
+    // holds the backend) has shut down, after the last fence wait. Every submission to the queue goes through
     // `VulkanGpu::submit`; scopes are recorded outside render passes into a command buffer of `d.family`, each
-    // recording submitted once and waited for.
-    let backend = unsafe {
-        VulkanGpu::new(
-            &d.entry,
-            &d.instance,
-            d.physical,
-            &d.device,
-            d.family,
-            d.queue,
-            d.options.clone(),
-        )?
-    };
+    // recording submitted once and waited for; `d.options` is what the device was created with.
+    let backend = unsafe { d.backend(d.options.clone())? };
     let gpu = timeline.gpu(backend)?;
     println!("GPU: {} (Vulkan, queue family {})", d.name, d.family);
     let queue = gpu.queue("compute queue")?;
-    let work = Work::new(d)?;
+    let work = Work::new(d, SIZE)?;
     for frame in 0..FRAMES {
         let _frame_span = info_span!("render frame", frame).entered();
         work.begin()?;

@@ -15,18 +15,17 @@ use std::error::Error;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use tickline::gpu::vulkan::VulkanGpu;
 use tickline::Timeline;
 use tickline_perfetto::PerfettoExporter;
 use tracing::info_span;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
-use vulkan_support::{Device, Work, SIZE};
+use vulkan_support::{Vulkan, Wants, Work, SIZE};
 
 const FRAMES: u32 = 48;
 
 fn run(path: &str) -> Result<(), Box<dyn Error>> {
-    let d = Device::new()?;
+    let d = Vulkan::new(Wants::OFFERED)?;
     println!(
         "device: {} (queue family {}); hostQueryReset {}; calibration extension {:?}",
         d.name, d.family, d.options.host_query_reset, d.options.calibrated_timestamps
@@ -35,24 +34,15 @@ fn run(path: &str) -> Result<(), Box<dyn Error>> {
     let timeline = Timeline::builder().exporter(exporter).start()?;
     tracing_subscriber::registry().with(timeline.layer()).init();
 
-    // SAFETY: the handles are related and outlive the backend (it is dropped with `gpu` and `queue` below,
-    // before `d`); every submission to the queue goes through `VulkanGpu::submit`; scopes are recorded outside
-    // render passes into a command buffer of `d.family`, each recording submitted once and waited for.
-    let backend = unsafe {
-        VulkanGpu::new(
-            &d.entry,
-            &d.instance,
-            d.physical,
-            &d.device,
-            d.family,
-            d.queue,
-            d.options.clone(),
-        )?
-    };
+    // SAFETY: the backend is dropped (with `gpu` and `queue` below) before `d`, after the last fence wait; every
+    // submission to the queue goes through `VulkanGpu::submit`; scopes are recorded outside render passes into a
+    // command buffer of `d.family`, each recording submitted once and waited for; `d.options` is what the device
+    // was created with.
+    let backend = unsafe { d.backend(d.options.clone())? };
     println!("calibration: {:?}", backend.calibration_path());
     let gpu = timeline.gpu(backend)?;
     let queue = gpu.queue("compute")?;
-    let work = Work::new(&d)?;
+    let work = Work::new(&d, SIZE)?;
 
     for frame in 0..FRAMES {
         let _frame = info_span!("frame", frame).entered();

@@ -9,6 +9,8 @@ mod gpu_clocks;
 mod live;
 mod load;
 mod pipeline;
+#[path = "../../examples/support/skip.rs"]
+mod skip;
 #[cfg(feature = "vulkan")]
 mod vulkan;
 #[cfg(feature = "wgpu")]

@@ -12,321 +12,45 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tickline::gpu::vulkan::ash::{self, vk};
-use tickline::gpu::vulkan::{
-    find_timestamp_queue, load_entry, CalibrationExtension, CalibrationPath, VulkanGpu, VulkanOptions,
-};
+use tickline::gpu::vulkan::ash::vk;
+use tickline::gpu::vulkan::{find_timestamp_queue, CalibrationExtension, CalibrationPath, VulkanGpu, VulkanOptions};
 use tickline::gpu::{GpuBackend, GpuDeviceInfo, GpuError, GpuTicks};
 use tickline::{
     calibration::CalibrationSample,
-    clock::monotonic_ns,
     export::{EventKind, FieldValue, MemoryExporter, TrackKind},
     Timeline,
 };
 
-/// Says why a test does not run, on the process's stderr: straight to the stream, not through `eprintln!`, which
-/// the test harness captures, so the line shows even when the test passes.
-pub(crate) fn skip(test: &str, reason: impl std::fmt::Display) {
-    use std::io::Write;
-    let _ = writeln!(std::io::stderr(), "SKIP: {test}: {reason}");
+#[path = "../../examples/support/vulkan.rs"]
+mod support;
+
+use crate::skip::{or_skip, skip};
+use support::{Vulkan, Wants, Work};
+
+/// A device with exactly `host_query_reset` and `extension` enabled for `test`, or `None` after printing why not.
+fn vulkan_or_skip(test: &str, host_query_reset: bool, extension: Option<CalibrationExtension>) -> Option<Vulkan> {
+    or_skip(test, Vulkan::new(Wants::exactly(host_query_reset, extension)))
 }
 
-/// An instance and a device with one queue, destroyed on drop.
-struct Vulkan {
-    entry: ash::Entry,
-    instance: ash::Instance,
-    physical: vk::PhysicalDevice,
-    family: u32,
-    device: ash::Device,
-    queue: vk::Queue,
-    /// The device is lavapipe: its clock is `CLOCK_MONOTONIC`.
-    lavapipe: bool,
+/// The backend on `vulkan`'s device.
+fn backend(vulkan: &Vulkan, options: VulkanOptions) -> Result<VulkanGpu, GpuError> {
+    // SAFETY: every test declares its backend after `vulkan`, so drops it first; the tests submit to the queue only
+    // through the backend, record scopes outside render passes into command buffers of `family`, and wait for them
+    // before dropping the backend. `options` claim what the test created the device with, but in
+    // `claims_the_device_does_not_back_are_rejected_before_any_call`, which claims extensions the device lacks on
+    // purpose: `VulkanGpu::new` refuses those before any use (their entry points do not resolve on a conformant
+    // loader), and that test checks it did.
+    unsafe { vulkan.backend(options) }
 }
 
-/// What the test device enables.
-#[derive(Clone, Copy, Debug)]
-struct Setup {
-    host_query_reset: bool,
-    extension: Option<CalibrationExtension>,
-}
-
-impl Vulkan {
-    /// A device with `setup` enabled, or why there is none (the caller prints `SKIP`).
-    fn new(setup: Setup) -> Result<Vulkan, String> {
-        let entry = load_entry().map_err(|e| e.to_string())?;
-        // SAFETY: the entry is loaded; the create info is valid and outlives the call.
-        let instance = unsafe {
-            let app = vk::ApplicationInfo::default()
-                .application_name(c"tickline tests")
-                .api_version(vk::API_VERSION_1_2);
-            entry.create_instance(&vk::InstanceCreateInfo::default().application_info(&app), None)
-        }
-        .map_err(|e| format!("vkCreateInstance: {e} (no Vulkan driver?)"))?;
-        // SAFETY: the instance is alive; it is destroyed on every path below that does not return `Vulkan`.
-        let found = unsafe { find_timestamp_queue(&instance, vk::QueueFlags::COMPUTE) };
-        let (physical, family) = match found {
-            Ok(found) => found,
-            Err(e) => {
-                // SAFETY: nothing was created from the instance.
-                unsafe { instance.destroy_instance(None) };
-                return Err(e.to_string());
-            }
-        };
-        // SAFETY: `physical` was enumerated from the live instance.
-        let (properties, extensions, host_reset) = unsafe {
-            let properties = instance.get_physical_device_properties(physical);
-            let extensions = instance
-                .enumerate_device_extension_properties(physical)
-                .unwrap_or_default();
-            let mut host_reset = vk::PhysicalDeviceHostQueryResetFeatures::default();
-            let mut features = vk::PhysicalDeviceFeatures2::default().push_next(&mut host_reset);
-            instance.get_physical_device_features2(physical, &mut features);
-            (properties, extensions, host_reset.host_query_reset == vk::TRUE)
-        };
-        let offered = |name: &std::ffi::CStr| extensions.iter().any(|e| e.extension_name_as_c_str() == Ok(name));
-        let mut missing = None;
-        if setup.host_query_reset && !(host_reset && properties.api_version >= vk::API_VERSION_1_2) {
-            missing = Some("the device has no hostQueryReset".to_owned());
-        }
-        if let Some(ext) = setup.extension {
-            if !offered(ext.name()) {
-                missing = Some(format!("the device does not offer {}", ext.name().to_string_lossy()));
-            }
-        }
-        if let Some(missing) = missing {
-            // SAFETY: nothing was created from the instance.
-            unsafe { instance.destroy_instance(None) };
-            return Err(missing);
-        }
-        let priorities = [1.0f32];
-        let queues = [vk::DeviceQueueCreateInfo::default()
-            .queue_family_index(family)
-            .queue_priorities(&priorities)];
-        let names: Vec<*const std::ffi::c_char> = setup.extension.map(|e| e.name().as_ptr()).into_iter().collect();
-        let mut vulkan12 = vk::PhysicalDeviceVulkan12Features::default().host_query_reset(setup.host_query_reset);
-        let mut info = vk::DeviceCreateInfo::default()
-            .queue_create_infos(&queues)
-            .enabled_extension_names(&names);
-        if properties.api_version >= vk::API_VERSION_1_2 {
-            info = info.push_next(&mut vulkan12);
-        }
-        // SAFETY: `physical` belongs to the instance; the create info and what it points to outlive the call.
-        let device = match unsafe { instance.create_device(physical, &info, None) } {
-            Ok(device) => device,
-            Err(e) => {
-                // SAFETY: nothing else was created from the instance.
-                unsafe { instance.destroy_instance(None) };
-                return Err(format!("vkCreateDevice: {e}"));
-            }
-        };
-        // SAFETY: the device was created with one queue of `family`.
-        let queue = unsafe { device.get_device_queue(family, 0) };
-        let lavapipe = properties
-            .device_name_as_c_str()
-            .is_ok_and(|n| n.to_string_lossy().starts_with("llvmpipe"));
-        Ok(Vulkan {
-            entry,
-            instance,
-            physical,
-            family,
-            device,
-            queue,
-            lavapipe,
-        })
-    }
-
-    /// Sets up a device for `test` or prints why not.
-    fn or_skip(test: &str, setup: Setup) -> Option<Vulkan> {
-        match Vulkan::new(setup) {
-            Ok(vulkan) => Some(vulkan),
-            Err(reason) => {
-                skip(test, reason);
-                None
-            }
-        }
-    }
-
-    fn backend(&self, options: VulkanOptions) -> Result<VulkanGpu, GpuError> {
-        // SAFETY: the handles are related and outlive the backend (every test drops it before `self`); the
-        // tests submit to the queue only through the backend, record scopes outside render passes into
-        // command buffers of `family`, and wait for them before dropping the backend.
-        unsafe {
-            VulkanGpu::new(
-                &self.entry,
-                &self.instance,
-                self.physical,
-                &self.device,
-                self.family,
-                self.queue,
-                options,
-            )
-        }
-    }
-}
-
-impl Drop for Vulkan {
-    fn drop(&mut self) {
-        // SAFETY: every object created from the device was destroyed by its owner (the tests drop backends and
-        // their `Work` first); the device is idle after the wait.
-        unsafe {
-            let _ = self.device.device_wait_idle();
-            self.device.destroy_device(None);
-            self.instance.destroy_instance(None);
-        }
-    }
-}
-
-/// Two buffers to fill and copy, a command buffer and a fence; destroyed on drop.
-struct Work<'a> {
-    vulkan: &'a Vulkan,
-    pool: vk::CommandPool,
-    commands: vk::CommandBuffer,
-    fence: vk::Fence,
-    buffers: [vk::Buffer; 2],
-    memory: [vk::DeviceMemory; 2],
-    size: u64,
-}
-
-impl<'a> Work<'a> {
-    fn new(vulkan: &'a Vulkan, size: u64) -> Work<'a> {
-        let device = &vulkan.device;
-        // SAFETY: the device is alive; every create info is valid and outlives its call; the memory type is
-        // one the buffer allows.
-        unsafe {
-            let pool = device
-                .create_command_pool(
-                    &vk::CommandPoolCreateInfo::default()
-                        .queue_family_index(vulkan.family)
-                        .flags(vk::CommandPoolCreateFlags::RESET_COMMAND_BUFFER),
-                    None,
-                )
-                .unwrap();
-            let commands = device
-                .allocate_command_buffers(
-                    &vk::CommandBufferAllocateInfo::default()
-                        .command_pool(pool)
-                        .level(vk::CommandBufferLevel::PRIMARY)
-                        .command_buffer_count(1),
-                )
-                .unwrap()[0];
-            let fence = device.create_fence(&vk::FenceCreateInfo::default(), None).unwrap();
-            let mut buffers = [vk::Buffer::null(); 2];
-            let mut memory = [vk::DeviceMemory::null(); 2];
-            for i in 0..2 {
-                buffers[i] = device
-                    .create_buffer(
-                        &vk::BufferCreateInfo::default()
-                            .size(size)
-                            .usage(vk::BufferUsageFlags::TRANSFER_SRC | vk::BufferUsageFlags::TRANSFER_DST),
-                        None,
-                    )
-                    .unwrap();
-                let needs = device.get_buffer_memory_requirements(buffers[i]);
-                let type_index = needs.memory_type_bits.trailing_zeros();
-                memory[i] = device
-                    .allocate_memory(
-                        &vk::MemoryAllocateInfo::default()
-                            .allocation_size(needs.size)
-                            .memory_type_index(type_index),
-                        None,
-                    )
-                    .unwrap();
-                device.bind_buffer_memory(buffers[i], memory[i], 0).unwrap();
-            }
-            Work {
-                vulkan,
-                pool,
-                commands,
-                fence,
-                buffers,
-                memory,
-                size,
-            }
-        }
-    }
-
-    fn begin(&self) {
-        // SAFETY: the command buffer is ours, not pending (every submission is waited for), its pool allows reset.
-        unsafe {
-            self.vulkan
-                .device
-                .reset_command_buffer(self.commands, vk::CommandBufferResetFlags::empty())
-                .unwrap();
-            self.vulkan
-                .device
-                .begin_command_buffer(
-                    self.commands,
-                    &vk::CommandBufferBeginInfo::default().flags(vk::CommandBufferUsageFlags::ONE_TIME_SUBMIT),
-                )
-                .unwrap();
-        }
-    }
-
-    fn fill(&self, value: u32) {
-        // SAFETY: recording into our command buffer; the buffer is ours and allows transfer writes.
-        unsafe {
-            self.vulkan
-                .device
-                .cmd_fill_buffer(self.commands, self.buffers[0], 0, self.size, value)
-        };
-    }
-
-    fn copy(&self) {
-        let device = &self.vulkan.device;
-        let barrier = vk::MemoryBarrier::default()
-            .src_access_mask(vk::AccessFlags::TRANSFER_WRITE)
-            .dst_access_mask(vk::AccessFlags::TRANSFER_READ);
-        // SAFETY: recording into our command buffer; the buffers are ours and allow transfers.
-        unsafe {
-            device.cmd_pipeline_barrier(
-                self.commands,
-                vk::PipelineStageFlags::TRANSFER,
-                vk::PipelineStageFlags::TRANSFER,
-                vk::DependencyFlags::empty(),
-                &[barrier],
-                &[],
-                &[],
-            );
-            device.cmd_copy_buffer(
-                self.commands,
-                self.buffers[0],
-                self.buffers[1],
-                &[vk::BufferCopy::default().size(self.size)],
-            );
-        }
-    }
-
-    /// Ends the command buffer, submits it through `gpu`, waits; returns the host window
-    /// `[before vkQueueSubmit, after the fence wait returned]` in `CLOCK_MONOTONIC` ns.
-    fn submit_and_wait(&self, gpu: &VulkanGpu) -> (u64, u64) {
-        let device = &self.vulkan.device;
-        // SAFETY: our command buffer is recording; the fence is ours and unsignalled (reset after each wait).
-        unsafe {
-            device.end_command_buffer(self.commands).unwrap();
-            let submit = vk::SubmitInfo::default().command_buffers(std::slice::from_ref(&self.commands));
-            let before = monotonic_ns().0;
-            gpu.submit(&[submit], self.fence).unwrap();
-            device.wait_for_fences(&[self.fence], true, u64::MAX).unwrap();
-            let after = monotonic_ns().0;
-            device.reset_fences(&[self.fence]).unwrap();
-            (before, after)
-        }
-    }
-}
-
-impl Drop for Work<'_> {
-    fn drop(&mut self) {
-        let device = &self.vulkan.device;
-        // SAFETY: every submission of ours was waited for; the objects are ours.
-        unsafe {
-            for i in 0..2 {
-                device.destroy_buffer(self.buffers[i], None);
-                device.free_memory(self.memory[i], None);
-            }
-            device.destroy_fence(self.fence, None);
-            device.destroy_command_pool(self.pool, None);
-        }
-    }
+/// The backend with 8 timestamp slots (enough for the slot tests) and `host_query_reset` as asked.
+fn eight_slots(vulkan: &Vulkan, host_query_reset: bool) -> VulkanGpu {
+    let options = VulkanOptions {
+        host_query_reset,
+        timestamp_slots: 8,
+        ..VulkanOptions::default()
+    };
+    backend(vulkan, options).expect("the backend sets up")
 }
 
 /// What [`Logged`] saw: slots in write order, the raw ticks read per slot, the calibration samples.
@@ -446,18 +170,18 @@ const FRAMES: u64 = 30;
 
 /// Records `FRAMES` command buffers (`frame` > `fill`, `copy`) through a timeline, then checks every exported
 /// GPU slice against its submission window and against the raw ticks.
-fn run_frames(test: &str, setup: Setup) {
-    let Some(vulkan) = Vulkan::or_skip(test, setup) else {
+fn run_frames(test: &str, host_query_reset: bool, extension: Option<CalibrationExtension>) {
+    let Some(vulkan) = vulkan_or_skip(test, host_query_reset, extension) else {
         return;
     };
     let options = VulkanOptions {
-        host_query_reset: setup.host_query_reset,
-        calibrated_timestamps: setup.extension,
+        host_query_reset,
+        calibrated_timestamps: extension,
         ..VulkanOptions::default()
     };
-    let inner = vulkan.backend(options).expect("the backend sets up");
+    let inner = backend(&vulkan, options).expect("the backend sets up");
     let path = inner.calibration_path().clone();
-    match setup.extension {
+    match extension {
         Some(ext) => assert_eq!(path, CalibrationPath::Extension(ext)),
         None => assert!(matches!(path, CalibrationPath::Submit { .. }), "{path:?}"),
     }
@@ -472,10 +196,10 @@ fn run_frames(test: &str, setup: Setup) {
         .unwrap();
     let period = gpu.info().clock.nominal_ns_per_tick();
     let queue = gpu.queue("compute").unwrap();
-    let work = Work::new(&vulkan, 1 << 20);
+    let work = Work::new(&vulkan, 1 << 20).unwrap();
     let mut windows = Vec::new();
     for frame in 0..FRAMES {
-        work.begin();
+        work.begin().unwrap();
         {
             let _frame = tickline::gpu_scope!(queue, &work.commands, "frame", frame = frame);
             {
@@ -483,9 +207,9 @@ fn run_frames(test: &str, setup: Setup) {
                 work.fill(frame as u32);
             }
             let _copy = tickline::gpu_scope!(queue, &work.commands, "copy", frame = frame);
-            work.copy();
+            work.copy(0);
         }
-        windows.push(work.submit_and_wait(&gpu.backend().inner));
+        windows.push(work.submit_and_wait(&gpu.backend().inner).unwrap());
         std::thread::sleep(Duration::from_millis(3));
     }
     let stats = timeline.shutdown().unwrap();
@@ -569,7 +293,7 @@ fn run_frames(test: &str, setup: Setup) {
     eprintln!(
         "{test}: {path:?}, host reset {}: {} slices, {} causality violations; {} calibration samples (max deviation \
          median {typical_deviation} ns, max {widest_deviation} ns); stated uncertainty median {} ns",
-        setup.host_query_reset,
+        host_query_reset,
         slices.len(),
         stats.gpu_causality_violations,
         deviations.len(),
@@ -603,13 +327,7 @@ fn run_frames(test: &str, setup: Setup) {
 #[test]
 fn extension_calibration_with_host_reset_places_slices_within_a_microsecond() {
     let _one_at_a_time = crate::exclusive();
-    run_frames(
-        "vulkan extension + host reset",
-        Setup {
-            host_query_reset: true,
-            extension: Some(CalibrationExtension::Ext),
-        },
-    );
+    run_frames("vulkan extension + host reset", true, Some(CalibrationExtension::Ext));
 }
 
 #[test]
@@ -617,40 +335,26 @@ fn extension_calibration_with_command_reset_places_slices_within_a_microsecond()
     let _one_at_a_time = crate::exclusive();
     run_frames(
         "vulkan extension + command reset",
-        Setup {
-            host_query_reset: false,
-            extension: Some(CalibrationExtension::Ext),
-        },
+        false,
+        Some(CalibrationExtension::Ext),
     );
 }
 
 #[test]
 fn submit_calibration_with_host_reset_places_slices_within_its_bracket() {
     let _one_at_a_time = crate::exclusive();
-    run_frames(
-        "vulkan submit fallback + host reset",
-        Setup {
-            host_query_reset: true,
-            extension: None,
-        },
-    );
+    run_frames("vulkan submit fallback + host reset", true, None);
 }
 
 #[test]
 fn submit_calibration_with_command_reset_places_slices_within_its_bracket() {
     let _one_at_a_time = crate::exclusive();
-    run_frames(
-        "vulkan submit fallback + command reset",
-        Setup {
-            host_query_reset: false,
-            extension: None,
-        },
-    );
+    run_frames("vulkan submit fallback + command reset", false, None);
 }
 
 /// Writes a pair into `work`'s command buffer, checks reads before and after the GPU ran it, recycles.
 fn round_trip(gpu: &VulkanGpu, work: &Work<'_>, slot: u32) -> (u64, u64) {
-    work.begin();
+    work.begin().unwrap();
     gpu.write_timestamp(&work.commands, slot);
     work.fill(7);
     gpu.write_timestamp(&work.commands, slot + 1);
@@ -661,7 +365,7 @@ fn round_trip(gpu: &VulkanGpu, work: &Work<'_>, slot: u32) -> (u64, u64) {
         [None, None],
         "recorded, not run: unwritten (NOT_READY is no error)"
     );
-    let (before, after) = work.submit_and_wait(gpu);
+    let (before, after) = work.submit_and_wait(gpu).unwrap();
     gpu.read_timestamps(slot, &mut out).unwrap();
     let (begin, end) = (out[0].expect("written").0, out[1].expect("written").0);
     assert!(begin <= end);
@@ -679,26 +383,14 @@ fn slots_read_unwritten_until_the_gpu_writes_them_in_both_reset_modes() {
     let _one_at_a_time = crate::exclusive();
     for host_query_reset in [true, false] {
         let test = format!("vulkan slot recycling (host reset {host_query_reset})");
-        let Some(vulkan) = Vulkan::or_skip(
-            &test,
-            Setup {
-                host_query_reset,
-                extension: None,
-            },
-        ) else {
+        let Some(vulkan) = vulkan_or_skip(&test, host_query_reset, None) else {
             continue;
         };
-        let gpu = vulkan
-            .backend(VulkanOptions {
-                host_query_reset,
-                timestamp_slots: 8,
-                ..VulkanOptions::default()
-            })
-            .unwrap();
+        let gpu = eight_slots(&vulkan, host_query_reset);
         assert_eq!(gpu.host_query_reset(), host_query_reset);
         let info = gpu.info();
         assert_eq!((info.api, info.timestamp_slots), ("Vulkan", 8));
-        let work = Work::new(&vulkan, 4096);
+        let work = Work::new(&vulkan, 4096).unwrap();
         let (_, first_end) = round_trip(&gpu, &work, 6);
         // The same slots again: the new values are later (with command reset, the stale values are hidden until
         // the command buffer's reset runs).
@@ -720,21 +412,17 @@ fn calibration_respects_its_budget_on_both_paths() {
     let _one_at_a_time = crate::exclusive();
     for extension in [Some(CalibrationExtension::Ext), None] {
         let test = format!("vulkan calibration budget ({extension:?})");
-        let Some(vulkan) = Vulkan::or_skip(
-            &test,
-            Setup {
-                host_query_reset: false,
-                extension,
-            },
-        ) else {
+        let Some(vulkan) = vulkan_or_skip(&test, false, extension) else {
             continue;
         };
-        let gpu = vulkan
-            .backend(VulkanOptions {
+        let gpu = backend(
+            &vulkan,
+            VulkanOptions {
                 calibrated_timestamps: extension,
                 ..VulkanOptions::default()
-            })
-            .unwrap();
+            },
+        )
+        .unwrap();
         let mut out = Vec::new();
         gpu.calibrate(16, Duration::ZERO, &mut out).unwrap();
         assert!(out.is_empty(), "a zero budget takes nothing");
@@ -771,20 +459,17 @@ fn claims_the_device_does_not_back_are_rejected_before_any_call() {
     let _one_at_a_time = crate::exclusive();
     let test = "vulkan rejected claims";
     // A device created without any calibrated-timestamps extension.
-    let Some(vulkan) = Vulkan::or_skip(
-        test,
-        Setup {
-            host_query_reset: false,
-            extension: None,
-        },
-    ) else {
+    let Some(vulkan) = vulkan_or_skip(test, false, None) else {
         return;
     };
     for extension in [CalibrationExtension::Ext, CalibrationExtension::Khr] {
-        let result = vulkan.backend(VulkanOptions {
-            calibrated_timestamps: Some(extension),
-            ..VulkanOptions::default()
-        });
+        let result = backend(
+            &vulkan,
+            VulkanOptions {
+                calibrated_timestamps: Some(extension),
+                ..VulkanOptions::default()
+            },
+        );
         match result {
             Err(GpuError::Invalid { detail }) => {
                 assert!(detail.contains(&*extension.name().to_string_lossy()), "{detail}");
@@ -810,10 +495,13 @@ fn claims_the_device_does_not_back_are_rejected_before_any_call() {
     };
     assert!(matches!(result, Err(GpuError::Invalid { .. })), "{result:?}");
     // Bad options.
-    let result = vulkan.backend(VulkanOptions {
-        timestamp_slots: 3,
-        ..VulkanOptions::default()
-    });
+    let result = backend(
+        &vulkan,
+        VulkanOptions {
+            timestamp_slots: 3,
+            ..VulkanOptions::default()
+        },
+    );
     assert!(matches!(result, Err(GpuError::Invalid { .. })), "{result:?}");
     // No device has a queue family for video decoding with timestamps.
     // SAFETY: the instance is alive.
@@ -855,26 +543,14 @@ fn lavapipe_query_calls_wait_while_a_submission_holds_the_queue() {
     let _one_at_a_time = crate::exclusive();
     for host_query_reset in [true, false] {
         let test = format!("vulkan query calls and the queue lock (host reset {host_query_reset})");
-        let Some(vulkan) = Vulkan::or_skip(
-            &test,
-            Setup {
-                host_query_reset,
-                extension: None,
-            },
-        ) else {
+        let Some(vulkan) = vulkan_or_skip(&test, host_query_reset, None) else {
             continue;
         };
         if !vulkan.lavapipe {
             skip(&test, "only lavapipe needs its query calls kept apart from submissions");
             continue;
         }
-        let gpu = vulkan
-            .backend(VulkanOptions {
-                host_query_reset,
-                timestamp_slots: 8,
-                ..VulkanOptions::default()
-            })
-            .unwrap();
+        let gpu = eight_slots(&vulkan, host_query_reset);
         let read = finishes_while_the_queue_is_locked(&gpu, || {
             let mut out = [None; 2];
             gpu.read_timestamps(0, &mut out).unwrap();
@@ -904,23 +580,11 @@ fn timestamps_read_back_after_their_fence_while_another_thread_reads_them() {
     const ROUNDS: u32 = 200;
     for host_query_reset in [true, false] {
         let test = format!("vulkan reads during submissions (host reset {host_query_reset})");
-        let Some(vulkan) = Vulkan::or_skip(
-            &test,
-            Setup {
-                host_query_reset,
-                extension: None,
-            },
-        ) else {
+        let Some(vulkan) = vulkan_or_skip(&test, host_query_reset, None) else {
             continue;
         };
-        let gpu = vulkan
-            .backend(VulkanOptions {
-                host_query_reset,
-                timestamp_slots: 8,
-                ..VulkanOptions::default()
-            })
-            .unwrap();
-        let work = Work::new(&vulkan, 1 << 20);
+        let gpu = eight_slots(&vulkan, host_query_reset);
+        let work = Work::new(&vulkan, 1 << 20).unwrap();
         let stop = std::sync::atomic::AtomicBool::new(false);
         let mut lost = Vec::new();
         std::thread::scope(|s| {
@@ -933,16 +597,16 @@ fn timestamps_read_back_after_their_fence_while_another_thread_reads_them() {
             });
             for round in 0..ROUNDS {
                 // As `run_frames` writes them: two nested pairs around a fill, a third around a copy.
-                work.begin();
+                work.begin().unwrap();
                 gpu.write_timestamp(&work.commands, 0);
                 gpu.write_timestamp(&work.commands, 2);
                 work.fill(round);
                 gpu.write_timestamp(&work.commands, 3);
                 gpu.write_timestamp(&work.commands, 4);
-                work.copy();
+                work.copy(0);
                 gpu.write_timestamp(&work.commands, 5);
                 gpu.write_timestamp(&work.commands, 1);
-                work.submit_and_wait(&gpu);
+                work.submit_and_wait(&gpu).unwrap();
                 let mut out = [None; 6];
                 // The fence was signalled: the values are there (a short grace for a driver that makes queries
                 // available a little after the fence).

@@ -16,7 +16,8 @@ use tickline::gpu::wgpu::{hal, WgpuCommands, WgpuGpu};
 use tickline::gpu::{GpuBackend, GpuError};
 use tickline::{export::MemoryExporter, Timeline};
 
-use crate::vulkan::{gpu_slices, percentile, skip, GpuSlice, Log, Logged};
+use crate::skip::skip;
+use crate::vulkan::{gpu_slices, percentile, GpuSlice, Log, Logged};
 use support::{ready, HalDevice, HalWork};
 
 /// A hal device for `test`, or `None` after printing why not.

@@ -16,7 +16,8 @@ use tickline::{
     TicklineError, Timeline,
 };
 
-use crate::vulkan::{percentile, skip};
+use crate::skip::skip;
+use crate::vulkan::percentile;
 use crate::wgpu::support::{FrameWork, WgpuSetup, FRAME_SCOPES};
 
 /// A wgpu device for `test`, or `None` after printing why not.
