@@ -16,6 +16,8 @@
 //! Both profilers with debug groups off. Without a Vulkan adapter with timestamps inside encoders and passes it
 //! prints `SKIP` and exits.
 
+#[path = "../examples/support/skip.rs"]
+mod skip;
 #[path = "../examples/support/wgpu.rs"]
 mod wgpu_support;
 
@@ -54,16 +56,8 @@ fn record_peer(work: &FrameWork, encoder: &mut wgpu::CommandEncoder, peer: &mut 
 
 fn main() {
     let features = WgpuProfiler::ALL_WGPU_TIMER_FEATURES;
-    let setup = match WgpuSetup::new(features, true) {
-        Ok(setup) if setup.device.features().contains(features) => setup,
-        Ok(_) => {
-            eprintln!("SKIP: wgpu_frame bench: no timestamps inside encoders and passes");
-            return;
-        }
-        Err(reason) => {
-            eprintln!("SKIP: wgpu_frame bench: {reason}");
-            return;
-        }
+    let Some(setup) = skip::or_skip("wgpu_frame bench", WgpuSetup::with_all(features, true)) else {
+        return;
     };
     let (device, queue) = (&setup.device, &setup.queue);
     let mut c = Criterion::default()

@@ -15,6 +15,8 @@
 //! the timeline flushed, so every pair returns; wgpu-profiler: `end_frame` and `process_finished_frame`). Runs on
 //! lavapipe; without a Vulkan adapter with timestamps inside encoders it prints `SKIP` and exits.
 
+#[path = "../examples/support/skip.rs"]
+mod skip;
 #[path = "../examples/support/wgpu.rs"]
 mod wgpu_support;
 
@@ -54,16 +56,8 @@ fn chunked(
 
 fn main() {
     let features = wgpu::Features::TIMESTAMP_QUERY | wgpu::Features::TIMESTAMP_QUERY_INSIDE_ENCODERS;
-    let setup = match WgpuSetup::new(features, true) {
-        Ok(setup) if setup.device.features().contains(features) => setup,
-        Ok(_) => {
-            eprintln!("SKIP: wgpu_level_scope bench: no TIMESTAMP_QUERY_INSIDE_ENCODERS");
-            return;
-        }
-        Err(reason) => {
-            eprintln!("SKIP: wgpu_level_scope bench: {reason}");
-            return;
-        }
+    let Some(setup) = skip::or_skip("wgpu_level_scope bench", WgpuSetup::with_all(features, true)) else {
+        return;
     };
     let (device, queue) = (&setup.device, &setup.queue);
     let mut c = Criterion::default()

@@ -17,6 +17,8 @@
 //! read) so every pair returns. Runs on lavapipe; without a Vulkan device (or without calibrated timestamps and
 //! hostQueryReset) it prints `SKIP` and exits.
 
+#[path = "../examples/support/skip.rs"]
+mod skip;
 #[path = "../examples/support/wgpu.rs"]
 mod wgpu_support;
 
@@ -28,7 +30,7 @@ use tickline::gpu::vulkan::VulkanOptions;
 use tickline::gpu::wgpu::{hal, wgt, WgpuGpu};
 use tickline::gpu::{GpuDevice, GpuQueue};
 use tickline::Timeline;
-use wgpu_support::{ready, HalDevice, HalWork};
+use wgpu_support::{HalDevice, HalWork, WgpuSetup};
 
 use hal::{CommandEncoder as _, Device as _};
 
@@ -60,42 +62,25 @@ fn time_scopes(
     total
 }
 
-/// wgpu-profiler on a `wgpu::Device` of the first Vulkan adapter with timestamps inside encoders, or why not.
+/// wgpu-profiler on a `wgpu::Device` (wgpu's own `request_device`) of the first Vulkan adapter with timestamps
+/// inside encoders, or why not.
 struct Peer {
-    device: wgpu::Device,
-    queue: wgpu::Queue,
     profiler: wgpu_profiler::GpuProfiler,
+    setup: WgpuSetup,
 }
 
 impl Peer {
-    fn new() -> Result<Peer, String> {
-        let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
-        desc.backends = wgpu::Backends::VULKAN;
-        let instance = wgpu::Instance::new(desc);
-        let adapter =
-            ready(instance.request_adapter(&wgpu::RequestAdapterOptions::default())).map_err(|e| e.to_string())?;
+    fn new() -> Result<Peer, Box<dyn std::error::Error>> {
         let features = wgpu::Features::TIMESTAMP_QUERY | wgpu::Features::TIMESTAMP_QUERY_INSIDE_ENCODERS;
-        if !adapter.features().contains(features) {
-            return Err("the wgpu adapter has no TIMESTAMP_QUERY_INSIDE_ENCODERS".into());
-        }
-        let (device, queue) = ready(adapter.request_device(&wgpu::DeviceDescriptor {
-            required_features: features,
-            ..Default::default()
-        }))
-        .map_err(|e| e.to_string())?;
+        let setup = WgpuSetup::with_all(features, false)?;
         let profiler = wgpu_profiler::GpuProfiler::new(
-            &device,
+            &setup.device,
             wgpu_profiler::GpuProfilerSettings {
                 enable_debug_groups: false,
                 ..Default::default()
             },
-        )
-        .map_err(|e| e.to_string())?;
-        Ok(Peer {
-            device,
-            queue,
-            profiler,
-        })
+        )?;
+        Ok(Peer { profiler, setup })
     }
 
     /// Times `iters` scopes in chunks; between chunks (untimed) resolves, submits, waits and reads the results.
@@ -104,19 +89,19 @@ impl Peer {
         let mut left = iters;
         while left > 0 {
             let n = left.min(CHUNK);
-            let mut encoder = self.device.create_command_encoder(&Default::default());
+            let mut encoder = self.setup.device.create_command_encoder(&Default::default());
             let start = Instant::now();
             for _ in 0..n {
                 drop(black_box(self.profiler.scope("bench", &mut encoder)));
             }
             total += start.elapsed();
             self.profiler.resolve_queries(&mut encoder);
-            self.queue.submit([encoder.finish()]);
+            self.setup.queue.submit([encoder.finish()]);
             self.profiler.end_frame().unwrap();
-            self.device.poll(wgpu::PollType::wait_indefinitely()).unwrap();
+            self.setup.wait().unwrap();
             let results = self
                 .profiler
-                .process_finished_frame(self.queue.get_timestamp_period())
+                .process_finished_frame(self.setup.queue.get_timestamp_period())
                 .expect("the frame finished");
             assert_eq!(results.len() as u64, n);
             left -= n;
@@ -126,15 +111,14 @@ impl Peer {
 }
 
 fn main() {
-    let hal = match HalDevice::new() {
-        Ok(hal) => hal,
-        Err(reason) => {
-            eprintln!("SKIP: wgpu_scope bench: {reason}");
-            return;
-        }
+    let Some(hal) = skip::or_skip("wgpu_scope bench", HalDevice::new()) else {
+        return;
     };
     if !hal.options.host_query_reset || hal.options.calibrated_timestamps.is_none() {
-        eprintln!("SKIP: wgpu_scope bench: the device lacks hostQueryReset or calibrated timestamps");
+        skip::skip(
+            "wgpu_scope bench",
+            "the device lacks hostQueryReset or calibrated timestamps",
+        );
         return;
     }
     let mut c = Criterion::default()
@@ -173,16 +157,10 @@ fn main() {
     }
     .unwrap();
 
-    let mut peer = match Peer::new() {
-        Ok(mut peer) => {
-            peer.time_scopes(2 * CHUNK);
-            Some(peer)
-        }
-        Err(reason) => {
-            eprintln!("SKIP: wgpu_scope bench: wgpu_profiler_scope: {reason}");
-            None
-        }
-    };
+    let mut peer = skip::or_skip("wgpu_scope bench: wgpu_profiler_scope", Peer::new());
+    if let Some(peer) = peer.as_mut() {
+        peer.time_scopes(2 * CHUNK);
+    }
 
     let mut group = c.benchmark_group("wgpu_hal_gpu_scope");
     group.bench_function("bare_hal_write_timestamp_pair", |b| {

@@ -7,7 +7,8 @@
 //!   submit under the backend's queue lock).
 //! - [`WgpuSetup`] and [`FrameWork`]: a `wgpu::Device` and one frame of a compute pass and an offscreen render pass
 //!   (`examples/wgpu_frame.rs`, the wgpu-level tests, `benches/wgpu_frame.rs`, `benches/wgpu_level_scope.rs`),
-//!   recorded with or without a [`WgpuProfiler`].
+//!   recorded with or without a [`WgpuProfiler`]; the wgpu-profiler peer of `benches/wgpu_scope.rs` runs on a
+//!   [`WgpuSetup`] too.
 
 #![allow(dead_code)]
 
@@ -223,6 +224,16 @@ pub fn ready<T>(future: impl std::future::Future<Output = T>) -> T {
     }
 }
 
+/// wgpu's first Vulkan adapter, or why there is none.
+pub fn vulkan_adapter() -> Result<(wgpu::Instance, wgpu::Adapter), Box<dyn Error>> {
+    let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
+    desc.backends = wgpu::Backends::VULKAN;
+    let instance = wgpu::Instance::new(desc);
+    let adapter = ready(instance.request_adapter(&wgpu::RequestAdapterOptions::default()))
+        .map_err(|e| format!("no wgpu Vulkan adapter: {e} (no Vulkan loader or driver?)"))?;
+    Ok((instance, adapter))
+}
+
 /// A `wgpu::Device` on the first Vulkan adapter with `TIMESTAMP_QUERY`, or why not.
 pub struct WgpuSetup {
     pub device: wgpu::Device,
@@ -238,13 +249,22 @@ impl WgpuSetup {
     /// `features` (those the adapter offers) on a Vulkan adapter; `calibrated`: opened with
     /// [`request_device`] (calibrated timestamps where offered) rather than wgpu's own `request_device`.
     pub fn new(features: wgpu::Features, calibrated: bool) -> Result<WgpuSetup, Box<dyn Error>> {
-        let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
-        desc.backends = wgpu::Backends::VULKAN;
-        let instance = wgpu::Instance::new(desc);
-        let adapter = ready(instance.request_adapter(&wgpu::RequestAdapterOptions::default()))
-            .map_err(|e| format!("no wgpu Vulkan adapter: {e} (no Vulkan loader or driver?)"))?;
-        if !adapter.features().contains(wgpu::Features::TIMESTAMP_QUERY) {
+        Self::open(features, false, calibrated)
+    }
+
+    /// As [`WgpuSetup::new`], but all of `features`, or why not.
+    pub fn with_all(features: wgpu::Features, calibrated: bool) -> Result<WgpuSetup, Box<dyn Error>> {
+        Self::open(features, true, calibrated)
+    }
+
+    fn open(features: wgpu::Features, all: bool, calibrated: bool) -> Result<WgpuSetup, Box<dyn Error>> {
+        let (instance, adapter) = vulkan_adapter()?;
+        let missing = (features | wgpu::Features::TIMESTAMP_QUERY) - adapter.features();
+        if missing.contains(wgpu::Features::TIMESTAMP_QUERY) {
             return Err("the wgpu adapter has no TIMESTAMP_QUERY".into());
+        }
+        if all && !missing.is_empty() {
+            return Err(format!("the wgpu adapter lacks {missing:?}").into());
         }
         let descriptor = wgpu::DeviceDescriptor {
             label: Some("tickline"),

@@ -16,27 +16,16 @@ use tickline::gpu::wgpu::{hal, WgpuCommands, WgpuGpu};
 use tickline::gpu::{GpuBackend, GpuError};
 use tickline::{export::MemoryExporter, Timeline};
 
-use crate::skip::skip;
+use crate::skip::{or_skip, skip};
 use crate::vulkan::{gpu_slices, percentile, GpuSlice, Log, Logged};
-use support::{ready, HalDevice, HalWork};
-
-/// A hal device for `test`, or `None` after printing why not.
-fn hal_or_skip(test: &str) -> Option<HalDevice> {
-    match HalDevice::new() {
-        Ok(hal) => Some(hal),
-        Err(reason) => {
-            skip(test, reason);
-            None
-        }
-    }
-}
+use support::{vulkan_adapter, HalDevice, HalWork};
 
 const FRAMES: u64 = 30;
 
 /// Records `FRAMES` hal command buffers (`frame` > `clear`, `copy`) through a timeline, then checks every GPU
 /// slice against its `[submit, wait]` window and, on lavapipe, against the raw ticks.
 fn run_frames(test: &str, host_query_reset: bool) {
-    let Some(hal) = hal_or_skip(test) else {
+    let Some(hal) = or_skip(test, HalDevice::new()) else {
         return;
     };
     if host_query_reset && !hal.options.host_query_reset {
@@ -173,7 +162,7 @@ fn wgpu_hal_scopes_with_command_reset_sit_in_their_windows_within_a_microsecond(
 #[test]
 fn commands_exist_only_while_the_encoder_encodes() {
     let test = "commands_exist_only_while_the_encoder_encodes";
-    let Some(hal) = hal_or_skip(test) else {
+    let Some(hal) = or_skip(test, HalDevice::new()) else {
         return;
     };
     let mut encoder = {
@@ -200,7 +189,7 @@ fn commands_exist_only_while_the_encoder_encodes() {
 #[test]
 fn a_queue_of_another_device_is_refused() {
     let test = "a_queue_of_another_device_is_refused";
-    let (Some(one), Some(two)) = (hal_or_skip(test), hal_or_skip(test)) else {
+    let (Some(one), Some(two)) = (or_skip(test, HalDevice::new()), or_skip(test, HalDevice::new())) else {
         return;
     };
     // SAFETY: refused before any handle is used beyond reading it.
@@ -218,12 +207,8 @@ fn a_wgpu_device_reaches_the_backend_through_as_hal() {
 
     let _one_at_a_time = crate::exclusive();
     let test = "a_wgpu_device_reaches_the_backend_through_as_hal";
-    let mut instance_desc = wgpu::InstanceDescriptor::new_without_display_handle();
-    instance_desc.backends = wgpu::Backends::VULKAN;
-    let instance = wgpu::Instance::new(instance_desc);
-    let adapter = match ready(instance.request_adapter(&wgpu::RequestAdapterOptions::default())) {
-        Ok(adapter) => adapter,
-        Err(e) => return skip(test, format!("no wgpu Vulkan adapter: {e}")),
+    let Some((_instance, adapter)) = or_skip(test, vulkan_adapter()) else {
+        return;
     };
     let desc = wgpu::DeviceDescriptor::default();
     // SAFETY: the hal adapter is the wgpu adapter's, alive while `adapter` is; no features, default limits.

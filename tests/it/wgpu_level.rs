@@ -16,20 +16,9 @@ use tickline::{
     TicklineError, Timeline,
 };
 
-use crate::skip::skip;
+use crate::skip::{or_skip, skip};
 use crate::vulkan::percentile;
 use crate::wgpu::support::{FrameWork, WgpuSetup, FRAME_SCOPES};
-
-/// A wgpu device for `test`, or `None` after printing why not.
-fn setup_or_skip(test: &str, features: wgpu::Features, calibrated: bool) -> Option<WgpuSetup> {
-    match WgpuSetup::new(features, calibrated) {
-        Ok(setup) => Some(setup),
-        Err(reason) => {
-            skip(test, reason);
-            None
-        }
-    }
-}
 
 /// A slice on the wgpu device's tracks.
 #[derive(Clone, Debug)]
@@ -90,11 +79,10 @@ const FRAMES: u64 = 24;
 /// slice against its `[submit, wait]` window and, on lavapipe, against the raw ticks. Returns the errors against
 /// the truth (ns, sorted) and the calibration path, or `None` when skipped.
 fn run_frames(test: &str, calibrated: bool) -> Option<(Vec<u64>, CalibrationPath)> {
-    let setup = setup_or_skip(test, WgpuProfiler::ALL_WGPU_TIMER_FEATURES, calibrated)?;
-    if !setup.device.features().contains(WgpuProfiler::ALL_WGPU_TIMER_FEATURES) {
-        skip(test, "the adapter lacks timestamps inside encoders or passes");
-        return None;
-    }
+    let setup = or_skip(
+        test,
+        WgpuSetup::with_all(WgpuProfiler::ALL_WGPU_TIMER_FEATURES, calibrated),
+    )?;
     let memory = MemoryExporter::default();
     let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
     let profiler = WgpuProfiler::new(&timeline, &setup.device, &setup.queue, Default::default()).unwrap();
@@ -226,7 +214,7 @@ fn wgpu_level_scopes_with_the_submit_probe_sit_in_their_windows_within_their_unc
 #[test]
 fn a_device_without_timestamp_query_is_refused_naming_the_feature() {
     let test = "a_device_without_timestamp_query_is_refused_naming_the_feature";
-    let Some(setup) = setup_or_skip(test, wgpu::Features::empty(), true) else {
+    let Some(setup) = or_skip(test, WgpuSetup::new(wgpu::Features::empty(), true)) else {
         return;
     };
     let timeline = Timeline::builder().start().unwrap();
@@ -267,7 +255,7 @@ fn resolves_beyond_the_pending_bound_are_deferred_never_dropped() {
     let _one_at_a_time = crate::exclusive();
     let test = "resolves_beyond_the_pending_bound_are_deferred_never_dropped";
     let features = wgpu::Features::TIMESTAMP_QUERY | wgpu::Features::TIMESTAMP_QUERY_INSIDE_ENCODERS;
-    let Some(setup) = setup_or_skip(test, features, true) else {
+    let Some(setup) = or_skip(test, WgpuSetup::new(features, true)) else {
         return;
     };
     let memory = MemoryExporter::default();
@@ -309,7 +297,7 @@ fn a_resolve_submitted_before_its_scopes_is_retried_not_read_as_a_time() {
     let _one_at_a_time = crate::exclusive();
     let test = "a_resolve_submitted_before_its_scopes_is_retried_not_read_as_a_time";
     let features = wgpu::Features::TIMESTAMP_QUERY | wgpu::Features::TIMESTAMP_QUERY_INSIDE_ENCODERS;
-    let Some(setup) = setup_or_skip(test, features, true) else {
+    let Some(setup) = or_skip(test, WgpuSetup::new(features, true)) else {
         return;
     };
     let memory = MemoryExporter::default();
@@ -356,7 +344,7 @@ fn scopes_of_an_encoder_never_submitted_are_counted_lost() {
     let _one_at_a_time = crate::exclusive();
     let test = "scopes_of_an_encoder_never_submitted_are_counted_lost";
     let features = wgpu::Features::TIMESTAMP_QUERY | wgpu::Features::TIMESTAMP_QUERY_INSIDE_ENCODERS;
-    let Some(setup) = setup_or_skip(test, features, true) else {
+    let Some(setup) = or_skip(test, WgpuSetup::new(features, true)) else {
         return;
     };
     let timeline = Timeline::builder()
@@ -393,7 +381,7 @@ fn scopes_need_their_feature_and_end_frame_checks_the_frame() {
     let _one_at_a_time = crate::exclusive();
     let test = "scopes_need_their_feature_and_end_frame_checks_the_frame";
     // Only TIMESTAMP_QUERY: pass scopes are timed, scopes on the encoder or inside passes are not.
-    let Some(setup) = setup_or_skip(test, wgpu::Features::TIMESTAMP_QUERY, true) else {
+    let Some(setup) = or_skip(test, WgpuSetup::new(wgpu::Features::TIMESTAMP_QUERY, true)) else {
         return;
     };
     let memory = MemoryExporter::default();
