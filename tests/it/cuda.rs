@@ -13,11 +13,7 @@ use tickline::{
     Timeline,
 };
 
-/// Prints why a test did not run. Written to stderr directly, which the test harness does not capture.
-fn skip(test: &str, reason: impl std::fmt::Display) {
-    use std::io::Write;
-    let _ = writeln!(std::io::stderr(), "SKIP: {test}: {reason}");
-}
+use crate::skip::skip;
 
 /// Device 0 and a backend on it, or why there is none (the caller prints `SKIP`).
 fn device(options: CudaOptions) -> Result<(Arc<CudaContext>, CudaGpu), String> {
