@@ -2,7 +2,7 @@
 //!
 //! The drain stage (the live side, `drain.rs`) produces these: chunks of raw records moved out of the
 //! rings, the registrations that name what records refer to, calibration samples of every clock, what the
-//! GPUs wrote back. The processing stage (`process.rs`) turns them into the timeline, and is a function of
+//! GPUs wrote back. The processing stage (`process/`) turns them into the timeline, and is a function of
 //! this log alone: a raw capture (`capture.rs`) writes the same log to a file, and converting it later
 //! replays it through the same processing.
 //!

@@ -10,8 +10,10 @@
 //!   of timestamp pairs, pairs released and retired). Cheap and bounded, so an ordinary burst never fills a
 //!   ring.
 //! - `input.rs`: the log between the stages; `capture.rs` writes it to a file and reads it back.
-//! - `process.rs` (thread `tickline-collector`): decode, name, order, convert; `spans.rs` its span table;
-//!   `process_gpu.rs` the GPU side (scopes matched with their ticks, the device clock's tracker, lanes).
+//! - `process/` (thread `tickline-collector`): decode, name, order, convert (`mod.rs` the stage and its
+//!   passes, `records.rs` each record, `slices.rs` thread-track slices and the held queue, `tasks.rs` async
+//!   task tracks); `spans.rs` its span table; `process_gpu.rs` the GPU side (scopes matched with their
+//!   ticks, the device clock's tracker, lanes).
 //! - `output.rs`: tracks, names, batches and the exporters.
 //! - `stats.rs`: [`TimelineStats`].
 

@@ -39,7 +39,7 @@ pub(crate) struct SpanState {
     pub(crate) name: NameId,
     /// Slices of this span open on some thread track.
     pub(crate) open_slices: u32,
-    /// Begins of this span's slices held for their values (see `process.rs`): the span must outlive them.
+    /// Begins of this span's slices held for their values (see `process/slices.rs`): the span must outlive them.
     pub(crate) held_begins: u32,
     /// Enters seen.
     pub(crate) enters: u32,
@@ -66,7 +66,7 @@ pub(crate) struct SpanState {
     /// Its first poll (an enter to its exit), kept for the async task track it may turn out to need.
     pub(crate) first_poll: Poll,
     values: Option<Box<SpanValues>>,
-    /// Set once it has an async task track (see `process.rs`).
+    /// Set once it has an async task track (see `process/tasks.rs`).
     pub(crate) task: Option<Box<TaskData>>,
 }
 

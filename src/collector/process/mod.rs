@@ -1,0 +1,800 @@
+//! The processing stage: the input log in, the timeline out. A function of the log alone (see the
+//! collector's `input.rs`), so the same code runs live, behind the drain stage, and when a raw capture is
+//! converted later.
+//!
+//! # Order and identity
+//!
+//! Each ring's records are processed in the order they were written: span creation, `record`, enter, exit
+//! and close interleave as they happened. A record that names a span created on another thread whose
+//! creation has not been processed yet stalls its ring until it is (the creation was pushed before the
+//! record, so it is in the same drain pass or the next), then processing resumes where it stopped. Spans are
+//! known by their serial (see [`TicklineLayer`](crate::TicklineLayer)), never by `tracing`'s reusable id.
+//!
+//! # Fields at the end of a slice
+//!
+//! A slice shows the values its span had when the slice ended. A span slice's begin is therefore *held*,
+//! with everything after it on the same thread track (which must follow it in order), until the slice has
+//! ended and one more drain pass has been processed (so values recorded on other threads before the end
+//! have arrived), then the span's values as of the end go on the begin and the held events go out. A slice
+//! still open after [`HOLD_LIMIT_NS`] (or a flush) is released with the values it has then; values changed
+//! later go on its end event.
+//!
+//! # Async tasks
+//!
+//! A span entered a second time, or on a second thread (with [`AsyncTasks::Auto`]; every span with
+//! `Always`), gets a task track under its parent's task track (or the process): its lifetime, creation (stamped
+//! by `SpanNew`) to close, as one slice, and each poll (an enter to its exit that is not nested in another
+//! enter of the span on the same thread) as a `poll` child ending a flow from the poll's slice on the thread
+//! track. Polls are buffered per task and written a few passes after the close (or as they come once a task
+//! has [`MAX_BUFFERED_POLLS`]). Whether a span's *first* poll needs its flow is known only at the span's next
+//! record after that poll: its close (synchronous: no flow, the trace exactly as without tasks) or another
+//! enter (a task). Until then that poll's end waits at the head of its thread track's held queue (as a span
+//! begin waits for its values), released at once when the decision comes on the same thread, otherwise at the
+//! pass's end, and after [`HOLD_LIMIT_NS`] at the latest, with its flow (a span kept open that long after its
+//! only poll may then show a flow with one end, which Perfetto ignores).
+//!
+//! # Losses
+//!
+//! A `Gap` record (records dropped right there) becomes an instant named `tickline: records dropped` with the
+//! count, and every slice open around it carries `tickline.dropped_inside`. A slice that cannot end where
+//! the program ended it (its thread exited with it open, the timeline shut down inside it) ends at the last
+//! time known and carries `tickline.truncated = true`; it is counted in
+//! [`TimelineStats::truncated_slices`](crate::TimelineStats::truncated_slices). No slice is ever ended by an
+//! unrelated end, and none lasts longer than it did.
+//!
+//! # Where the code is
+//!
+//! - `mod.rs` (this file): the types, the inputs, drain passes and ring processing, reporting, export and
+//!   shutdown.
+//! - `records.rs`: one record of a ring (`Processor::item`), with the decoding it needs: ticks to time,
+//!   callsite names, field payloads.
+//! - `slices.rs`: slices on thread tracks and the held queue: nesting, fields at the end, truncation.
+//! - `tasks.rs`: async task tracks, and whether a span's first poll gets its flow.
+//! - `tests.rs`: the unit tests.
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use super::drain::{Budget, ChunkPool};
+use super::input::{CallsiteDef, Chunk, Input};
+use super::output::Output;
+use super::process_gpu::GpuCollector;
+use super::spans::{IdMap, Spans};
+use super::stats::SharedStats;
+use super::AsyncTasks;
+use crate::calibration::{CalibrationHistory, ClockDomain, HistoryConfig};
+use crate::clock::{FastConverter, TickSource};
+use crate::codec::Decoder;
+use crate::export::{CpuClock, EventKind, FieldValue, NameId, TraceField, TrackId, TrackKind};
+use crate::gpu::GpuCalibrationConfig;
+
+mod records;
+mod slices;
+mod tasks;
+
+/// Longest a span slice's begin (and what follows it on its track) is held for its final field values.
+pub(crate) const HOLD_LIMIT_NS: u64 = 200_000_000;
+/// Most events held on one track; beyond, the track is released as if the hold limit had passed.
+const HOLD_MAX_EVENTS: usize = 1 << 16;
+/// Passes a record waits for the creation of the span it names before that span counts as unknown.
+const MAX_WAIT_PASSES: u32 = 2;
+
+/// How the processing stage converts CPU ticks.
+pub(crate) enum CpuTime {
+    /// Live: the newest fit, extrapolated forwards from the newest calibration point.
+    Live {
+        source: TickSource,
+        history: CalibrationHistory,
+        fast: Option<Box<FastConverter>>,
+    },
+    /// Converting a capture: the whole history is known, so every tick is placed between calibration points
+    /// on both sides.
+    Complete { history: CalibrationHistory },
+}
+
+impl CpuTime {
+    fn to_ns(&self, ticks: u64) -> Option<u64> {
+        match self {
+            CpuTime::Live { fast, .. } => fast.as_ref().map(|f| f.to_ns(ticks)),
+            CpuTime::Complete { history } => history.peek(ticks).map(|c| c.ns),
+        }
+    }
+
+    fn history(&self) -> &CalibrationHistory {
+        match self {
+            CpuTime::Live { history, .. } | CpuTime::Complete { history } => history,
+        }
+    }
+}
+
+/// What the processing stage knows about a call site.
+struct CallsiteInfo {
+    name: NameId,
+    fields: Vec<NameId>,
+    counter_track: Option<TrackId>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum OpenKind {
+    Span(u64),
+    Scope(u64),
+}
+
+/// A slice open on a thread track.
+struct OpenSlice {
+    kind: OpenKind,
+    name: NameId,
+    /// When it began (reference ns): a span slice's poll.
+    begin_ns: u64,
+    /// The sequence number of its begin in the track's held queue, while it is held.
+    held: Option<u64>,
+    /// The values its begin carried when it was released before the slice ended.
+    released_values: Option<Vec<TraceField>>,
+    /// Records dropped while it was open.
+    dropped_inside: u64,
+}
+
+/// Polls a task keeps before its track is written as it goes (a span polled for the whole run stays bounded).
+const MAX_BUFFERED_POLLS: usize = 4096;
+
+/// Where an emitted event went: the batch (index) or the track's held queue (sequence number).
+#[derive(Clone, Copy, Debug)]
+enum EventSlot {
+    Batch(usize),
+    Held(u64),
+}
+
+/// A span slice's begin, held for its values.
+struct HeldSpan {
+    serial: u64,
+    /// `(end ns, pass its end was processed in)` once the slice ended.
+    end: Option<(u64, u64)>,
+}
+
+struct HeldEvent {
+    ts_ns: u64,
+    kind: EventKind,
+    name: NameId,
+    fields: Vec<TraceField>,
+    flow_out: Option<u64>,
+    span: Option<HeldSpan>,
+    /// The end of the first poll of this span, which was still open after it: its flow stays only if the
+    /// span turns out to be an async task (entered again), and goes if it closes first. Undecided, it holds
+    /// its track (up to the hold limit, after which the flow stays).
+    undecided: Option<u64>,
+}
+
+/// A thread track's state.
+struct Track {
+    id: TrackId,
+    /// This ring's number: the top bits of the serials of spans created on it.
+    ring: u32,
+    /// Spans created on this ring so far: the low bits of the next one's serial.
+    spans_created: u64,
+    /// Spans created since the last timed record: their creation time is the next timed record's.
+    undated: Vec<u64>,
+    open: Vec<OpenSlice>,
+    held: VecDeque<HeldEvent>,
+    /// Sequence number of `held[0]`.
+    held_base: u64,
+    last_ns: u64,
+    /// The last exit: `(serial, ns)`, for a close right after it.
+    last_exit: Option<(u64, u64)>,
+    /// A span's first poll just ended with a flow in case the span is a task: `(serial, its end event)`.
+    /// Taken off again if the next record is the span's close.
+    speculative: Option<(u64, EventSlot)>,
+}
+
+/// A ring's records waiting to be processed.
+struct RingInput {
+    pending: VecDeque<Chunk>,
+    /// Records of `pending[0]` already processed.
+    cursor: usize,
+    /// Passes the ring has been stalled on its current record.
+    stalled_passes: u32,
+    /// The thread exited and its ring was drained to the end.
+    ended: bool,
+}
+
+struct Ring {
+    input: RingInput,
+    track: Track,
+    dropped_total: u64,
+}
+
+/// Names the processing stage uses for what it adds.
+struct OwnNames {
+    unknown_span: NameId,
+    unknown_callsite: NameId,
+    gap: NameId,
+    records: NameId,
+    truncated: NameId,
+    fields_truncated: NameId,
+    dropped_inside: NameId,
+    clock: NameId,
+    clock_decision: NameId,
+    clock_fallback: NameId,
+    clock_doubt: NameId,
+}
+
+/// Counter tracks of the timeline's own state.
+struct OwnTracks {
+    dropped: TrackId,
+    truncated: TrackId,
+    buffered: TrackId,
+    cpu_drift: TrackId,
+    cpu_error: TrackId,
+    /// 0: the hardware counter; 1: CLOCK_MONOTONIC instead (a fallback); 2: the hardware counter, found
+    /// unreliable after the start.
+    cpu_clock: TrackId,
+}
+
+/// Counts that end up in [`crate::TimelineStats`].
+#[derive(Default)]
+struct Counts {
+    truncated_slices: u64,
+    fields_truncated: u64,
+    unmatched_ends: u64,
+    unknown_spans: u64,
+    unknown_callsites: u64,
+    framing_errors: u64,
+    monotonic_clamps: u64,
+}
+
+/// Where processed chunk memory goes back to (live only).
+pub(crate) struct Recycler {
+    pub(crate) pool: Arc<ChunkPool>,
+    pub(crate) budget: Arc<Budget>,
+}
+
+/// The processing stage. Feed it the input log with [`input`](Self::input).
+pub(crate) struct Processor {
+    out: Output,
+    callsites: IdMap<CallsiteInfo>,
+    rings: Vec<Option<Ring>>,
+    active: Vec<u32>,
+    spans: Spans,
+    cpu: Option<CpuTime>,
+    gpu: GpuCollector,
+    pass: u64,
+    counts: Counts,
+    names: OwnNames,
+    tracks: OwnTracks,
+    payload: Vec<u8>,
+    scratch_fields: Vec<TraceField>,
+    recycler: Option<Recycler>,
+    stats: Arc<SharedStats>,
+    last_export_ns: u64,
+    last_drain_ns: u64,
+    reported_dropped: u64,
+    reported_truncated: u64,
+    reported_fit_ns: u64,
+    /// Dropped-record totals of rings that ended.
+    dropped_of_ended: u64,
+    hold_limit_ns: u64,
+    finished: bool,
+    /// The newest CPU clock note not exported yet: `(fallback, doubt, text)`.
+    clock_note: Option<(bool, bool, String)>,
+    async_tasks: AsyncTasks,
+    /// Task tracks of spans already written and forgotten, by serial: a child that outlives its parent still
+    /// nests under it. The oldest are forgotten beyond
+    /// [`WRITTEN_TASKS_KEPT`](tasks::WRITTEN_TASKS_KEPT).
+    written_tasks: IdMap<TrackId>,
+    written_order: VecDeque<u64>,
+    /// `"poll"`, for the task tracks' poll slices.
+    task_names: Option<NameId>,
+    tasks_written: u64,
+    /// Polls written on task tracks.
+    polls_written: u64,
+    /// The timeline is shutting down: a span polled once and still open is not a task.
+    ending: bool,
+    to_write: Vec<u64>,
+}
+
+/// What happened to a record.
+enum Step {
+    Done,
+    /// It names a span not known yet: try again later.
+    Stall,
+}
+
+impl Processor {
+    pub(crate) fn new(
+        out: Output,
+        gpu: GpuCalibrationConfig,
+        recycler: Option<Recycler>,
+        stats: Arc<SharedStats>,
+    ) -> Self {
+        let mut out = out;
+        let names = OwnNames {
+            unknown_span: out.intern("unknown span"),
+            unknown_callsite: out.intern("unknown callsite"),
+            gap: out.intern("tickline: records dropped"),
+            records: out.intern("records"),
+            truncated: out.intern("tickline.truncated"),
+            fields_truncated: out.intern("tickline.fields_truncated"),
+            dropped_inside: out.intern("tickline.dropped_inside"),
+            clock: out.intern("tickline: CPU clock"),
+            clock_decision: out.intern("decision"),
+            clock_fallback: out.intern("fallback"),
+            clock_doubt: out.intern("doubt"),
+        };
+        let tracks = OwnTracks {
+            dropped: out.new_counter_track("tickline dropped records", "records"),
+            truncated: out.new_counter_track("tickline truncated slices", "slices"),
+            buffered: out.new_counter_track("tickline buffered records", "bytes"),
+            cpu_drift: out.new_counter_track("tickline TSC drift", "ppm"),
+            cpu_error: out.new_counter_track("tickline TSC error bound", "ns"),
+            cpu_clock: out.new_counter_track("tickline CPU clock fallback", ""),
+        };
+        Processor {
+            out,
+            callsites: IdMap::default(),
+            rings: Vec::new(),
+            active: Vec::new(),
+            spans: Spans::default(),
+            cpu: None,
+            gpu: GpuCollector::new(gpu),
+            pass: 0,
+            counts: Counts::default(),
+            names,
+            tracks,
+            payload: Vec::new(),
+            scratch_fields: Vec::new(),
+            recycler,
+            stats,
+            last_export_ns: 0,
+            last_drain_ns: 0,
+            reported_dropped: 0,
+            reported_truncated: 0,
+            reported_fit_ns: 0,
+            dropped_of_ended: 0,
+            hold_limit_ns: HOLD_LIMIT_NS,
+            finished: false,
+            clock_note: None,
+            async_tasks: AsyncTasks::default(),
+            written_tasks: IdMap::default(),
+            written_order: VecDeque::new(),
+            task_names: None,
+            tasks_written: 0,
+            polls_written: 0,
+            ending: false,
+            to_write: Vec::new(),
+        }
+    }
+
+    /// Sets which spans get an async task track.
+    pub(crate) fn set_async_tasks(&mut self, mode: AsyncTasks) {
+        self.async_tasks = mode;
+    }
+
+    /// Sets how CPU ticks are converted: live (the newest fit) or from a complete history (a capture).
+    pub(crate) fn set_cpu_clock(&mut self, cpu: CpuTime) {
+        self.cpu = Some(cpu);
+    }
+
+    /// Starts the live CPU clock of `source` (its calibration samples come as inputs).
+    pub(crate) fn live_cpu_clock(&mut self, source: TickSource, domain: ClockDomain, history: HistoryConfig) {
+        self.cpu = Some(CpuTime::Live {
+            source,
+            history: CalibrationHistory::new(domain, history),
+            fast: None,
+        });
+    }
+
+    /// Whether the Shutdown input has been processed.
+    pub(crate) fn is_finished(&self) -> bool {
+        self.finished
+    }
+
+    /// Empties the batch being built (benches).
+    pub(crate) fn clear_batch(&mut self) {
+        self.out.batch.clear();
+    }
+
+    /// Ends `passes` drain passes after everything queued (benches): returns the events exported meanwhile.
+    pub(crate) fn finish_passes_for_bench(&mut self, passes: u64, drain_ticks: u64) -> u64 {
+        let before = self.stats.events.load(Ordering::Relaxed);
+        let drain_ns = self.last_drain_ns.max(1_000_000_000) + 1;
+        for k in 0..passes {
+            self.input(Input::PassEnd {
+                drain_ns: drain_ns + k,
+                drain_ticks,
+                buffered_bytes: 0,
+                rings_drained: true,
+            });
+        }
+        self.stats.events.load(Ordering::Relaxed) - before
+    }
+
+    /// Processes what is queued and returns the batch, without releasing, reporting or exporting (benches).
+    pub(crate) fn process_for_bench(&mut self) -> &crate::export::Batch {
+        let drain = self.last_drain_ns;
+        self.process_rings(drain, false, true);
+        &self.out.batch
+    }
+
+    /// Takes one input.
+    pub(crate) fn input(&mut self, input: Input) {
+        match input {
+            Input::Thread { ring, tid, name } => self.add_ring(ring, tid, name),
+            Input::NativeCallsite(def) => self.add_callsite(def),
+            Input::Chunk(chunk) => self.add_chunk(chunk),
+            Input::ThreadEnd { ring } => {
+                if let Some(Some(r)) = self.rings.get_mut(ring as usize) {
+                    r.input.ended = true;
+                }
+            }
+            Input::CpuCalibration(samples) => self.cpu_burst(&samples),
+            Input::CpuClockNote { fallback, doubt, text } => self.clock_note = Some((fallback, doubt, text)),
+            Input::Gpu(gpu) => self.gpu.input(&mut self.out, gpu),
+            Input::PassEnd {
+                drain_ns,
+                buffered_bytes,
+                rings_drained,
+                ..
+            } => {
+                self.pass_end(drain_ns, false, rings_drained);
+                let value = self.out.value_name();
+                self.out
+                    .push_counter(self.tracks.buffered, drain_ns, value, buffered_bytes as f64);
+                self.export(drain_ns, false);
+            }
+            Input::Flush(reply) => {
+                let drain_ns = self.last_drain_ns;
+                // The flush's own drain pass came just before (its `PassEnd`); nothing new was drained.
+                self.pass_end(drain_ns, true, false);
+                self.export(drain_ns, true);
+                let result = self.out.flush_exporters(&self.stats, false);
+                let _ = reply.send(result);
+            }
+            Input::Shutdown(reply) => {
+                let result = self.shutdown();
+                let _ = reply.send(result);
+            }
+        }
+    }
+
+    fn add_ring(&mut self, ring: u32, tid: u32, name: String) {
+        let pid = self.out.pid();
+        let parent = Some(self.out.process_track());
+        let track = self.out.new_track(parent, TrackKind::Thread { pid, tid, name });
+        let index = ring as usize;
+        if self.rings.len() <= index {
+            self.rings.resize_with(index + 1, || None);
+        }
+        self.rings[index] = Some(Ring {
+            input: RingInput {
+                pending: VecDeque::new(),
+                cursor: 0,
+                stalled_passes: 0,
+                ended: false,
+            },
+            track: Track {
+                id: track,
+                ring,
+                spans_created: 0,
+                undated: Vec::new(),
+                open: Vec::new(),
+                held: VecDeque::new(),
+                held_base: 0,
+                last_ns: 0,
+                last_exit: None,
+                speculative: None,
+            },
+            dropped_total: 0,
+        });
+        self.active.push(ring);
+    }
+
+    fn add_callsite(&mut self, def: CallsiteDef) {
+        if self.callsites.contains_key(&def.key) {
+            return;
+        }
+        let name = self.out.intern(&def.name);
+        let fields = def.fields.iter().map(|f| self.out.intern(f)).collect();
+        self.callsites.insert(
+            def.key,
+            CallsiteInfo {
+                name,
+                fields,
+                counter_track: None,
+            },
+        );
+    }
+
+    fn add_chunk(&mut self, chunk: Chunk) {
+        match self.rings.get_mut(chunk.ring as usize) {
+            Some(Some(ring)) => ring.input.pending.push_back(chunk),
+            _ => {
+                // A chunk of a ring never registered: corrupt input. Every record is a framing error.
+                self.counts.framing_errors += chunk.records.len() as u64;
+                self.recycle(chunk);
+            }
+        }
+    }
+
+    fn recycle(&mut self, chunk: Chunk) {
+        if let Some(r) = &self.recycler {
+            r.budget
+                .release(chunk.records.len() * std::mem::size_of::<crate::codec::Record>());
+            let mut records = chunk.records;
+            records.clear();
+            let _ = r.pool.push(records);
+        }
+    }
+
+    fn cpu_burst(&mut self, samples: &[crate::calibration::CalibrationSample]) {
+        let Some(CpuTime::Live { history, fast, .. }) = &mut self.cpu else {
+            return;
+        };
+        if history.add_burst(samples).is_ok() {
+            *fast = history.latest().map(|c| Box::new(FastConverter::new(c)));
+        }
+    }
+
+    /// Processes every ring as far as it can go, then releases holds, converts GPU slices and reports.
+    /// `rings_drained`: see [`Input::PassEnd`].
+    fn pass_end(&mut self, drain_ns: u64, force: bool, rings_drained: bool) {
+        self.process_rings(drain_ns, force, rings_drained);
+        self.finish_pass(force, rings_drained);
+    }
+
+    /// Processes every ring as far as it can go (`force`: past records that name unknown spans). A stall
+    /// counts towards giving up only in a pass that drained every ring (`rings_drained`).
+    fn process_rings(&mut self, drain_ns: u64, force: bool, rings_drained: bool) {
+        self.pass += 1;
+        self.last_drain_ns = self.last_drain_ns.max(drain_ns);
+        // Rings wait on each other (a span created on one, entered on another): go round until nothing moves.
+        loop {
+            let mut progress = false;
+            for k in 0..self.active.len() {
+                progress |= self.process_ring(self.active[k], false);
+            }
+            if !progress {
+                break;
+            }
+        }
+        // Rings stalled too long: the span they wait for was never announced. Go on without it.
+        for k in 0..self.active.len() {
+            let ring = self.active[k];
+            let stalled = self.rings[ring as usize]
+                .as_ref()
+                .is_some_and(|r| !r.input.pending.is_empty() && (force || r.input.stalled_passes >= MAX_WAIT_PASSES));
+            if stalled {
+                self.process_ring(ring, true);
+            } else if let Some(r) = self.rings[ring as usize].as_mut() {
+                if !r.input.pending.is_empty() && rings_drained {
+                    r.input.stalled_passes += 1;
+                }
+            }
+        }
+        self.finish_ended_rings();
+    }
+
+    /// Releases what the holds allow (`force`: everything), converts GPU slices, reports.
+    fn finish_pass(&mut self, force: bool, rings_drained: bool) {
+        let drain = self.last_drain_ns;
+        for k in 0..self.active.len() {
+            let ring = self.active[k];
+            if let Some(mut r) = self.rings[ring as usize].take() {
+                let expired = r
+                    .track
+                    .held
+                    .front()
+                    .is_some_and(|e| drain.saturating_sub(e.ts_ns) > self.hold_limit_ns)
+                    || r.track.held.len() > HOLD_MAX_EVENTS;
+                self.release(&mut r.track, force || expired, drain);
+                self.rings[ring as usize] = Some(r);
+            }
+        }
+        self.gpu.pass_end(&mut self.out, drain, force, rings_drained);
+        // Closed tasks none of whose polls can still come: their tracks, before the sweep forgets them.
+        let mut to_write = std::mem::take(&mut self.to_write);
+        self.spans.tasks_to_write(self.pass, &mut to_write);
+        for serial in to_write.drain(..) {
+            self.write_task(serial, drain);
+        }
+        self.to_write = to_write;
+        self.report(drain);
+        self.spans.sweep(self.pass);
+    }
+
+    /// Processes ring `ring`'s pending records until one stalls. `force`: a record naming an unknown span is
+    /// processed as unknown instead of stalling. Returns whether any record was processed.
+    fn process_ring(&mut self, ring: u32, force: bool) -> bool {
+        let Some(mut r) = self.rings.get_mut(ring as usize).and_then(Option::take) else {
+            return false;
+        };
+        let mut progress = false;
+        'chunks: while let Some(chunk) = r.input.pending.pop_front() {
+            r.dropped_total = r.dropped_total.max(chunk.dropped_total);
+            let mut decoder = Decoder::new(&chunk.records[r.input.cursor..]);
+            let mut processed = 0;
+            while let Some((item, len)) = decoder.next_with_len() {
+                match item {
+                    Err(_) => {
+                        self.counts.framing_errors += len as u64;
+                    }
+                    Ok(item) => match self.item(&mut r.track, item, chunk.now_ticks, force) {
+                        Step::Done => {}
+                        Step::Stall => {
+                            r.input.cursor += processed;
+                            r.input.pending.push_front(chunk);
+                            break 'chunks;
+                        }
+                    },
+                }
+                processed += len;
+                progress = true;
+                r.input.stalled_passes = 0;
+            }
+            r.input.cursor = 0;
+            self.recycle(chunk);
+        }
+        if let Some((serial, slot)) = r.track.speculative {
+            // The ring's next record (the span's close, or not) comes later: the poll's end waits for it.
+            r.track.speculative = match slot {
+                EventSlot::Batch(index) => self.park(&mut r.track, serial, index),
+                EventSlot::Held(seq) => self.mark_undecided(&mut r.track, serial, seq),
+            }
+            .map(|seq| (serial, EventSlot::Held(seq)));
+        }
+        self.rings[ring as usize] = Some(r);
+        progress
+    }
+
+    /// Rings whose thread exited and whose records are all processed: their open slices end at their last
+    /// time, marked truncated; their held events go out.
+    fn finish_ended_rings(&mut self) {
+        let mut k = 0;
+        while k < self.active.len() {
+            let ring = self.active[k];
+            let done = self.rings[ring as usize]
+                .as_ref()
+                .is_some_and(|r| r.input.ended && r.input.pending.is_empty());
+            if !done {
+                k += 1;
+                continue;
+            }
+            let mut r = self.rings[ring as usize].take().expect("checked above");
+            let end = r.track.last_ns;
+            self.truncate_open(&mut r.track, end);
+            self.release(&mut r.track, true, end);
+            self.dropped_of_ended += r.dropped_total;
+            self.active.swap_remove(k);
+        }
+    }
+
+    /// Counter tracks of the timeline's own state, and the stats.
+    fn report(&mut self, drain_ns: u64) {
+        let value = self.out.value_name();
+        if let Some((fallback, doubt, text)) = self.clock_note.take() {
+            // The CPU clock decision, on the process track, loud: what the timeline records and why.
+            let fields = vec![
+                TraceField {
+                    name: self.names.clock_decision,
+                    value: FieldValue::Str(text),
+                },
+                TraceField {
+                    name: self.names.clock_fallback,
+                    value: FieldValue::Bool(fallback),
+                },
+                TraceField {
+                    name: self.names.clock_doubt,
+                    value: FieldValue::Bool(doubt),
+                },
+            ];
+            let process = self.out.process_track();
+            self.out.push_metadata(drain_ns, process, self.names.clock, &fields);
+            let level = if fallback {
+                1.0
+            } else if doubt {
+                2.0
+            } else {
+                0.0
+            };
+            self.out.push_counter(self.tracks.cpu_clock, drain_ns, value, level);
+        }
+        let dropped = self.dropped_of_ended
+            + self
+                .active
+                .iter()
+                .filter_map(|&r| self.rings[r as usize].as_ref())
+                .map(|r| r.dropped_total)
+                .sum::<u64>();
+        if dropped != self.reported_dropped {
+            self.reported_dropped = dropped;
+            self.out
+                .push_counter(self.tracks.dropped, drain_ns, value, dropped as f64);
+        }
+        if self.counts.truncated_slices != self.reported_truncated {
+            self.reported_truncated = self.counts.truncated_slices;
+            self.out.push_counter(
+                self.tracks.truncated,
+                drain_ns,
+                value,
+                self.counts.truncated_slices as f64,
+            );
+        }
+        if let Some(fit) = self.cpu.as_ref().and_then(|c| c.history().latest().copied()) {
+            if fit.calibrated_at_ns() != self.reported_fit_ns {
+                self.reported_fit_ns = fit.calibrated_at_ns();
+                self.out
+                    .push_counter(self.tracks.cpu_drift, drain_ns, value, fit.drift_ppm());
+                self.out
+                    .push_counter(self.tracks.cpu_error, drain_ns, value, fit.error_bound_ns());
+            }
+        }
+        self.publish_stats();
+    }
+
+    fn publish_stats(&self) {
+        let (c, s) = (&self.counts, &self.stats);
+        s.truncated_slices.store(c.truncated_slices, Ordering::Relaxed);
+        s.fields_truncated.store(c.fields_truncated, Ordering::Relaxed);
+        s.unmatched_ends.store(c.unmatched_ends, Ordering::Relaxed);
+        s.unknown_spans.store(c.unknown_spans, Ordering::Relaxed);
+        s.unknown_callsites.store(c.unknown_callsites, Ordering::Relaxed);
+        s.framing_errors.store(c.framing_errors, Ordering::Relaxed);
+        s.monotonic_clamps
+            .store(c.monotonic_clamps + self.out.monotonic_clamps, Ordering::Relaxed);
+        let g = self.gpu.stats;
+        s.gpu_scopes.store(g.scopes, Ordering::Relaxed);
+        s.gpu_lost_scopes.store(g.lost_scopes, Ordering::Relaxed);
+        s.gpu_causality_violations
+            .store(g.causality_violations, Ordering::Relaxed);
+        s.gpu_failed_calibrations
+            .store(g.failed_calibrations, Ordering::Relaxed);
+        s.gpu_read_failures.store(g.read_failures, Ordering::Relaxed);
+        s.async_tasks.store(self.tasks_written, Ordering::Relaxed);
+        s.async_polls.store(self.polls_written, Ordering::Relaxed);
+    }
+
+    /// Hands the batch to the exporters: after every pass that made events, and at least every 100 ms (an
+    /// empty batch then), so exporters that write on a clock can.
+    fn export(&mut self, now_ns: u64, always: bool) {
+        const EXPORT_AT_LEAST_EVERY_NS: u64 = 100_000_000;
+        let due = always || now_ns.saturating_sub(self.last_export_ns) >= EXPORT_AT_LEAST_EVERY_NS;
+        self.out.batch.cpu_clock = match &self.cpu {
+            Some(CpuTime::Live { source, history, .. }) => history.latest().map(|&calibration| CpuClock {
+                source: *source,
+                calibration,
+            }),
+            _ => None,
+        };
+        if due || !self.out.batch.is_empty() {
+            self.last_export_ns = now_ns;
+            self.out.export(&self.stats, due);
+        }
+    }
+
+    fn shutdown(&mut self) -> Result<(), String> {
+        let end = self.last_drain_ns;
+        self.process_rings(end, true, false);
+        // Threads still running: their open slices go on past the end of the trace.
+        for k in 0..self.active.len() {
+            let ring = self.active[k];
+            if let Some(mut r) = self.rings[ring as usize].take() {
+                self.truncate_open(&mut r.track, end);
+                self.rings[ring as usize] = Some(r);
+            }
+        }
+        self.ending = true;
+        self.finish_pass(true, false);
+        // Tasks still open (or closed too recently to have been written): written now, the open ones
+        // truncated at the end.
+        for serial in self.spans.unwritten_tasks() {
+            self.write_task(serial, end);
+        }
+        self.gpu.abandon();
+        self.report(end);
+        self.export(end, true);
+        self.finished = true;
+        self.out.flush_exporters(&self.stats, true)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,309 @@
+//! One record of a ring: what each kind does to its thread track, the span table and the batch (`item`),
+//! and the decoding it needs: ticks to reference ns (kept monotonic per track; spans created untimed are
+//! dated by the ring's next timed record), callsite names, field payloads, counter tracks.
+
+use super::{HeldEvent, HeldSpan, OpenKind, OpenSlice, Processor, Step, Track};
+use crate::codec::{decode_fields, restore_ticks, Item, Parent, Payload, RawValue, META_INDEX};
+use crate::collector::spans::{set_field, SpanState};
+use crate::collector::AsyncTasks;
+use crate::export::{EventKind, FieldValue, NameId, TraceField, TrackId};
+
+impl Processor {
+    /// One decoded record of a ring.
+    pub(super) fn item(&mut self, track: &mut Track, item: Item<'_>, now_ticks: u64, force: bool) -> Step {
+        if let Some((serial, slot)) = track.speculative.take() {
+            self.decide_flow(track, serial, slot, &item);
+        }
+        match item {
+            Item::SpanNew {
+                ticks,
+                callsite,
+                parent,
+                fields,
+            } => {
+                track.spans_created += 1;
+                let serial = crate::recorder::span_serial(u64::from(track.ring), track.spans_created);
+                let ts = if ticks != 0 {
+                    self.ticks_to_ns(track, ticks, now_ticks)
+                } else {
+                    // Untimed: dated by the ring's next timed record.
+                    track.undated.push(serial);
+                    track.last_ns
+                };
+                let (name, fieldless) = match self.callsites.get(&callsite) {
+                    Some(c) => (c.name, c.fields.is_empty()),
+                    None => (self.callsite_name(callsite), true),
+                };
+                let mut values = Vec::new();
+                let truncated = self.decode_payload(callsite, fields, &mut values);
+                let parent = match parent {
+                    Parent::Explicit(serial) => Some(serial),
+                    Parent::Root => None,
+                    // The span current on this thread when it was created: the innermost open span slice.
+                    Parent::Contextual => track.open.iter().rev().find_map(|o| match o.kind {
+                        OpenKind::Span(serial) => Some(serial),
+                        OpenKind::Scope(_) => None,
+                    }),
+                };
+                let mut span = SpanState::new(name, callsite, ts, parent, values);
+                span.fields_truncated = u32::try_from(truncated).unwrap_or(u32::MAX);
+                span.fieldless = fieldless && truncated == 0;
+                self.spans.insert(serial, span);
+                if self.async_tasks == AsyncTasks::Always {
+                    self.make_task(serial);
+                }
+            }
+            Item::SpanRecord { ticks, serial, fields } => {
+                let Some(span) = self.span_serial(serial) else {
+                    if !force {
+                        return Step::Stall;
+                    }
+                    self.counts.unknown_spans += 1;
+                    return Step::Done;
+                };
+                let callsite = span.callsite;
+                let ts = self.ticks_to_ns(track, ticks, now_ticks);
+                let mut values = std::mem::take(&mut self.scratch_fields);
+                values.clear();
+                let truncated = self.decode_payload(callsite, fields, &mut values);
+                if let Some(span) = self.spans.get_mut(serial) {
+                    span.fields_truncated = span.fields_truncated.max(u32::try_from(truncated).unwrap_or(u32::MAX));
+                    span.update(ts, values.drain(..));
+                }
+                self.scratch_fields = values;
+            }
+            Item::SpanEnter { ticks, serial } => {
+                let (name, fieldless) = match self.span_serial(serial) {
+                    Some(span) => (span.name, span.fieldless),
+                    None if !force => return Step::Stall,
+                    None => {
+                        self.counts.unknown_spans += 1;
+                        (self.names.unknown_span, true)
+                    }
+                };
+                let ts = self.ticks_to_ns(track, ticks, now_ticks);
+                let mut becomes_task = false;
+                // Entered again while entered on this thread: not a new poll.
+                let nested = track.open.iter().any(|o| o.kind == OpenKind::Span(serial));
+                if let Some(span) = self.spans.get_mut(serial) {
+                    span.open_slices += 1;
+                    span.held_begins += u32::from(!fieldless);
+                    span.enters = span.enters.saturating_add(u32::from(!nested));
+                    if span.first_track == 0 {
+                        span.first_track = track.id.0;
+                    } else if span.first_track != track.id.0 {
+                        span.multi_track = true;
+                    }
+                    // Entered again, or on another thread: a span that lives across polls.
+                    becomes_task = self.async_tasks == AsyncTasks::Auto
+                        && span.task.is_none()
+                        && (span.enters > 1 || span.multi_track);
+                }
+                if becomes_task {
+                    self.make_task(serial);
+                    self.release_decided(track, serial, ts);
+                }
+                if fieldless {
+                    // No values to wait for: out at once (behind anything already held on the track).
+                    self.begin_unheld(track, OpenKind::Span(serial), name, ts);
+                    return Step::Done;
+                }
+                // Held until the slice ends: it shows the values the span had then.
+                let seq = track.held_base + track.held.len() as u64;
+                track.held.push_back(HeldEvent {
+                    ts_ns: ts,
+                    kind: EventKind::SliceBegin,
+                    name,
+                    fields: Vec::new(),
+                    flow_out: None,
+                    span: Some(HeldSpan { serial, end: None }),
+                    undecided: None,
+                });
+                track.open.push(OpenSlice {
+                    kind: OpenKind::Span(serial),
+                    name,
+                    begin_ns: ts,
+                    held: Some(seq),
+                    released_values: None,
+                    dropped_inside: 0,
+                });
+            }
+            Item::SpanExit { ticks, serial } => {
+                let ts = self.ticks_to_ns(track, ticks, now_ticks);
+                track.last_exit = Some((serial, ts));
+                self.close_slice(track, OpenKind::Span(serial), ts);
+            }
+            Item::SpanClose { ticks, serial } => {
+                if self.span_serial(serial).is_none() {
+                    if !force {
+                        return Step::Stall;
+                    }
+                    self.counts.unknown_spans += 1;
+                    return Step::Done;
+                }
+                let ts = match ticks {
+                    Some(ticks) => self.ticks_to_ns(track, ticks, now_ticks),
+                    None => match track.last_exit {
+                        Some((s, ns)) if s == serial => ns,
+                        _ => track.last_ns,
+                    },
+                };
+                self.spans.close(serial, self.pass, ts);
+                self.release_decided(track, serial, ts);
+            }
+            Item::Event {
+                ticks,
+                callsite,
+                parent: _,
+                fields,
+            } => {
+                let ts = self.ticks_to_ns(track, ticks, now_ticks);
+                let name = self.callsite_name(callsite);
+                let mut values = Vec::new();
+                self.decode_payload(callsite, fields, &mut values);
+                self.emit(track, ts, EventKind::Instant, name, values, None);
+            }
+            Item::ScopeBegin { ticks, callsite } => {
+                let ts = self.ticks_to_ns(track, ticks, now_ticks);
+                let name = self.callsite_name(callsite);
+                self.begin_unheld(track, OpenKind::Scope(callsite), name, ts);
+            }
+            Item::ScopeEnd { ticks, callsite } => {
+                let ts = self.ticks_to_ns(track, ticks, now_ticks);
+                self.close_slice(track, OpenKind::Scope(callsite), ts);
+            }
+            Item::Instant { ticks, callsite } => {
+                let ts = self.ticks_to_ns(track, ticks, now_ticks);
+                let name = self.callsite_name(callsite);
+                self.emit(track, ts, EventKind::Instant, name, Vec::new(), None);
+            }
+            Item::Counter { ticks, callsite, value } => {
+                let ts = self.ticks_to_ns(track, ticks, now_ticks);
+                let (name, counter_track) = self.counter_track(callsite);
+                self.out.push_counter(counter_track, ts, name, value);
+            }
+            Item::GpuBegin {
+                ticks,
+                callsite,
+                key,
+                fields,
+            } => {
+                let ts = self.ticks_to_ns(track, ticks, now_ticks);
+                let name = self.callsite_name(callsite);
+                let mut values = Vec::new();
+                self.decode_payload(callsite, fields, &mut values);
+                let flow = self.gpu.next_flow();
+                // Where this thread recorded the GPU work: the flow's start.
+                self.emit(track, ts, EventKind::Instant, name, Vec::new(), Some(flow));
+                self.gpu.begin(key, name, values, ts, flow);
+            }
+            Item::Gap { ticks, dropped } => {
+                let ts = self.ticks_to_ns(track, ticks, now_ticks);
+                for slice in &mut track.open {
+                    slice.dropped_inside = slice.dropped_inside.saturating_add(dropped);
+                }
+                let fields = vec![TraceField {
+                    name: self.names.records,
+                    value: FieldValue::U64(dropped),
+                }];
+                self.emit(track, ts, EventKind::Instant, self.names.gap, fields, None);
+            }
+        }
+        Step::Done
+    }
+
+    fn span_serial(&self, serial: u64) -> Option<&SpanState> {
+        self.spans.get(serial)
+    }
+
+    fn ticks_to_ns(&mut self, track: &mut Track, low: u64, now_ticks: u64) -> u64 {
+        let ticks = restore_ticks(low, now_ticks);
+        let ns = self.cpu.as_ref().and_then(|c| c.to_ns(ticks)).unwrap_or(track.last_ns);
+        let ns = if ns < track.last_ns {
+            self.counts.monotonic_clamps += 1;
+            track.last_ns
+        } else {
+            track.last_ns = ns;
+            ns
+        };
+        if !track.undated.is_empty() {
+            self.date_creations(track, ns);
+        }
+        ns
+    }
+
+    /// Spans created since the ring's last timed record were created before `ns` (the next timed record's
+    /// time; for a span entered at once, its enter) and after the record before.
+    #[cold]
+    fn date_creations(&mut self, track: &mut Track, ns: u64) {
+        for serial in track.undated.drain(..) {
+            if let Some(span) = self.spans.get_mut(serial) {
+                span.created_ns = ns;
+            }
+        }
+    }
+
+    fn callsite_name(&mut self, key: u64) -> NameId {
+        match self.callsites.get(&key) {
+            Some(c) => c.name,
+            None => {
+                self.counts.unknown_callsites += 1;
+                self.names.unknown_callsite
+            }
+        }
+    }
+
+    /// Decodes a field payload of callsite `key` into `out` (appending); a truncation marker becomes the
+    /// `tickline.fields_truncated` field. Returns how many fields were cut.
+    fn decode_payload(&mut self, key: u64, payload: Payload<'_>, out: &mut Vec<TraceField>) -> u64 {
+        if payload.len() == 0 {
+            return 0;
+        }
+        payload.bytes_into(&mut self.payload);
+        let Some(callsite) = self.callsites.get(&key) else {
+            return 0;
+        };
+        let mut truncated = 0;
+        for (index, value) in decode_fields(&self.payload) {
+            let (name, value) = match value {
+                RawValue::Truncated(n) if index == META_INDEX => {
+                    truncated = u64::from(n);
+                    (self.names.fields_truncated, FieldValue::U64(u64::from(n)))
+                }
+                RawValue::Truncated(_) => continue,
+                RawValue::I64(v) => (field_name(&callsite.fields, index), FieldValue::I64(v)),
+                RawValue::U64(v) => (field_name(&callsite.fields, index), FieldValue::U64(v)),
+                RawValue::F64(v) => (field_name(&callsite.fields, index), FieldValue::F64(v)),
+                RawValue::Bool(v) => (field_name(&callsite.fields, index), FieldValue::Bool(v)),
+                RawValue::Str(s) => (field_name(&callsite.fields, index), FieldValue::Str(s.to_owned())),
+            };
+            if name == NameId(0) {
+                continue;
+            }
+            set_field(out, TraceField { name, value });
+        }
+        if truncated > 0 {
+            self.counts.fields_truncated += 1;
+        }
+        truncated
+    }
+
+    fn counter_track(&mut self, key: u64) -> (NameId, TrackId) {
+        if let Some(c) = self.callsites.get(&key) {
+            if let Some(track) = c.counter_track {
+                return (c.name, track);
+            }
+        }
+        let name = self.callsite_name(key);
+        let label = self.out.name_of(name).to_owned();
+        let track = self.out.new_counter_track(&label, "");
+        if let Some(c) = self.callsites.get_mut(&key) {
+            c.counter_track = Some(track);
+        }
+        (name, track)
+    }
+}
+
+fn field_name(names: &[NameId], index: u8) -> NameId {
+    names.get(index as usize).copied().unwrap_or(NameId(0))
+}

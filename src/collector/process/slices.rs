@@ -1,0 +1,311 @@
+//! Slices on thread tracks, and the held queue behind them.
+//!
+//! A span slice's begin waits in its track's held queue, with everything after it on the track, until it
+//! can carry the span's values as of the slice's end (see *Fields at the end of a slice* in the module
+//! docs): `emit` queues behind it, `release` sends out what may go. An end out of stack order (`tracing`
+//! allows it) ends the slices opened inside and opens them again at once (`close_slice`, `reopen`), so
+//! every track nests; slices that cannot end where the program ended them end at the last time known,
+//! marked truncated (`truncate_open`). `end_slice` also records each poll for its span's task track (see
+//! `tasks.rs`).
+
+use super::{EventSlot, HeldEvent, HeldSpan, OpenKind, OpenSlice, Processor, Track, MAX_BUFFERED_POLLS};
+use crate::collector::spans::Poll;
+use crate::collector::AsyncTasks;
+use crate::export::{EventKind, FieldValue, NameId, TraceField};
+
+impl Processor {
+    /// Ends every open slice of `track` at `end_ns`, marked truncated.
+    pub(super) fn truncate_open(&mut self, track: &mut Track, end_ns: u64) {
+        let end_ns = end_ns.max(track.last_ns);
+        while let Some(slice) = track.open.pop() {
+            self.counts.truncated_slices += 1;
+            self.end_slice(track, slice, end_ns, true, false);
+        }
+    }
+
+    /// Emits an event on `track`: held behind a held span begin, or straight into the batch.
+    pub(super) fn emit(
+        &mut self,
+        track: &mut Track,
+        ts_ns: u64,
+        kind: EventKind,
+        name: NameId,
+        fields: Vec<TraceField>,
+        flow_out: Option<u64>,
+    ) -> EventSlot {
+        if track.held.is_empty() {
+            let mut fields = fields;
+            let event = self.out.push_event_owned(ts_ns, track.id, kind, name, &mut fields);
+            event.flow_out = flow_out;
+            EventSlot::Batch(self.out.batch.events.len() - 1)
+        } else {
+            track.held.push_back(HeldEvent {
+                ts_ns,
+                kind,
+                name,
+                fields,
+                flow_out,
+                span: None,
+                undecided: None,
+            });
+            EventSlot::Held(track.held_base + track.held.len() as u64 - 1)
+        }
+    }
+
+    /// Ends the innermost open slice of `kind` on `track` at `ts_ns`. Slices opened inside it and still open
+    /// (ends out of stack order, which `tracing` allows) end there too and open again right after, so every
+    /// track nests; an end with no open slice is counted and dropped.
+    pub(super) fn close_slice(&mut self, track: &mut Track, kind: OpenKind, ts_ns: u64) {
+        let Some(pos) = track.open.iter().rposition(|o| o.kind == kind) else {
+            self.counts.unmatched_ends += 1;
+            return;
+        };
+        if pos + 1 == track.open.len() {
+            // The innermost slice: the common case.
+            let slice = track.open.pop().expect("pos exists");
+            self.end_slice(track, slice, ts_ns, false, false);
+            return;
+        }
+        let inner: Vec<OpenSlice> = track.open.drain(pos + 1..).collect();
+        let mut reopen = Vec::new();
+        for slice in inner.into_iter().rev() {
+            reopen.push((slice.kind, slice.name, slice.begin_ns));
+            self.end_slice(track, slice, ts_ns, false, true);
+        }
+        let slice = track.open.pop().expect("pos exists");
+        self.end_slice(track, slice, ts_ns, false, false);
+        for (kind, name, begin_ns) in reopen.into_iter().rev() {
+            self.reopen(track, kind, name, ts_ns, begin_ns);
+        }
+    }
+
+    /// Opens a slice whose begin needs no values (a scope, a span whose callsite has no fields): emitted now,
+    /// held only behind what is already held on the track.
+    pub(super) fn begin_unheld(&mut self, track: &mut Track, kind: OpenKind, name: NameId, ts_ns: u64) {
+        self.begin_unheld_since(track, kind, name, ts_ns, ts_ns);
+    }
+
+    /// [`begin_unheld`](Self::begin_unheld) of a slice (a poll) that began at `begin_ns`, reopened at `ts_ns`.
+    fn begin_unheld_since(&mut self, track: &mut Track, kind: OpenKind, name: NameId, ts_ns: u64, begin_ns: u64) {
+        let held = (!track.held.is_empty()).then(|| track.held_base + track.held.len() as u64);
+        self.emit(track, ts_ns, EventKind::SliceBegin, name, Vec::new(), None);
+        track.open.push(OpenSlice {
+            kind,
+            name,
+            begin_ns,
+            held,
+            released_values: None,
+            dropped_inside: 0,
+        });
+    }
+
+    /// Opens again a slice ended only to keep nesting (see [`close_slice`](Self::close_slice)); a span's poll
+    /// goes on from `begin_ns`.
+    fn reopen(&mut self, track: &mut Track, kind: OpenKind, name: NameId, ts_ns: u64, begin_ns: u64) {
+        let fieldless_span = match kind {
+            OpenKind::Span(serial) => self.spans.get(serial).is_none_or(|s| s.fieldless),
+            OpenKind::Scope(_) => false,
+        };
+        if fieldless_span {
+            if let OpenKind::Span(serial) = kind {
+                if let Some(span) = self.spans.get_mut(serial) {
+                    span.open_slices += 1;
+                }
+            }
+            self.begin_unheld_since(track, kind, name, ts_ns, begin_ns);
+            return;
+        }
+        match kind {
+            OpenKind::Span(serial) => {
+                if let Some(span) = self.spans.get_mut(serial) {
+                    span.open_slices += 1;
+                    span.held_begins += 1;
+                }
+                let seq = track.held_base + track.held.len() as u64;
+                track.held.push_back(HeldEvent {
+                    ts_ns,
+                    kind: EventKind::SliceBegin,
+                    name,
+                    fields: Vec::new(),
+                    flow_out: None,
+                    span: Some(HeldSpan { serial, end: None }),
+                    undecided: None,
+                });
+                track.open.push(OpenSlice {
+                    kind,
+                    name,
+                    begin_ns,
+                    held: Some(seq),
+                    released_values: None,
+                    dropped_inside: 0,
+                });
+            }
+            OpenKind::Scope(_) => self.begin_unheld(track, kind, name, ts_ns),
+        }
+    }
+
+    /// Emits `slice`'s end at `ts_ns` (`truncated`: the slice really ended later) with its markers: on its
+    /// begin while that is held, else on the end.
+    /// `split`: the slice ends only to keep nesting and opens again at once (its poll goes on).
+    fn end_slice(&mut self, track: &mut Track, slice: OpenSlice, ts_ns: u64, truncated: bool, split: bool) {
+        let mut markers = Vec::new();
+        if truncated {
+            markers.push(TraceField {
+                name: self.names.truncated,
+                value: FieldValue::Bool(true),
+            });
+        }
+        if slice.dropped_inside > 0 {
+            markers.push(TraceField {
+                name: self.names.dropped_inside,
+                value: FieldValue::U64(slice.dropped_inside),
+            });
+        }
+        let mut end_fields = Vec::new();
+        match slice.held.and_then(|seq| held_at(track, seq)) {
+            Some(begin) => {
+                begin.fields.extend(markers);
+                if let Some(span) = &mut begin.span {
+                    span.end = Some((ts_ns, self.pass));
+                }
+            }
+            None => {
+                end_fields = markers;
+                if let (OpenKind::Span(serial), Some(released)) = (slice.kind, &slice.released_values) {
+                    // Released before it ended: the values that changed since go on its end.
+                    if let Some(span) = self.spans.get(serial) {
+                        let mut now = Vec::new();
+                        span.values_at(ts_ns, &mut now);
+                        for field in now {
+                            if !released.contains(&field) {
+                                end_fields.push(field);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let mut flow = None;
+        let mut speculative = false;
+        if let OpenKind::Span(serial) = slice.kind {
+            // A span entered again while entered on this thread: the outer enter is the poll.
+            let nested = track.open.iter().any(|o| o.kind == slice.kind);
+            let mode = if nested { AsyncTasks::Never } else { self.async_tasks };
+            // A poll: linked by a flow to its copy on the task's track, when the span is (or, still open after
+            // its first poll, may turn out to be) a task.
+            let (known_task, maybe_task) = match self.spans.get(serial) {
+                Some(span) if !split && mode != AsyncTasks::Never => (
+                    span.task.is_some(),
+                    mode == AsyncTasks::Auto && span.task.is_none() && !span.is_closed() && span.enters == 1,
+                ),
+                _ => (false, false),
+            };
+            let id = if known_task || maybe_task {
+                self.gpu.next_flow()
+            } else {
+                0
+            };
+            speculative = maybe_task;
+            if let Some(span) = self.spans.get_mut(serial) {
+                span.open_slices = span.open_slices.saturating_sub(1);
+                if !split && mode != AsyncTasks::Never {
+                    let poll = Poll {
+                        begin_ns: slice.begin_ns,
+                        end_ns: ts_ns.max(slice.begin_ns).max(1),
+                        flow: id,
+                    };
+                    let mut stream = false;
+                    if let Some(task) = &mut span.task {
+                        task.polls.push(poll);
+                        stream = task.polls.len() >= MAX_BUFFERED_POLLS;
+                    } else if span.first_poll.end_ns == 0 {
+                        span.first_poll = poll;
+                    }
+                    flow = (id != 0).then_some(id);
+                    if stream {
+                        // A long-lived task: its lifetime begins now and its polls go out as they come.
+                        self.write_task_begin(serial, ts_ns);
+                        self.write_task_polls(serial);
+                    }
+                }
+            }
+        }
+        let slot = self.emit(track, ts_ns, EventKind::SliceEnd, slice.name, end_fields, flow);
+        if speculative {
+            if let OpenKind::Span(serial) = slice.kind {
+                track.speculative = Some((serial, slot));
+            }
+        }
+    }
+
+    /// Sends out `track`'s held events up to the first span begin that must wait longer: still open, or
+    /// ended in this pass (values recorded on other threads before its end may come next pass). With
+    /// `force`, everything goes out; a span slice still open goes with its current values.
+    pub(super) fn release(&mut self, track: &mut Track, force: bool, now_ns: u64) {
+        while let Some(front) = track.held.front_mut() {
+            if let Some(serial) = front.undecided {
+                let (task, closed) = self
+                    .spans
+                    .get(serial)
+                    .map_or((false, true), |s| (s.task.is_some(), s.is_closed()));
+                if !task && !closed && !force {
+                    break;
+                }
+                front.undecided = None;
+                // Closed (or the timeline ends) without a second poll: a synchronous span after all.
+                let synchronous = !task && (closed || self.ending);
+                if synchronous {
+                    front.flow_out = None;
+                }
+                if let Some(span) = self.spans.get_mut(serial) {
+                    span.held_begins = span.held_begins.saturating_sub(1);
+                    if synchronous {
+                        span.first_poll.flow = 0;
+                    }
+                }
+            }
+            if let Some(span) = &front.span {
+                match span.end {
+                    Some((_, end_pass)) if end_pass < self.pass || force => {}
+                    None if force => {}
+                    _ => break,
+                }
+            }
+            let mut event = track.held.pop_front().expect("front exists");
+            let seq = track.held_base;
+            track.held_base += 1;
+            if let Some(span) = event.span.take() {
+                let at = span.end.map_or(now_ns, |(end, _)| end);
+                let mut values = Vec::new();
+                if let Some(state) = self.spans.get_mut(span.serial) {
+                    state.values_at(at, &mut values);
+                    state.held_begins = state.held_begins.saturating_sub(1);
+                }
+                if span.end.is_none() {
+                    // Released before it ended: remember what went out, for its end.
+                    if let Some(open) = track.open.iter_mut().find(|o| o.held == Some(seq)) {
+                        open.released_values = Some(values.clone());
+                    }
+                }
+                let markers = std::mem::take(&mut event.fields);
+                values.extend(markers);
+                event.fields = values;
+            }
+            let event_out = self
+                .out
+                .push_event_owned(event.ts_ns, track.id, event.kind, event.name, &mut event.fields);
+            event_out.flow_out = event.flow_out;
+        }
+        for open in &mut track.open {
+            if open.held.is_some_and(|seq| seq < track.held_base) {
+                open.held = None;
+            }
+        }
+    }
+}
+
+/// The held event with sequence number `seq`, if still held.
+pub(super) fn held_at(track: &mut Track, seq: u64) -> Option<&mut HeldEvent> {
+    let index = seq.checked_sub(track.held_base)?;
+    track.held.get_mut(index as usize)
+}

@@ -1,0 +1,403 @@
+use proptest::prelude::*;
+
+use super::*;
+use crate::calibration::ClockCalibration;
+use crate::codec::{self, Kind, Record};
+use crate::collector::input::CallsiteKind;
+use crate::export::{MemoryExporter, TrackKind};
+
+const KNOWN: u64 = 0x1000;
+
+fn processor(memory: &MemoryExporter) -> Processor {
+    let out = Output::new(
+        &crate::export::RecordingOrigin::this_process(),
+        vec![Box::new(memory.clone())],
+    );
+    let mut p = Processor::new(
+        out,
+        GpuCalibrationConfig::default(),
+        None,
+        Arc::new(SharedStats::default()),
+    );
+    let domain = ClockDomain::new(64, 1.0).unwrap();
+    let cal = ClockCalibration::from_anchor(domain, 0, 0, 1.0).unwrap();
+    p.set_cpu_clock(CpuTime::Live {
+        source: TickSource::Monotonic,
+        history: CalibrationHistory::new(domain, HistoryConfig::default()),
+        fast: Some(Box::new(FastConverter::new(&cal))),
+    });
+    p.input(Input::NativeCallsite(CallsiteDef {
+        key: KNOWN,
+        kind: CallsiteKind::Native,
+        name: "known".into(),
+        target: String::new(),
+        level: 0,
+        file: String::new(),
+        line: 0,
+        fields: vec!["x".into()],
+    }));
+    p.input(Input::Thread {
+        ring: 1,
+        tid: 1,
+        name: "t".into(),
+    });
+    p
+}
+
+fn arbitrary_record() -> impl Strategy<Value = Record> {
+    let key = prop_oneof![Just(KNOWN), any::<u64>()];
+    prop_oneof![
+        any::<(u64, u64)>().prop_map(|(word0, word1)| Record { word0, word1 }),
+        (0u64..16, 0u64..4, 0u64..1_000_000, key).prop_map(|(kind, aux, t, w1)| {
+            let kind = match kind {
+                1 => Kind::SpanNew,
+                2 => Kind::SpanRecord,
+                3 => Kind::SpanEnter,
+                4 => Kind::SpanExit,
+                5 => Kind::SpanClose,
+                6 => Kind::Event,
+                7 => Kind::ScopeBegin,
+                8 => Kind::ScopeEnd,
+                9 => Kind::Instant,
+                10 => Kind::Counter,
+                11 => Kind::GpuBegin,
+                12 => Kind::Gap,
+                _ => Kind::Data,
+            };
+            Record::head(kind, aux, t, w1)
+        }),
+    ]
+}
+
+const SPAN: u64 = 0x2000;
+
+fn register_span_callsite(p: &mut Processor) {
+    p.input(Input::NativeCallsite(CallsiteDef {
+        key: SPAN,
+        kind: CallsiteKind::Span,
+        name: "job".into(),
+        target: String::new(),
+        level: 3,
+        file: String::new(),
+        line: 0,
+        fields: vec!["x".into()],
+    }));
+}
+
+fn ring(p: &mut Processor, ring: u32) {
+    p.input(Input::Thread {
+        ring,
+        tid: ring,
+        name: format!("t{ring}"),
+    });
+}
+
+fn chunk(p: &mut Processor, ring: u32, records: Vec<Record>) {
+    p.input(Input::Chunk(Chunk {
+        ring,
+        now_ticks: 1_000_000,
+        dropped_total: 0,
+        records,
+    }));
+}
+
+fn pass(p: &mut Processor) {
+    p.input(Input::PassEnd {
+        drain_ns: 1_000_000,
+        drain_ticks: 1_000_000,
+        buffered_bytes: 0,
+        rings_drained: true,
+    });
+}
+
+fn u64_field(v: u64) -> Vec<u8> {
+    let mut payload = vec![0, codec::TAG_U64];
+    payload.extend_from_slice(&v.to_le_bytes());
+    payload
+}
+
+fn group(f: impl FnOnce(&mut Vec<Record>)) -> Vec<Record> {
+    let mut out = Vec::new();
+    f(&mut out);
+    out
+}
+
+#[test]
+fn a_span_slice_waits_a_pass_after_its_end_and_shows_its_values_then() {
+    let memory = MemoryExporter::default();
+    let mut p = processor(&memory);
+    register_span_callsite(&mut p);
+    let serial = crate::recorder::span_serial(1, 1);
+    let mut records = group(|g| codec::encode_span_new(g, 0, SPAN, codec::Parent::Contextual, &u64_field(1)));
+    records.push(Record::timed(Kind::SpanEnter, 100, serial));
+    records.extend(group(|g| codec::encode_span_record(g, 150, serial, &u64_field(2))));
+    records.push(Record::timed(Kind::SpanExit, 200, serial));
+    records.extend(group(|g| codec::encode_span_record(g, 250, serial, &u64_field(3))));
+    records.push(Record::timed(Kind::SpanClose, 260, serial));
+    chunk(&mut p, 1, records);
+    pass(&mut p);
+    assert_eq!(
+        memory.snapshot().slice_count("job"),
+        0,
+        "held: values from other threads may still come"
+    );
+    pass(&mut p);
+    let slices = memory.snapshot().slices();
+    assert_eq!(slices.len(), 1);
+    assert_eq!((slices[0].begin_ns, slices[0].end_ns), (100, 200));
+    assert_eq!(
+        slices[0].field("x"),
+        Some(&FieldValue::U64(2)),
+        "the value at the slice's end"
+    );
+}
+
+#[test]
+fn a_span_entered_on_another_thread_waits_for_its_creation_there() {
+    let memory = MemoryExporter::default();
+    let mut p = processor(&memory);
+    register_span_callsite(&mut p);
+    ring(&mut p, 2);
+    let serial = crate::recorder::span_serial(1, 1);
+    // Ring 2 (processed first) enters a span whose creation, on ring 1, comes only next pass.
+    chunk(
+        &mut p,
+        2,
+        vec![
+            Record::timed(Kind::SpanEnter, 100, serial),
+            Record::timed(Kind::SpanExit, 200, serial),
+            Record::timed(Kind::SpanClose, 201, serial),
+        ],
+    );
+    pass(&mut p);
+    chunk(
+        &mut p,
+        1,
+        group(|g| codec::encode_span_new(g, 0, SPAN, codec::Parent::Root, &u64_field(9))),
+    );
+    pass(&mut p);
+    pass(&mut p);
+    let trace = memory.snapshot();
+    let slices = trace.slices();
+    assert_eq!(slices.len(), 1, "{:?}", trace.events);
+    assert_eq!(slices[0].name, "job");
+    assert_eq!(slices[0].field("x"), Some(&FieldValue::U64(9)));
+    assert_eq!(
+        trace.track(slices[0].track).map(|t| &t.kind),
+        Some(&TrackKind::Thread {
+            pid: std::process::id(),
+            tid: 2,
+            name: "t2".into()
+        })
+    );
+}
+
+#[test]
+fn open_slices_of_an_exited_thread_end_at_its_last_record_marked_truncated() {
+    let memory = MemoryExporter::default();
+    let mut p = processor(&memory);
+    register_span_callsite(&mut p);
+    let serial = crate::recorder::span_serial(1, 1);
+    chunk(
+        &mut p,
+        1,
+        vec![
+            codec::span_new_bare(0, SPAN),
+            Record::timed(Kind::SpanEnter, 100, serial),
+            Record::timed(Kind::ScopeBegin, 150, KNOWN),
+            Record::timed(Kind::Instant, 300, KNOWN),
+        ],
+    );
+    p.input(Input::ThreadEnd { ring: 1 });
+    pass(&mut p);
+    let slices = memory.snapshot().slices();
+    assert_eq!(slices.len(), 2);
+    for s in &slices {
+        assert_eq!(s.end_ns, 300, "ended at the thread's last record, never later");
+        assert_eq!(s.field("tickline.truncated"), Some(&FieldValue::Bool(true)), "{s:?}");
+    }
+    assert_eq!(p.stats.truncated_slices.load(Ordering::Relaxed), 2);
+}
+
+#[test]
+fn a_gap_shows_where_records_went_missing_and_marks_the_slices_around_it() {
+    let memory = MemoryExporter::default();
+    let mut p = processor(&memory);
+    chunk(
+        &mut p,
+        1,
+        vec![
+            Record::timed(Kind::ScopeBegin, 100, KNOWN),
+            Record::timed(Kind::Gap, 150, 6),
+            Record::timed(Kind::ScopeEnd, 200, KNOWN),
+        ],
+    );
+    pass(&mut p);
+    let trace = memory.snapshot();
+    let gap = trace
+        .events
+        .iter()
+        .find(|e| e.name == "tickline: records dropped")
+        .unwrap();
+    assert_eq!(gap.fields, [("records".to_owned(), FieldValue::U64(6))]);
+    let slice = &trace.slices()[0];
+    assert_eq!(slice.field("tickline.dropped_inside"), Some(&FieldValue::U64(6)));
+}
+
+#[test]
+fn a_span_closed_long_before_its_held_slice_goes_out_keeps_its_values() {
+    let memory = MemoryExporter::default();
+    let mut p = processor(&memory);
+    register_span_callsite(&mut p);
+    let (outer, inner) = (crate::recorder::span_serial(1, 1), crate::recorder::span_serial(1, 2));
+    let mut records = vec![
+        codec::span_new_bare(0, SPAN),
+        Record::timed(Kind::SpanEnter, 100, outer),
+    ];
+    records.extend(group(|g| {
+        codec::encode_span_new(g, 0, SPAN, codec::Parent::Contextual, &u64_field(5))
+    }));
+    records.push(Record::timed(Kind::SpanEnter, 110, inner));
+    records.push(Record::timed(Kind::SpanExit, 120, inner));
+    records.push(Record::timed(Kind::SpanClose, 121, inner));
+    chunk(&mut p, 1, records);
+    // Many passes while the outer slice (and the inner one behind it) is held.
+    for _ in 0..10 {
+        pass(&mut p);
+    }
+    chunk(
+        &mut p,
+        1,
+        vec![
+            Record::timed(Kind::SpanExit, 200, outer),
+            Record::timed(Kind::SpanClose, 201, outer),
+        ],
+    );
+    pass(&mut p);
+    pass(&mut p);
+    let slices = memory.snapshot().slices();
+    assert_eq!(slices.len(), 2);
+    assert_eq!(slices[0].field("x"), Some(&FieldValue::U64(5)), "{slices:?}");
+}
+
+/// A span's first poll ends while it stays open; the next record (in a later pass) decides: its close
+/// (a synchronous span: no flow at all), or a second enter (a task: the first poll's flow reaches it).
+#[test]
+fn a_first_poll_waits_for_its_span_to_close_or_be_entered_again() {
+    for second_enter in [false, true] {
+        let memory = MemoryExporter::default();
+        let mut p = processor(&memory);
+        register_span_callsite(&mut p);
+        let serial = crate::recorder::span_serial(1, 1);
+        chunk(
+            &mut p,
+            1,
+            vec![
+                codec::span_new_bare(90, SPAN),
+                Record::timed(Kind::SpanEnter, 100, serial),
+                Record::timed(Kind::SpanExit, 110, serial),
+            ],
+        );
+        for _ in 0..3 {
+            pass(&mut p);
+        }
+        assert_eq!(
+            memory.snapshot().slices().len(),
+            0,
+            "the poll's end waits for the decision"
+        );
+        let mut next = Vec::new();
+        if second_enter {
+            next.push(Record::timed(Kind::SpanEnter, 300, serial));
+            next.push(Record::timed(Kind::SpanExit, 310, serial));
+        }
+        next.push(Record::timed(Kind::SpanClose, 400, serial));
+        chunk(&mut p, 1, next);
+        for _ in 0..6 {
+            pass(&mut p);
+        }
+        let trace = memory.snapshot();
+        let slices = trace.slices();
+        let outs: Vec<u64> = trace.events.iter().filter_map(|e| e.flow_out).collect();
+        let ins: Vec<u64> = trace.events.iter().filter_map(|e| e.flow_in).collect();
+        if second_enter {
+            let lifetime = slices
+                .iter()
+                .find(|s| s.depth == 0 && !trace.is_thread_track(s.track))
+                .unwrap();
+            assert_eq!((lifetime.begin_ns, lifetime.end_ns), (90, 400));
+            let polls: Vec<_> = slices
+                .iter()
+                .filter(|s| s.name == "poll")
+                .map(|s| (s.begin_ns, s.end_ns))
+                .collect();
+            assert_eq!(polls, [(100, 110), (300, 310)]);
+            assert_eq!(outs.len(), 2);
+            assert_eq!(outs, ins, "each poll's flow, both ends");
+        } else {
+            assert_eq!(slices.len(), 1);
+            assert!(outs.is_empty() && ins.is_empty(), "a synchronous span has no flow");
+            assert!(trace.async_task_tracks().is_empty());
+        }
+    }
+}
+
+#[test]
+fn an_end_out_of_stack_order_keeps_every_track_nested() {
+    let memory = MemoryExporter::default();
+    let mut p = processor(&memory);
+    register_span_callsite(&mut p);
+    let (a, b) = (crate::recorder::span_serial(1, 1), crate::recorder::span_serial(1, 2));
+    chunk(
+        &mut p,
+        1,
+        vec![
+            codec::span_new_bare(0, SPAN),
+            codec::span_new_bare(0, SPAN),
+            Record::timed(Kind::SpanEnter, 100, a),
+            Record::timed(Kind::SpanEnter, 110, b),
+            Record::timed(Kind::SpanExit, 120, a),
+            Record::timed(Kind::SpanExit, 130, b),
+            Record::timed(Kind::SpanExit, 140, b),
+            Record::timed(Kind::SpanClose, 150, a),
+            Record::timed(Kind::SpanClose, 151, b),
+        ],
+    );
+    pass(&mut p);
+    pass(&mut p);
+    let slices = memory.snapshot().slices();
+    // a [100, 120] holding b's first part; b again [120, 130]; the stray exit is counted.
+    let spans: Vec<(u64, u64, usize)> = slices.iter().map(|s| (s.begin_ns, s.end_ns, s.depth)).collect();
+    assert_eq!(spans, [(110, 120, 1), (100, 120, 0), (120, 130, 0)]);
+    assert_eq!(p.stats.unmatched_ends.load(Ordering::Relaxed), 1);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(if cfg!(miri) { 8 } else { 512 }))]
+
+    /// Corrupt and torn input never panics, and nothing is named after a callsite nobody registered.
+    #[test]
+    fn corrupt_records_never_panic_nor_name_an_unregistered_callsite(
+        records in prop::collection::vec(arbitrary_record(), 0..96),
+        valid in prop::collection::vec(0u64..1_000, 0..8),
+    ) {
+        let memory = MemoryExporter::default();
+        let mut p = processor(&memory);
+        let mut all = records;
+        // Some well-formed groups in between, naming the known callsite.
+        let mut group = Vec::new();
+        for v in valid {
+            codec::encode_event(&mut group, v, KNOWN, codec::Parent::Contextual, &[0, codec::TAG_U64, 1, 0, 0, 0, 0, 0, 0, 0]);
+            all.extend_from_slice(&group);
+        }
+        p.input(Input::Chunk(Chunk { ring: 1, now_ticks: 2_000_000, dropped_total: 0, records: all }));
+        p.input(Input::PassEnd { drain_ns: 2_000_000, drain_ticks: 2_000_000, buffered_bytes: 0, rings_drained: true });
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        p.input(Input::Shutdown(tx));
+        prop_assert!(rx.recv().unwrap().is_ok());
+        let allowed = ["known", "unknown span", "unknown callsite", "tickline: records dropped", "value"];
+        for e in memory.snapshot().events {
+            prop_assert!(allowed.contains(&e.name.as_str()), "{:?}", e.name);
+        }
+    }
+}
