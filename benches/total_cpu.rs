@@ -19,6 +19,9 @@
 //! Operations: `span` (`info_span!("span").entered()` dropped: create, enter, exit, close) and `event`
 //! (`info!(i, "event")`).
 //!
+//! `TICKLINE_BENCH_ASYNC_TASKS=never` runs tickline's configurations with `AsyncTasks::Never` (default: `Auto`),
+//! to see what deciding which spans are async tasks costs the collector.
+//!
 //! `cargo bench -p tickline-benches --bench total_cpu` prints the medians of 9 samples. `-- --once CONFIG OP`
 //! prints one sample (the slow-mode check runs that as 20 separate processes: `benches/slow_mode.sh`).
 //! `cargo test --benches` runs each configuration once with few operations, to keep it compiling and working.
@@ -111,7 +114,10 @@ fn sample(config: Config, op: Op, ops: u64) -> Sample {
             tracing::dispatcher::with_default(&dispatch, || run_ops(op, ops));
         }
         Config::TicklinePerfetto | Config::TicklineRaw => {
-            let builder = Timeline::builder();
+            let builder = match std::env::var("TICKLINE_BENCH_ASYNC_TASKS").as_deref() {
+                Ok("never") => Timeline::builder().async_tasks(tickline::AsyncTasks::Never),
+                _ => Timeline::builder(),
+            };
             let builder = if config == Config::TicklinePerfetto {
                 builder.exporter(PerfettoExporter::create(path.with_extension("pftrace")).expect("trace file"))
             } else {

@@ -312,13 +312,17 @@ const WIRE_VARINT: u64 = 0;
 const WIRE_FIXED64: u64 = 1;
 const WIRE_LENGTH_DELIMITED: u64 = 2;
 
-/// Appends `value` as a varint: built on the stack and appended at once (a byte-at-a-time `BufMut` varint,
-/// as prost's, was a third of the collector's time on events with fields).
+/// Appends `value` as a varint, byte by byte into room reserved once. (Through prost's `BufMut` this was a
+/// third of the collector's time on events with fields; built on the stack and appended as a slice, it called
+/// `memcpy` with a run-time length: `total_cpu`'s event 178 ns of collector CPU, against 150 ns this way.)
 #[inline(always)]
-fn encode_varint(value: u64, buf: &mut Vec<u8>) {
-    let mut bytes = [0u8; 10];
-    let end = put_varint_into(&mut bytes, 0, value);
-    buf.extend_from_slice(&bytes[..end]);
+fn encode_varint(mut value: u64, buf: &mut Vec<u8>) {
+    buf.reserve(10);
+    while value >= 0x80 {
+        buf.push(value as u8 | 0x80);
+        value >>= 7;
+    }
+    buf.push(value as u8);
 }
 
 /// A field's key: its number and wire type.
