@@ -99,7 +99,8 @@ pub(crate) enum Kind {
 }
 
 impl Kind {
-    fn from_bits(bits: u64) -> Option<Kind> {
+    /// The kind a record's kind bits name, if any.
+    pub(crate) fn from_bits(bits: u64) -> Option<Kind> {
         Some(match bits {
             1 => Kind::SpanNew,
             2 => Kind::SpanRecord,

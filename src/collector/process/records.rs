@@ -2,7 +2,7 @@
 //! and the decoding it needs: ticks to reference ns (kept monotonic per track; spans created untimed are
 //! dated by the ring's next timed record), callsite names, field payloads, counter tracks.
 
-use super::{HeldEvent, HeldSpan, OpenKind, OpenSlice, Processor, Step, Track};
+use super::{OpenKind, Processor, Step, Track};
 use crate::codec::{decode_fields, restore_ticks, Item, Parent, Payload, RawValue, META_INDEX};
 use crate::collector::spans::{set_field, SpanState};
 use crate::collector::AsyncTasks;
@@ -109,24 +109,7 @@ impl Processor {
                     return Step::Done;
                 }
                 // Held until the slice ends: it shows the values the span had then.
-                let seq = track.held_base + track.held.len() as u64;
-                track.held.push_back(HeldEvent {
-                    ts_ns: ts,
-                    kind: EventKind::SliceBegin,
-                    name,
-                    fields: Vec::new(),
-                    flow_out: None,
-                    span: Some(HeldSpan { serial, end: None }),
-                    undecided: None,
-                });
-                track.open.push(OpenSlice {
-                    kind: OpenKind::Span(serial),
-                    name,
-                    begin_ns: ts,
-                    held: Some(seq),
-                    released_values: None,
-                    dropped_inside: 0,
-                });
+                super::slices::begin_held_span(track, serial, name, ts, ts);
             }
             Item::SpanExit { ticks, serial } => {
                 let ts = self.ticks_to_ns(track, ticks, now_ticks);
@@ -157,10 +140,7 @@ impl Processor {
                 parent: _,
                 fields,
             } => {
-                let ts = self.ticks_to_ns(track, ticks, now_ticks);
-                let name = self.callsite_name(callsite);
-                let mut values = Vec::new();
-                self.decode_payload(callsite, fields, &mut values);
+                let (ts, name, values) = self.stamped_values(track, (ticks, now_ticks), callsite, fields);
                 self.emit(track, ts, EventKind::Instant, name, values, None);
             }
             Item::ScopeBegin { ticks, callsite } => {
@@ -188,10 +168,7 @@ impl Processor {
                 key,
                 fields,
             } => {
-                let ts = self.ticks_to_ns(track, ticks, now_ticks);
-                let name = self.callsite_name(callsite);
-                let mut values = Vec::new();
-                self.decode_payload(callsite, fields, &mut values);
+                let (ts, name, values) = self.stamped_values(track, (ticks, now_ticks), callsite, fields);
                 let flow = self.gpu.next_flow();
                 // Where this thread recorded the GPU work: the flow's start.
                 self.emit(track, ts, EventKind::Instant, name, Vec::new(), Some(flow));
@@ -214,6 +191,21 @@ impl Processor {
 
     fn span_serial(&self, serial: u64) -> Option<&SpanState> {
         self.spans.get(serial)
+    }
+
+    /// A record's time in reference ns, its callsite's name and its decoded field values.
+    fn stamped_values(
+        &mut self,
+        track: &mut Track,
+        (ticks, now_ticks): (u64, u64),
+        callsite: u64,
+        fields: Payload<'_>,
+    ) -> (u64, NameId, Vec<TraceField>) {
+        let ts = self.ticks_to_ns(track, ticks, now_ticks);
+        let name = self.callsite_name(callsite);
+        let mut values = Vec::new();
+        self.decode_payload(callsite, fields, &mut values);
+        (ts, name, values)
     }
 
     fn ticks_to_ns(&mut self, track: &mut Track, low: u64, now_ticks: u64) -> u64 {

@@ -121,24 +121,7 @@ impl Processor {
                     span.open_slices += 1;
                     span.held_begins += 1;
                 }
-                let seq = track.held_base + track.held.len() as u64;
-                track.held.push_back(HeldEvent {
-                    ts_ns,
-                    kind: EventKind::SliceBegin,
-                    name,
-                    fields: Vec::new(),
-                    flow_out: None,
-                    span: Some(HeldSpan { serial, end: None }),
-                    undecided: None,
-                });
-                track.open.push(OpenSlice {
-                    kind,
-                    name,
-                    begin_ns,
-                    held: Some(seq),
-                    released_values: None,
-                    dropped_inside: 0,
-                });
+                begin_held_span(track, serial, name, ts_ns, begin_ns);
             }
             OpenKind::Scope(_) => self.begin_unheld(track, kind, name, ts_ns),
         }
@@ -308,4 +291,27 @@ impl Processor {
 pub(super) fn held_at(track: &mut Track, seq: u64) -> Option<&mut HeldEvent> {
     let index = seq.checked_sub(track.held_base)?;
     track.held.get_mut(index as usize)
+}
+
+/// Opens a slice of span `serial` whose begin is held until the slice ends, so that it shows the values the
+/// span had then: the begin at `ts_ns`, the slice (for nesting) from `begin_ns`.
+pub(super) fn begin_held_span(track: &mut Track, serial: u64, name: NameId, ts_ns: u64, begin_ns: u64) {
+    let seq = track.held_base + track.held.len() as u64;
+    track.held.push_back(HeldEvent {
+        ts_ns,
+        kind: EventKind::SliceBegin,
+        name,
+        fields: Vec::new(),
+        flow_out: None,
+        span: Some(HeldSpan { serial, end: None }),
+        undecided: None,
+    });
+    track.open.push(OpenSlice {
+        kind: OpenKind::Span(serial),
+        name,
+        begin_ns,
+        held: Some(seq),
+        released_values: None,
+        dropped_inside: 0,
+    });
 }

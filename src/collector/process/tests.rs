@@ -49,21 +49,7 @@ fn arbitrary_record() -> impl Strategy<Value = Record> {
     prop_oneof![
         any::<(u64, u64)>().prop_map(|(word0, word1)| Record { word0, word1 }),
         (0u64..16, 0u64..4, 0u64..1_000_000, key).prop_map(|(kind, aux, t, w1)| {
-            let kind = match kind {
-                1 => Kind::SpanNew,
-                2 => Kind::SpanRecord,
-                3 => Kind::SpanEnter,
-                4 => Kind::SpanExit,
-                5 => Kind::SpanClose,
-                6 => Kind::Event,
-                7 => Kind::ScopeBegin,
-                8 => Kind::ScopeEnd,
-                9 => Kind::Instant,
-                10 => Kind::Counter,
-                11 => Kind::GpuBegin,
-                12 => Kind::Gap,
-                _ => Kind::Data,
-            };
+            let kind = Kind::from_bits(kind).unwrap_or(Kind::Data);
             Record::head(kind, aux, t, w1)
         }),
     ]
