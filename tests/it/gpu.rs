@@ -397,152 +397,29 @@ fn gpu_ticks_read_while_the_cpu_rings_wait_still_find_their_scopes() {
     assert_eq!(memory.snapshot().slice_count("dispatch"), 20, "{stats:?}");
 }
 
-/// A backend whose clock cannot be calibrated (a driver that fails every calibrated read).
-struct Uncalibratable(SimGpu);
-
-impl tickline::gpu::GpuBackend for Uncalibratable {
-    type Commands = SimCommands;
-    fn info(&self) -> tickline::gpu::GpuDeviceInfo {
-        self.0.info()
-    }
-    fn write_timestamp(&self, commands: &SimCommands, slot: u32) {
-        self.0.write_timestamp(commands, slot);
-    }
-    fn read_timestamps(
-        &self,
-        first: u32,
-        out: &mut [Option<tickline::gpu::GpuTicks>],
-    ) -> Result<(), tickline::gpu::GpuError> {
-        self.0.read_timestamps(first, out)
-    }
-    fn recycle(&self, first: u32, count: u32) -> Result<(), tickline::gpu::GpuError> {
-        self.0.recycle(first, count)
-    }
-    fn calibrate(
-        &self,
-        _: usize,
-        _: Duration,
-        _: &mut Vec<tickline::calibration::CalibrationSample>,
-    ) -> Result<(), tickline::gpu::GpuError> {
-        Err(tickline::gpu::GpuError::Api {
-            call: "vkGetCalibratedTimestampsKHR",
-            detail: "VK_ERROR_DEVICE_LOST".into(),
-        })
-    }
-}
-
-#[test]
-fn a_device_that_cannot_be_calibrated_loses_its_scopes_visibly_and_nothing_else() {
-    let _one_at_a_time = crate::exclusive();
-    let memory = MemoryExporter::default();
-    let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
-    let gpu = timeline
-        .gpu(Uncalibratable(SimGpu::new(SimGpuConfig::default()).unwrap()))
-        .unwrap();
-    let queue = gpu.queue("compute").unwrap();
-    let commands = SimCommands::new();
-    {
-        let _scope = tickline::gpu_scope!(queue, &commands, "unplaceable");
-        commands.work(Duration::from_micros(10));
-    }
-    let _ = gpu.backend().0.submit(commands).wait();
-    // (A tracing span, not `scope!`: native scopes go to the newest timeline, and other tests run at once.)
-    let subscriber = tracing_subscriber::registry().with(timeline.layer());
-    tracing::subscriber::with_default(subscriber, || tracing::info_span!("cpu work").in_scope(|| {}));
-    let stats = timeline.shutdown().unwrap();
-    assert!(stats.gpu_failed_calibrations > 0, "{stats:?}");
-    assert_eq!((stats.gpu_scopes, stats.gpu_lost_scopes), (1, 1), "{stats:?}");
-    let trace = memory.snapshot();
-    assert_eq!(
-        trace.slice_count("unplaceable"),
-        0,
-        "never placed without a calibration"
-    );
-    assert_eq!(trace.slice_count("cpu work"), 1, "the CPU timeline is intact");
-}
-
-/// A simulated GPU whose first calibration bursts bring nothing (a submit probe stuck behind busy queues).
-struct SlowToCalibrate {
-    gpu: SimGpu,
-    empty_bursts_left: std::sync::atomic::AtomicU64,
-}
-
-impl tickline::gpu::GpuBackend for SlowToCalibrate {
-    type Commands = SimCommands;
-    fn info(&self) -> tickline::gpu::GpuDeviceInfo {
-        self.gpu.info()
-    }
-    fn write_timestamp(&self, commands: &SimCommands, slot: u32) {
-        self.gpu.write_timestamp(commands, slot);
-    }
-    fn read_timestamps(
-        &self,
-        first: u32,
-        out: &mut [Option<tickline::gpu::GpuTicks>],
-    ) -> Result<(), tickline::gpu::GpuError> {
-        self.gpu.read_timestamps(first, out)
-    }
-    fn recycle(&self, first: u32, count: u32) -> Result<(), tickline::gpu::GpuError> {
-        self.gpu.recycle(first, count)
-    }
-    fn calibrate(
-        &self,
-        samples: usize,
-        budget: Duration,
-        out: &mut Vec<tickline::calibration::CalibrationSample>,
-    ) -> Result<(), tickline::gpu::GpuError> {
-        use std::sync::atomic::Ordering::Relaxed;
-        if self
-            .empty_bursts_left
-            .fetch_update(Relaxed, Relaxed, |left| left.checked_sub(1))
-            .is_ok()
-        {
-            return Ok(());
-        }
-        self.gpu.calibrate(samples, budget, out)
-    }
-}
-
-#[test]
-fn bursts_that_bring_nothing_are_retried_soon_so_a_short_run_loses_no_scope() {
-    let _one_at_a_time = crate::exclusive();
-    let memory = MemoryExporter::default();
-    let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
-    // Three empty bursts: with one burst per period (250 ms) this 40 ms run, and its shutdown, would never
-    // see a sample, and every scope would be lost for want of a calibration.
-    let gpu = timeline
-        .gpu(SlowToCalibrate {
-            gpu: SimGpu::new(SimGpuConfig::default()).unwrap(),
-            empty_bursts_left: 3.into(),
-        })
-        .unwrap();
-    let queue = gpu.queue("compute").unwrap();
-    for _ in 0..8 {
-        let commands = SimCommands::new();
-        {
-            let _scope = tickline::gpu_scope!(queue, &commands, "early");
-            commands.work(Duration::from_micros(10));
-        }
-        let _ = gpu.backend().gpu.submit(commands).wait();
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let stats = timeline.shutdown().unwrap();
-    assert_eq!((stats.gpu_scopes, stats.gpu_lost_scopes), (8, 0), "{stats:?}");
-    assert!(
-        stats.gpu_failed_calibrations >= 3,
-        "the empty bursts are counted: {stats:?}"
-    );
-    assert_eq!(memory.snapshot().slice_count("early"), 8);
-}
-
-/// A simulated GPU whose backend says, on request, that its clock was reset, and whose reads fail on request.
-struct Resettable {
+/// A simulated GPU whose backend misbehaves on request, as drivers do: it reports a clock reset, fails reads,
+/// brings back empty calibration bursts (a submit probe stuck behind busy queues), or fails every calibration.
+struct FaultySim {
     gpu: SimGpu,
     resets: std::sync::atomic::AtomicU64,
     failing_reads: std::sync::atomic::AtomicU64,
+    empty_bursts_left: std::sync::atomic::AtomicU64,
+    calibration_fails: bool,
 }
 
-impl tickline::gpu::GpuBackend for Resettable {
+impl FaultySim {
+    fn new() -> Self {
+        FaultySim {
+            gpu: SimGpu::new(SimGpuConfig::default()).unwrap(),
+            resets: 0.into(),
+            failing_reads: 0.into(),
+            empty_bursts_left: 0.into(),
+            calibration_fails: false,
+        }
+    }
+}
+
+impl tickline::gpu::GpuBackend for FaultySim {
     type Commands = SimCommands;
     fn info(&self) -> tickline::gpu::GpuDeviceInfo {
         self.gpu.info()
@@ -575,6 +452,20 @@ impl tickline::gpu::GpuBackend for Resettable {
         budget: Duration,
         out: &mut Vec<tickline::calibration::CalibrationSample>,
     ) -> Result<(), tickline::gpu::GpuError> {
+        use std::sync::atomic::Ordering::Relaxed;
+        if self.calibration_fails {
+            return Err(tickline::gpu::GpuError::Api {
+                call: "vkGetCalibratedTimestampsKHR",
+                detail: "VK_ERROR_DEVICE_LOST".into(),
+            });
+        }
+        if self
+            .empty_bursts_left
+            .fetch_update(Relaxed, Relaxed, |left| left.checked_sub(1))
+            .is_ok()
+        {
+            return Ok(());
+        }
         self.gpu.calibrate(samples, budget, out)
     }
     fn resets(&self) -> u64 {
@@ -583,18 +474,77 @@ impl tickline::gpu::GpuBackend for Resettable {
 }
 
 #[test]
+fn a_device_that_cannot_be_calibrated_loses_its_scopes_visibly_and_nothing_else() {
+    let _one_at_a_time = crate::exclusive();
+    let memory = MemoryExporter::default();
+    let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
+    let gpu = timeline
+        .gpu(FaultySim {
+            calibration_fails: true,
+            ..FaultySim::new()
+        })
+        .unwrap();
+    let queue = gpu.queue("compute").unwrap();
+    let commands = SimCommands::new();
+    {
+        let _scope = tickline::gpu_scope!(queue, &commands, "unplaceable");
+        commands.work(Duration::from_micros(10));
+    }
+    let _ = gpu.backend().gpu.submit(commands).wait();
+    // (A tracing span, not `scope!`: native scopes go to the newest timeline, and other tests run at once.)
+    let subscriber = tracing_subscriber::registry().with(timeline.layer());
+    tracing::subscriber::with_default(subscriber, || tracing::info_span!("cpu work").in_scope(|| {}));
+    let stats = timeline.shutdown().unwrap();
+    assert!(stats.gpu_failed_calibrations > 0, "{stats:?}");
+    assert_eq!((stats.gpu_scopes, stats.gpu_lost_scopes), (1, 1), "{stats:?}");
+    let trace = memory.snapshot();
+    assert_eq!(
+        trace.slice_count("unplaceable"),
+        0,
+        "never placed without a calibration"
+    );
+    assert_eq!(trace.slice_count("cpu work"), 1, "the CPU timeline is intact");
+}
+
+#[test]
+fn bursts_that_bring_nothing_are_retried_soon_so_a_short_run_loses_no_scope() {
+    let _one_at_a_time = crate::exclusive();
+    let memory = MemoryExporter::default();
+    let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
+    // Three empty bursts: with one burst per period (250 ms) this 40 ms run, and its shutdown, would never
+    // see a sample, and every scope would be lost for want of a calibration.
+    let gpu = timeline
+        .gpu(FaultySim {
+            empty_bursts_left: 3.into(),
+            ..FaultySim::new()
+        })
+        .unwrap();
+    let queue = gpu.queue("compute").unwrap();
+    for _ in 0..8 {
+        let commands = SimCommands::new();
+        {
+            let _scope = tickline::gpu_scope!(queue, &commands, "early");
+            commands.work(Duration::from_micros(10));
+        }
+        let _ = gpu.backend().gpu.submit(commands).wait();
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let stats = timeline.shutdown().unwrap();
+    assert_eq!((stats.gpu_scopes, stats.gpu_lost_scopes), (8, 0), "{stats:?}");
+    assert!(
+        stats.gpu_failed_calibrations >= 3,
+        "the empty bursts are counted: {stats:?}"
+    );
+    assert_eq!(memory.snapshot().slice_count("early"), 8);
+}
+
+#[test]
 fn a_reported_reset_starts_a_calibration_segment_and_failed_reads_are_counted_and_retried() {
     use std::sync::atomic::Ordering;
     let _one_at_a_time = crate::exclusive();
     let memory = MemoryExporter::default();
     let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
-    let gpu = timeline
-        .gpu(Resettable {
-            gpu: SimGpu::new(SimGpuConfig::default()).unwrap(),
-            resets: 0.into(),
-            failing_reads: 0.into(),
-        })
-        .unwrap();
+    let gpu = timeline.gpu(FaultySim::new()).unwrap();
     let queue = gpu.queue("compute").unwrap();
     let frame = |name: &'static str| {
         let commands = SimCommands::new();
