@@ -23,6 +23,8 @@ struct LiveDevice {
     /// flight behind busy queues): from `min_burst_gap`, doubled per empty burst up to `burst_period`, so a
     /// device whose clock cannot be sampled right now is tried again soon rather than a period later.
     retry_gap_ns: Option<u64>,
+    /// Some burst brought a sample: the processing stage has a calibration to place scopes by.
+    sampled: bool,
     /// Pairs seen allocated and not finished yet: `pair -> (generation, first seen ns)`.
     pending: HashMap<u32, (u32, u64)>,
     /// The backend's reset count last seen ([`GpuBackend::resets`](crate::gpu::GpuBackend::resets)).
@@ -56,6 +58,7 @@ impl GpuLive {
                     link: link.clone(),
                     last_burst_ns: None,
                     retry_gap_ns: None,
+                    sampled: false,
                     pending: HashMap::new(),
                     resets_seen: link.resets(),
                 });
@@ -107,13 +110,20 @@ impl GpuLive {
         }
     }
 
-    /// Shutdown, after the last reads: a device whose last burst brought no sample is sampled again until
-    /// one does or `deadline_ns` passes, so the scopes read so far have a calibration to be placed by rather
-    /// than being lost for want of one.
+    /// Shutdown, after the last reads: a device never calibrated yet (no burst brought a sample) is sampled
+    /// again on its retry schedule until one does or `deadline_ns` passes, so the scopes read so far have a
+    /// calibration to be placed by rather than being lost for want of one. (A device with any sample is
+    /// placed by its newest fit at shutdown: nothing to wait for.)
     pub(crate) fn settle_calibration(&mut self, deadline_ns: u64, out: &mut Vec<Input>) {
-        for d in &mut self.devices {
-            while d.retry_gap_ns.is_some() && monotonic_ns().0 < deadline_ns {
-                std::thread::sleep(Duration::from_millis(1));
+        for d in self.devices.iter_mut().filter(|d| !d.sampled) {
+            // On the retry schedule (backing off), not faster: a driver that cannot calibrate now is not
+            // hammered, and shutdown waits no longer than the deadline.
+            while let (Some(gap), Some(last)) = (d.retry_gap_ns, d.last_burst_ns) {
+                let due_ns = last.saturating_add(gap);
+                if due_ns >= deadline_ns {
+                    break;
+                }
+                std::thread::sleep(Duration::from_nanos(due_ns.saturating_sub(monotonic_ns().0)));
                 burst(d, self.config, &mut self.samples, out);
             }
         }
@@ -147,6 +157,7 @@ fn burst(d: &mut LiveDevice, config: GpuCalibrationConfig, samples: &mut Vec<Cal
     let at_ns = monotonic_ns().0;
     d.last_burst_ns = Some(at_ns);
     let empty = result.is_err() || samples.is_empty();
+    d.sampled |= !empty;
     d.retry_gap_ns = empty.then(|| {
         let min = config.min_burst_gap.as_nanos() as u64;
         let max = (config.burst_period.as_nanos() as u64).max(min);
