@@ -189,7 +189,7 @@ fn run(path: &Path, exporter: Box<dyn Exporter>) -> Result<CaptureSummary, Captu
                 let _ = cpu.add_burst(&samples);
             }
             Frame::Input(Input::Thread { .. }) => summary.threads += 1,
-            Frame::Input(Input::NativeCallsite(_)) => summary.callsites += 1,
+            Frame::Input(Input::Callsite(_)) => summary.callsites += 1,
             Frame::Input(Input::Chunk(chunk)) => {
                 summary.records += chunk.records.len() as u64;
             }

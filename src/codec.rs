@@ -40,8 +40,8 @@
 //! that does not saves the counter read and writes 0, and the collector then places the creation at the next
 //! timed record of its ring (for a span entered right away, its first enter).
 //!
-//! NativeCallsite keys are the addresses of `'static` callsites (`tracing`'s `Metadata`, tickline's
-//! [`NativeCallsite`](crate::NativeCallsite)). The collector never dereferences one: callsites are registered with it
+//! Callsite keys are the addresses of `'static` callsites (`tracing`'s `Metadata`, tickline's
+//! [`NativeCallsite`](crate::export::NativeCallsite)). The collector never dereferences one: callsites are registered with it
 //! over the timeline's control channel (`Layer::register_callsite`, a native macro's first use), and it
 //! looks keys up in its own table; a key it does not know is counted, never followed.
 //!

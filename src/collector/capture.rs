@@ -234,7 +234,7 @@ impl CaptureWriter {
                 b.extend_from_slice(&tid.to_le_bytes());
                 put_str(b, name);
             }),
-            Input::NativeCallsite(def) => self.emit(frame::CALLSITE, |b| {
+            Input::Callsite(def) => self.emit(frame::CALLSITE, |b| {
                 b.extend_from_slice(&def.key.to_le_bytes());
                 b.push(match def.kind {
                     CallsiteKind::Span => 0,
@@ -628,7 +628,7 @@ impl<R: Read> CaptureReader<R> {
                 let file = p.str()?;
                 let n = p.u16()?;
                 let fields = (0..n).map(|_| p.str()).collect::<Option<Vec<_>>>()?;
-                Frame::Input(Input::NativeCallsite(CallsiteDef {
+                Frame::Input(Input::Callsite(CallsiteDef {
                     key,
                     kind,
                     name,
@@ -829,7 +829,7 @@ mod tests {
                 tid: 42,
                 name: "worker".into(),
             },
-            Input::NativeCallsite(CallsiteDef {
+            Input::Callsite(CallsiteDef {
                 key: 0x1000,
                 kind: CallsiteKind::Span,
                 name: "job".into(),

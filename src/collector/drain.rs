@@ -248,12 +248,10 @@ impl Drain {
                     });
                 }
                 Control::TracingCallsite(meta) => {
-                    self.registrations
-                        .push(Input::NativeCallsite(CallsiteDef::tracing(meta)));
+                    self.registrations.push(Input::Callsite(CallsiteDef::tracing(meta)));
                 }
                 Control::NativeCallsite(callsite) => {
-                    self.registrations
-                        .push(Input::NativeCallsite(CallsiteDef::native(callsite)));
+                    self.registrations.push(Input::Callsite(CallsiteDef::native(callsite)));
                 }
                 Control::Flush(reply) => requests.push(Request::Flush(reply)),
                 Control::Shutdown(reply) => requests.push(Request::Shutdown(reply)),

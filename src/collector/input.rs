@@ -178,7 +178,7 @@ pub(crate) enum Input {
         tid: u32,
         name: String,
     },
-    NativeCallsite(CallsiteDef),
+    Callsite(CallsiteDef),
     Chunk(Chunk),
     /// A thread's ring closed and was drained to its end.
     ThreadEnd {

@@ -252,7 +252,7 @@ pub mod bench_support {
                 history: CalibrationHistory::new(domain, HistoryConfig::default()),
                 fast: Some(Box::new(FastConverter::new(&cal))),
             });
-            processor.input(Input::NativeCallsite(CallsiteDef {
+            processor.input(Input::Callsite(CallsiteDef {
                 key: KEY,
                 kind: CallsiteKind::Native,
                 name: "bench scope".into(),
@@ -290,7 +290,7 @@ pub mod bench_support {
             }
             bench.now_ticks = base + spans as u64 * 200 + 1_000;
             bench.records = records;
-            bench.processor.input(Input::NativeCallsite(CallsiteDef {
+            bench.processor.input(Input::Callsite(CallsiteDef {
                 key: SPAN,
                 kind: CallsiteKind::Span,
                 name: "span".into(),

@@ -419,7 +419,7 @@ impl Processor {
     pub(crate) fn input(&mut self, input: Input) {
         match input {
             Input::Thread { ring, tid, name } => self.add_ring(ring, tid, name),
-            Input::NativeCallsite(def) => self.add_callsite(def),
+            Input::Callsite(def) => self.add_callsite(def),
             Input::Chunk(chunk) => self.add_chunk(chunk),
             Input::ThreadEnd { ring } => {
                 if let Some(Some(r)) = self.rings.get_mut(ring as usize) {

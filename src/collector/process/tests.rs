@@ -26,7 +26,7 @@ fn processor(memory: &MemoryExporter) -> Processor {
         history: CalibrationHistory::new(domain, HistoryConfig::default()),
         fast: Some(Box::new(FastConverter::new(&cal))),
     });
-    p.input(Input::NativeCallsite(CallsiteDef {
+    p.input(Input::Callsite(CallsiteDef {
         key: KNOWN,
         kind: CallsiteKind::Native,
         name: "known".into(),
@@ -58,7 +58,7 @@ fn arbitrary_record() -> impl Strategy<Value = Record> {
 const SPAN: u64 = 0x2000;
 
 fn register_span_callsite(p: &mut Processor) {
-    p.input(Input::NativeCallsite(CallsiteDef {
+    p.input(Input::Callsite(CallsiteDef {
         key: SPAN,
         kind: CallsiteKind::Span,
         name: "job".into(),
