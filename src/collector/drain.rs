@@ -497,7 +497,7 @@ mod tests {
             config,
             shared.clone(),
             (
-                super::super::Inbox {
+                crate::collector::Inbox {
                     control,
                     gpu: unbounded().1,
                 },
