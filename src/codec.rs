@@ -213,13 +213,35 @@ pub(crate) fn payload_records(len: usize) -> usize {
 }
 
 /// Appends `payload` as data records numbered from `first_index` on (the last one zero-padded).
+#[inline]
 fn push_payload(out: &mut Vec<Record>, first_index: usize, payload: &[u8]) {
-    for (k, chunk) in payload.chunks(DATA_BYTES).enumerate() {
-        let mut bytes = [0u8; 16];
-        bytes[..chunk.len()].copy_from_slice(chunk);
-        let low48 = u64::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3], bytes[4], bytes[5], 0, 0]);
-        let word1 = u64::from_le_bytes(bytes[6..14].try_into().expect("8 bytes"));
-        out.push(Record::data(first_index + k, low48, word1));
+    // Whole records with fixed-size loads (the hot path of every event: no variable-length copy per record),
+    // then the zero-padded tail.
+    let data = |index: usize, bytes: &[u8; DATA_BYTES]| {
+        let mut low = [0u8; 8];
+        low[..6].copy_from_slice(&bytes[..6]);
+        let word1 = u64::from_le_bytes(bytes[6..].try_into().expect("8 bytes"));
+        Record::data(index, u64::from_le_bytes(low), word1)
+    };
+    out.reserve(payload_records(payload.len()));
+    let mut whole = payload.chunks_exact(DATA_BYTES);
+    let mut index = first_index;
+    for chunk in &mut whole {
+        out.push(data(index, chunk.try_into().expect("DATA_BYTES bytes")));
+        index += 1;
+    }
+    let tail = whole.remainder();
+    if !tail.is_empty() {
+        // Byte by byte: a short copy into a zeroed array would call memset and memcpy for a few bytes.
+        let (mut low48, mut word1) = (0u64, 0u64);
+        for (k, &b) in tail.iter().enumerate() {
+            if k < 6 {
+                low48 |= u64::from(b) << (8 * k);
+            } else {
+                word1 |= u64::from(b) << (8 * (k - 6));
+            }
+        }
+        out.push(Record::data(index, low48, word1));
     }
 }
 
