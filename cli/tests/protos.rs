@@ -32,7 +32,9 @@ fn record(path: &std::path::Path, exchange: tickline::sync::ClockExchange, flow_
                 tracing::info_span!("receive", n = i, "tickline.flow_in" = key.as_str())
             }
             .entered();
-            tracing::info!(step = i, "an event");
+            // A value longer than 127 bytes: its annotation's length prefix is widened after encoding.
+            let note = "n".repeat(120 + 10 * i as usize);
+            tracing::info!(step = i, note = note.as_str(), "an event");
             tickline::counter!("depth", i64::from(i));
             let commands = SimCommands::new();
             {
@@ -94,6 +96,7 @@ fn every_packet_tickline_writes_decodes_with_perfettos_schema() {
         assert!(s.exchange_rounds >= 8, "{}", s.exchange_rounds);
         assert!(s.counters.contains_key("depth"));
         assert!(s.max_gpu_uncertainty_ns.is_some());
+        assert_eq!(s.cut_at, None, "every packet whole");
     }
     let report = tickline_cli::merge::merge(&tickline_cli::merge::MergeOptions::new(
         vec![a.clone(), b.clone()],

@@ -158,7 +158,7 @@ impl Output {
 
     /// Appends an event whose fields are the field arena's entries from `start` on.
     #[inline]
-    fn push_event_with_fields_from(
+    pub(crate) fn push_event_with_fields_from(
         &mut self,
         start: u32,
         ts_ns: u64,

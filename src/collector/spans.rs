@@ -151,7 +151,7 @@ impl SpanState {
             // most the hold limit).
             let fold: Vec<(u64, TraceField)> = values.updates.drain(..MAX_UPDATES / 2).collect();
             for (_, field) in fold {
-                set_field(&mut values.base, field);
+                set_field(&mut values.base, 0, field);
             }
         }
     }
@@ -165,7 +165,7 @@ impl SpanState {
             if *ts > ts_ns {
                 break;
             }
-            set_field(out, field.clone());
+            set_field(out, 0, field.clone());
         }
     }
 
@@ -183,9 +183,9 @@ impl SpanState {
     }
 }
 
-/// Sets `field` in `fields`, replacing the value of a field of the same name.
-pub(crate) fn set_field(fields: &mut Vec<TraceField>, field: TraceField) {
-    match fields.iter_mut().find(|f| f.name == field.name) {
+/// Sets `field` in `fields`, replacing the value of a field of the same name from index `from` on.
+pub(crate) fn set_field(fields: &mut Vec<TraceField>, from: usize, field: TraceField) {
+    match fields[from..].iter_mut().find(|f| f.name == field.name) {
         Some(existing) => existing.value = field.value,
         None => fields.push(field),
     }

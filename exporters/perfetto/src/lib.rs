@@ -1001,17 +1001,19 @@ impl<W: Write + Send> PerfettoExporter<W> {
             EventKind::SliceEnd => {}
         }
         for f in batch.fields_of(event) {
-            let nested = &mut self.nested;
-            nested.clear();
-            put_varint_field(nested, field::annotation::NAME_IID, f.name.0 as u64);
+            // In place, like the packet: a one-byte length up front, widened after the fact if need be.
+            encode_key(field::event::DEBUG_ANNOTATIONS, WIRE_LENGTH_DELIMITED, buf);
+            buf.push(0);
+            let annotation_body = buf.len();
+            put_varint_field(buf, field::annotation::NAME_IID, f.name.0 as u64);
             match &f.value {
-                FieldValue::Bool(v) => put_varint_field(nested, field::annotation::BOOL_VALUE, *v as u64),
-                FieldValue::U64(v) => put_varint_field(nested, field::annotation::UINT_VALUE, *v),
-                FieldValue::I64(v) => put_varint_field(nested, field::annotation::INT_VALUE, *v as u64),
-                FieldValue::F64(v) => put_fixed64_field(nested, field::annotation::DOUBLE_VALUE, v.to_bits()),
-                FieldValue::Str(s) => put_bytes_field(nested, field::annotation::STRING_VALUE, s.as_bytes()),
+                FieldValue::Bool(v) => put_varint_field(buf, field::annotation::BOOL_VALUE, *v as u64),
+                FieldValue::U64(v) => put_varint_field(buf, field::annotation::UINT_VALUE, *v),
+                FieldValue::I64(v) => put_varint_field(buf, field::annotation::INT_VALUE, *v as u64),
+                FieldValue::F64(v) => put_fixed64_field(buf, field::annotation::DOUBLE_VALUE, v.to_bits()),
+                FieldValue::Str(s) => put_bytes_field(buf, field::annotation::STRING_VALUE, s.as_bytes()),
             }
-            put_bytes_field(buf, field::event::DEBUG_ANNOTATIONS, nested);
+            patch_length(buf, annotation_body);
         }
         // Unpacked, one key per id: Perfetto's importer drops packed flow ids without a word.
         // Salted like track uuids: unique across the traces of several processes.

@@ -140,8 +140,21 @@ impl Processor {
                 parent: _,
                 fields,
             } => {
-                let (ts, name, values) = self.stamped_values(track, (ticks, now_ticks), callsite, fields);
-                self.emit(track, ts, EventKind::Instant, name, values, None);
+                if !track.held.is_empty() {
+                    let (ts, name, values) = self.stamped_values(track, (ticks, now_ticks), callsite, fields);
+                    self.emit(track, ts, EventKind::Instant, name, values, None);
+                    return Step::Done;
+                }
+                // Nothing held on the track: decoded straight into the batch's field arena (no `Vec` per
+                // event).
+                let ts = self.ticks_to_ns(track, ticks, now_ticks);
+                let name = self.callsite_name(callsite);
+                let mut arena = std::mem::take(&mut self.out.batch.fields);
+                let start = arena.len() as u32;
+                self.decode_payload(callsite, fields, &mut arena);
+                self.out.batch.fields = arena;
+                self.out
+                    .push_event_with_fields_from(start, ts, track.id, EventKind::Instant, name);
             }
             Item::ScopeBegin { ticks, callsite } => {
                 let ts = self.ticks_to_ns(track, ticks, now_ticks);
@@ -256,6 +269,8 @@ impl Processor {
             return 0;
         };
         let mut truncated = 0;
+        // Fields already in `out` are not this payload's (`out` may be a batch's whole field arena).
+        let from = out.len();
         for (index, value) in decode_fields(&self.payload) {
             let (name, value) = match value {
                 RawValue::Truncated(n) if index == META_INDEX => {
@@ -272,7 +287,7 @@ impl Processor {
             if name == NameId(0) {
                 continue;
             }
-            set_field(out, TraceField { name, value });
+            set_field(out, from, TraceField { name, value });
         }
         if truncated > 0 {
             self.counts.fields_truncated += 1;
