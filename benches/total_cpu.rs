@@ -23,7 +23,8 @@
 //! to see what deciding which spans are async tasks costs the collector.
 //!
 //! `cargo bench -p tickline-benches --bench total_cpu` prints the medians of 9 samples. `-- --once CONFIG OP`
-//! prints one sample (the slow-mode check runs that as 20 separate processes: `benches/slow_mode.sh`).
+//! prints one sample (the slow-mode check runs that as 20 separate processes: `benches/slow_mode.sh`);
+//! `-- --once CONFIG OP --repeat N` takes N samples in that one process and prints each.
 //! `cargo test --benches` runs each configuration once with few operations, to keep it compiling and working.
 
 use std::hint::black_box;
@@ -189,9 +190,22 @@ fn main() {
         sample(Config::Floor, op, 100_000);
         let _tracy = settle(config == Config::TracingTracy);
         sample(config, op, 100_000);
-        let s = sample(config, op, 1_000_000);
-        println!("{:.1}", s.total);
-        eprintln!("recording thread {:.1}", s.recording);
+        // `--repeat N`: N samples in this one process, each printed (does a process slow down as it goes?).
+        let repeat = args
+            .iter()
+            .position(|a| a == "--repeat")
+            .and_then(|at| args.get(at + 1)?.parse().ok())
+            .unwrap_or(1usize);
+        for k in 0..repeat {
+            let s = sample(config, op, 1_000_000);
+            if repeat > 1 {
+                eprintln!("sample {k}: {:.1} (recording thread {:.1})", s.total, s.recording);
+            }
+            if k + 1 == repeat {
+                println!("{:.1}", s.total);
+                eprintln!("recording thread {:.1}", s.recording);
+            }
+        }
         return;
     }
     let full = args.iter().any(|a| a == "--bench");
