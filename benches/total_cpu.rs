@@ -128,6 +128,8 @@ fn sample(config: Config, op: Op, ops: u64) -> Sample {
             let dispatch = Dispatch::new(tracing_subscriber::registry().with(timeline.layer()));
             tracing::dispatcher::with_default(&dispatch, || run_ops(op, ops));
             drop(dispatch);
+            // The collector's threads end with the timeline: their counters now, for `--repeat`.
+            *SCHED_BEFORE_SHUTDOWN.lock().unwrap() = thread_sched();
             let stats = timeline.shutdown().expect("shutdown");
             assert_eq!(
                 stats.dropped_records, 0,
@@ -147,6 +149,40 @@ fn sample(config: Config, op: Op, ops: u64) -> Sample {
         total: elapsed.as_nanos() as f64 / ops as f64,
         recording: recording.as_nanos() as f64 / ops as f64,
     }
+}
+
+/// [`thread_sched`] read just before the last sample's timeline shut down.
+static SCHED_BEFORE_SHUTDOWN: std::sync::Mutex<Vec<(String, i64)>> = std::sync::Mutex::new(Vec::new());
+
+/// Context switches of the calling (recording) thread and of the collector's threads (empty where
+/// `/proc/*/sched` is not there).
+fn thread_sched() -> Vec<(String, i64)> {
+    let mut out = Vec::new();
+    let mut read = |label: &str, path: &std::path::Path| {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        for name in ["nr_voluntary_switches", "nr_involuntary_switches"] {
+            let value = text
+                .lines()
+                .find(|l| l.split_whitespace().next() == Some(name))
+                .and_then(|l| l.split_whitespace().last()?.parse().ok());
+            if let Some(value) = value {
+                out.push((format!("{label}.{}", &name[3..]), value));
+            }
+        }
+    };
+    read("recording", std::path::Path::new("/proc/thread-self/sched"));
+    // The collector's threads (named `tickline-*`): one of each at a time.
+    if let Ok(tasks) = std::fs::read_dir("/proc/self/task") {
+        let mut tasks: Vec<_> = tasks.flatten().map(|t| t.path()).collect();
+        tasks.sort();
+        for task in tasks {
+            let comm = std::fs::read_to_string(task.join("comm")).unwrap_or_default();
+            if comm.starts_with("tickline-") {
+                read(comm.trim(), &task.join("sched"));
+            }
+        }
+    }
+    out
 }
 
 /// The sample with the median total.
@@ -197,9 +233,25 @@ fn main() {
             .and_then(|at| args.get(at + 1)?.parse().ok())
             .unwrap_or(1usize);
         for k in 0..repeat {
+            let before = thread_sched();
             let s = sample(config, op, 1_000_000);
             if repeat > 1 {
-                eprintln!("sample {k}: {:.1} (recording thread {:.1})", s.total, s.recording);
+                // With what the scheduler did to the threads meanwhile (Linux: /proc/*/sched).
+                let after = std::mem::take(&mut *SCHED_BEFORE_SHUTDOWN.lock().unwrap());
+                // Threads started during the sample (the timeline's own) count from 0.
+                let delta: Vec<String> = after
+                    .iter()
+                    .map(|(name, a)| {
+                        let b = before.iter().find(|(n, _)| n == name).map_or(0, |(_, b)| *b);
+                        format!("{name} {}", a - b)
+                    })
+                    .collect();
+                eprintln!(
+                    "sample {k}: {:.1} (recording thread {:.1}) {}",
+                    s.total,
+                    s.recording,
+                    delta.join(", ")
+                );
             }
             if k + 1 == repeat {
                 println!("{:.1}", s.total);
