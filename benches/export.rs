@@ -1,5 +1,7 @@
 //! The collector's side per event: restore the tick, convert it, intern, keep per-track order, assemble the
 //! batch, then encode it as Perfetto packets (into memory). Goal: >= 20 M events/s on one core.
+//! `collector_steady_spans`: the processing stage's cost per span lifecycle in its steady state (a warm
+//! processor, chunk after chunk, a pass's end after each, Perfetto encoding included).
 //! `collector_async_polls`: the collector's cost per poll of a span shown as an async task, against the same
 //! records shown without task tracks.
 
@@ -60,6 +62,26 @@ fn export(c: &mut Criterion) {
     });
     group.finish();
 
+    // The steady state: one warm processor takes chunks of 1,000 spans (created, entered, exited, closed) and
+    // ends a drain pass after each (release, Perfetto encoding into memory, sweep), as the live collector does
+    // under load. Throughput is per span lifecycle.
+    let mut group = c.benchmark_group("collector_steady_spans");
+    group.throughput(Throughput::Elements(CHUNK_SPANS as u64));
+    for (name, mode) in [("auto_tasks", AsyncTasks::Auto), ("never", AsyncTasks::Never)] {
+        let exporter = || -> Vec<Box<dyn Exporter>> { vec![Box::new(PerfettoExporter::new(std::io::sink()))] };
+        let mut check = tickline::bench_support::SteadySpans::new(exporter(), mode);
+        check.chunk(CHUNK_SPANS);
+        let events = check.chunk(CHUNK_SPANS);
+        // Two events per span (the timeline's own counters aside), every span out by its pass's end.
+        assert!(
+            (2 * CHUNK_SPANS as u64..2 * CHUNK_SPANS as u64 + 16).contains(&events),
+            "{name}: {events} events"
+        );
+        let mut steady = tickline::bench_support::SteadySpans::new(exporter(), mode);
+        group.bench_function(name, |b| b.iter(|| steady.chunk(CHUNK_SPANS)));
+    }
+    group.finish();
+
     // Async tasks: 10,000 spans each polled 4 times (enter/exit pairs, 8 tasks polled in turn) then closed, with task tracks (`Auto`:
     // each becomes a task with its lifetime slice, 4 poll slices and 4 flows) and without (`Never`: 4 slices
     // on the thread track). Throughput is per poll.
@@ -94,6 +116,9 @@ fn export(c: &mut Criterion) {
     }
     group.finish();
 }
+
+/// Spans per chunk of `collector_steady_spans`.
+const CHUNK_SPANS: usize = 1_000;
 
 /// Tasks and polls per task of `collector_async_polls`.
 const TASKS: usize = 10_000;

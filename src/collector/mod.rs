@@ -233,6 +233,11 @@ pub mod bench_support {
     impl ConvertBench {
         /// `spans` scope begin/end pairs, 100 ticks apart, on one thread track; a 2.5 GHz TSC calibration.
         pub fn new(spans: usize) -> Self {
+            Self::exporting(spans, Vec::new())
+        }
+
+        /// [`new`](Self::new), its batches going to `exporters` at each pass's end.
+        fn exporting(spans: usize, exporters: Vec<Box<dyn Exporter>>) -> Self {
             const KEY: u64 = 0x1000;
             let base = 1u64 << 44;
             let records: Vec<Record> = (0..spans as u64 * 2)
@@ -244,7 +249,7 @@ pub mod bench_support {
             let now_ticks = base + spans as u64 * 200 + 1_000;
             let domain = ClockDomain::new(64, 0.4).expect("valid domain");
             let cal = ClockCalibration::from_anchor(domain, base, 1_000_000_000, 0.4).expect("valid calibration");
-            let out = Output::new(&crate::export::RecordingOrigin::this_process(), Vec::new());
+            let out = Output::new(&crate::export::RecordingOrigin::this_process(), exporters);
             let stats = Arc::new(SharedStats::default());
             let mut processor = Processor::new(out, Default::default(), None, stats);
             processor.set_cpu_clock(CpuTime::Live {
@@ -277,8 +282,12 @@ pub mod bench_support {
         /// `spans` field-less `tracing` spans each created, entered, exited and closed (four records, as the
         /// layer writes them for `info_span!("span").entered()` dropped), 100 ticks apart.
         pub fn tracing_spans(spans: usize) -> Self {
+            Self::tracing_spans_exporting(spans, Vec::new())
+        }
+
+        fn tracing_spans_exporting(spans: usize, exporters: Vec<Box<dyn Exporter>>) -> Self {
             const SPAN: u64 = 0x2000;
-            let mut bench = ConvertBench::new(0);
+            let mut bench = ConvertBench::exporting(0, exporters);
             let base = 1u64 << 44;
             let mut records = Vec::with_capacity(spans * 4);
             for i in 0..spans as u64 {
@@ -360,6 +369,58 @@ pub mod bench_support {
         /// Processes the queued records into the batch and returns it.
         pub fn convert(&mut self) -> &Batch {
             self.processor.process_for_bench()
+        }
+    }
+
+    /// The processing stage in its steady state, as it runs under load: one processor (tables and buffers
+    /// warm) takes chunk after chunk of field-less `tracing` spans, each span created (timed, as with
+    /// [`AsyncTasks::Auto`]), entered, exited and closed, and ends a drain pass after each chunk (release,
+    /// export to its exporters, sweep).
+    pub struct SteadySpans {
+        bench: ConvertBench,
+        spans_done: u64,
+        cal: ClockCalibration,
+    }
+
+    impl SteadySpans {
+        /// A processor exporting to `exporters`, with task tracks chosen by `mode`.
+        pub fn new(exporters: Vec<Box<dyn Exporter>>, mode: AsyncTasks) -> Self {
+            let mut bench = ConvertBench::tracing_spans_exporting(0, exporters);
+            bench.processor.set_async_tasks(mode);
+            let domain = ClockDomain::new(64, 0.4).expect("valid domain");
+            let cal = ClockCalibration::from_anchor(domain, 1 << 44, 1_000_000_000, 0.4).expect("valid calibration");
+            SteadySpans {
+                bench,
+                spans_done: 0,
+                cal,
+            }
+        }
+
+        /// Processes one chunk of `spans` spans and ends the pass; returns the events exported.
+        pub fn chunk(&mut self, spans: usize) -> u64 {
+            let base = 1u64 << 44;
+            let mut records = std::mem::take(&mut self.bench.records);
+            records.clear();
+            for _ in 0..spans {
+                let i = self.spans_done;
+                self.spans_done += 1;
+                let serial = crate::recorder::span_serial(1, i + 1);
+                let t = base + i * 200;
+                records.push(crate::codec::span_new_bare(t, 0x2000));
+                records.push(Record::timed(Kind::SpanEnter, t + 10, serial));
+                records.push(Record::timed(Kind::SpanExit, t + 110, serial));
+                records.push(Record::head(Kind::SpanClose, crate::codec::AT_LAST_EXIT, 0, serial));
+            }
+            let now_ticks = base + self.spans_done * 200 + 1_000;
+            self.bench.processor.input(Input::Chunk(Chunk {
+                ring: 1,
+                now_ticks,
+                dropped_total: 0,
+                records: records.clone(),
+            }));
+            self.bench.records = records;
+            let drain_ns = self.cal.to_reference_ns(now_ticks);
+            self.bench.processor.pass_end_for_bench(drain_ns, now_ticks)
         }
     }
 }

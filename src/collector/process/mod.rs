@@ -408,6 +408,18 @@ impl Processor {
         self.stats.events.load(Ordering::Relaxed) - before
     }
 
+    /// Ends one drain pass at `drain_ns` (benches): returns the events exported by it.
+    pub(crate) fn pass_end_for_bench(&mut self, drain_ns: u64, drain_ticks: u64) -> u64 {
+        let before = self.stats.events.load(Ordering::Relaxed);
+        self.input(Input::PassEnd {
+            drain_ns,
+            drain_ticks,
+            buffered_bytes: 0,
+            rings_drained: true,
+        });
+        self.stats.events.load(Ordering::Relaxed) - before
+    }
+
     /// Processes what is queued and returns the batch, without releasing, reporting or exporting (benches).
     pub(crate) fn process_for_bench(&mut self) -> &crate::export::Batch {
         let drain = self.last_drain_ns;

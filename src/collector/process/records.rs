@@ -73,32 +73,32 @@ impl Processor {
                 self.scratch_fields = values;
             }
             Item::SpanEnter { ticks, serial } => {
-                let (name, fieldless) = match self.span_serial(serial) {
-                    Some(span) => (span.name, span.fieldless),
+                // Entered again while entered on this thread: not a new poll.
+                let nested = track.open.iter().any(|o| o.kind == OpenKind::Span(serial));
+                // One lookup: the span's name, and its enter counted.
+                let (name, fieldless, becomes_task) = match self.spans.get_mut(serial) {
+                    Some(span) => {
+                        span.open_slices += 1;
+                        span.held_begins += u32::from(!span.fieldless);
+                        span.enters = span.enters.saturating_add(u32::from(!nested));
+                        if span.first_track == 0 {
+                            span.first_track = track.id.0;
+                        } else if span.first_track != track.id.0 {
+                            span.multi_track = true;
+                        }
+                        // Entered again, or on another thread: a span that lives across polls.
+                        let becomes_task = self.async_tasks == AsyncTasks::Auto
+                            && span.task.is_none()
+                            && (span.enters > 1 || span.multi_track);
+                        (span.name, span.fieldless, becomes_task)
+                    }
                     None if !force => return Step::Stall,
                     None => {
                         self.counts.unknown_spans += 1;
-                        (self.names.unknown_span, true)
+                        (self.names.unknown_span, true, false)
                     }
                 };
                 let ts = self.ticks_to_ns(track, ticks, now_ticks);
-                let mut becomes_task = false;
-                // Entered again while entered on this thread: not a new poll.
-                let nested = track.open.iter().any(|o| o.kind == OpenKind::Span(serial));
-                if let Some(span) = self.spans.get_mut(serial) {
-                    span.open_slices += 1;
-                    span.held_begins += u32::from(!fieldless);
-                    span.enters = span.enters.saturating_add(u32::from(!nested));
-                    if span.first_track == 0 {
-                        span.first_track = track.id.0;
-                    } else if span.first_track != track.id.0 {
-                        span.multi_track = true;
-                    }
-                    // Entered again, or on another thread: a span that lives across polls.
-                    becomes_task = self.async_tasks == AsyncTasks::Auto
-                        && span.task.is_none()
-                        && (span.enters > 1 || span.multi_track);
-                }
                 if becomes_task {
                     self.make_task(serial);
                     self.release_decided(track, serial, ts);

@@ -176,20 +176,22 @@ impl Processor {
             let mode = if nested { AsyncTasks::Never } else { self.async_tasks };
             // A poll: linked by a flow to its copy on the task's track, when the span is (or, still open after
             // its first poll, may turn out to be) a task.
-            let (known_task, maybe_task) = match self.spans.get(serial) {
-                Some(span) if !split && mode != AsyncTasks::Never => (
-                    span.task.is_some(),
-                    mode == AsyncTasks::Auto && span.task.is_none() && !span.is_closed() && span.enters == 1,
-                ),
-                _ => (false, false),
-            };
-            let id = if known_task || maybe_task {
-                self.gpu.next_flow()
-            } else {
-                0
-            };
-            speculative = maybe_task;
+            let mut stream = false;
             if let Some(span) = self.spans.get_mut(serial) {
+                let (known_task, maybe_task) = if !split && mode != AsyncTasks::Never {
+                    (
+                        span.task.is_some(),
+                        mode == AsyncTasks::Auto && span.task.is_none() && !span.is_closed() && span.enters == 1,
+                    )
+                } else {
+                    (false, false)
+                };
+                let id = if known_task || maybe_task {
+                    self.gpu.next_flow()
+                } else {
+                    0
+                };
+                speculative = maybe_task;
                 span.open_slices = span.open_slices.saturating_sub(1);
                 if !split && mode != AsyncTasks::Never {
                     let poll = Poll {
@@ -197,7 +199,6 @@ impl Processor {
                         end_ns: ts_ns.max(slice.begin_ns).max(1),
                         flow: id,
                     };
-                    let mut stream = false;
                     if let Some(task) = &mut span.task {
                         task.polls.push(poll);
                         stream = task.polls.len() >= MAX_BUFFERED_POLLS;
@@ -205,12 +206,12 @@ impl Processor {
                         span.first_poll = poll;
                     }
                     flow = (id != 0).then_some(id);
-                    if stream {
-                        // A long-lived task: its lifetime begins now and its polls go out as they come.
-                        self.write_task_begin(serial, ts_ns);
-                        self.write_task_polls(serial);
-                    }
                 }
+            }
+            if stream {
+                // A long-lived task: its lifetime begins now and its polls go out as they come.
+                self.write_task_begin(serial, ts_ns);
+                self.write_task_polls(serial);
             }
         }
         let slot = self.emit(track, ts_ns, EventKind::SliceEnd, slice.name, end_fields, flow);
