@@ -129,8 +129,9 @@ struct OpenSlice {
     begin_ns: u64,
     /// The sequence number of its begin in the track's held queue, while it is held.
     held: Option<u64>,
-    /// The values its begin carried when it was released before the slice ended.
-    released_values: Option<Vec<TraceField>>,
+    /// The values its begin carried when it was released before the slice ended (rare: boxed, so the
+    /// struct every enter pushes stays one cache line).
+    released_values: Option<Box<Vec<TraceField>>>,
     /// Records dropped while it was open.
     dropped_inside: u64,
 }

@@ -268,7 +268,7 @@ impl Processor {
                 if span.end.is_none() {
                     // Released before it ended: remember what went out, for its end.
                     if let Some(open) = track.open.iter_mut().find(|o| o.held == Some(seq)) {
-                        open.released_values = Some(values.clone());
+                        open.released_values = Some(Box::new(values.clone()));
                     }
                 }
                 let markers = std::mem::take(&mut event.fields);
