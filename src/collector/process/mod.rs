@@ -131,6 +131,10 @@ struct OpenSlice {
     held: Option<u64>,
     /// The values its begin carried when it was released before the slice ended (rare: boxed, so the
     /// struct every enter pushes stays one cache line).
+    #[allow(
+        clippy::box_collection,
+        reason = "one pointer, not a Vec's three words, in the struct every enter pushes"
+    )]
     released_values: Option<Box<Vec<TraceField>>>,
     /// Records dropped while it was open.
     dropped_inside: u64,
