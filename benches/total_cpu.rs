@@ -154,11 +154,18 @@ fn sample(config: Config, op: Op, ops: u64) -> Sample {
 /// [`thread_sched`] read just before the last sample's timeline shut down.
 static SCHED_BEFORE_SHUTDOWN: std::sync::Mutex<Vec<(String, i64)>> = std::sync::Mutex::new(Vec::new());
 
-/// Context switches of the calling (recording) thread and of the collector's threads (empty where
-/// `/proc/*/sched` is not there).
+/// CPU time (ms) and context switches of the calling (recording) thread and of the collector's threads
+/// (empty where `/proc/*/sched` is not there).
 fn thread_sched() -> Vec<(String, i64)> {
     let mut out = Vec::new();
     let mut read = |label: &str, path: &std::path::Path| {
+        // CPU time in ns: the first field of `schedstat`.
+        let cpu = std::fs::read_to_string(path.with_file_name("schedstat"))
+            .ok()
+            .and_then(|t| t.split_whitespace().next()?.parse::<i64>().ok());
+        if let Some(cpu) = cpu {
+            out.push((format!("{label}.cpu_ms"), cpu / 1_000_000));
+        }
         let text = std::fs::read_to_string(path).unwrap_or_default();
         for name in ["nr_voluntary_switches", "nr_involuntary_switches"] {
             let value = text
