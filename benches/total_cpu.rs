@@ -17,7 +17,8 @@
 //! background threads for a few seconds after the first timeline starts) and the Tracy client's start.
 //!
 //! Operations: `span` (`info_span!("span").entered()` dropped: create, enter, exit, close) and `event`
-//! (`info!(i, "event")`).
+//! (`info!(i, "event")`); with `--once`, also `scope` (`tickline::scope!`, no `tracing`: the recording path
+//! alone).
 //!
 //! `TICKLINE_BENCH_ASYNC_TASKS=never` runs tickline's configurations with `AsyncTasks::Never` (default: `Auto`),
 //! to see what deciding which spans are async tasks costs the collector.
@@ -81,6 +82,8 @@ const CONFIGS: [(&str, Config); 4] = [
 enum Op {
     Span,
     Event,
+    /// `tickline::scope!` (no `tracing`): `--once` only, to tell the ring's cost from the registry's.
+    Scope,
 }
 
 fn run_ops(op: Op, ops: u64) {
@@ -93,6 +96,11 @@ fn run_ops(op: Op, ops: u64) {
         Op::Event => {
             for i in 0..ops {
                 tracing::info!(i, "event");
+            }
+        }
+        Op::Scope => {
+            for _ in 0..ops {
+                drop(black_box(tickline::scope!("scope")));
             }
         }
     }
@@ -125,6 +133,7 @@ fn sample(config: Config, op: Op, ops: u64) -> Sample {
                 builder.raw_capture(path.with_extension("tickline"))
             };
             let timeline = builder.start().expect("timeline");
+            *SOURCE.lock().unwrap() = Some(timeline.tick_source());
             let dispatch = Dispatch::new(tracing_subscriber::registry().with(timeline.layer()));
             tracing::dispatcher::with_default(&dispatch, || run_ops(op, ops));
             drop(dispatch);
@@ -150,6 +159,9 @@ fn sample(config: Config, op: Op, ops: u64) -> Sample {
         recording: recording.as_nanos() as f64 / ops as f64,
     }
 }
+
+/// The tick source the last sample's timeline recorded with.
+static SOURCE: std::sync::Mutex<Option<tickline::clock::TickSource>> = std::sync::Mutex::new(None);
 
 /// [`thread_sched`] read just before the last sample's timeline shut down.
 static SCHED_BEFORE_SHUTDOWN: std::sync::Mutex<Vec<(String, i64)>> = std::sync::Mutex::new(Vec::new());
@@ -224,10 +236,10 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     if let Some(at) = args.iter().position(|a| a == "--once") {
         let config = parse_config(&args[at + 1]);
-        let op = if args.get(at + 2).map(String::as_str) == Some("event") {
-            Op::Event
-        } else {
-            Op::Span
+        let op = match args.get(at + 2).map(String::as_str) {
+            Some("event") => Op::Event,
+            Some("scope") => Op::Scope,
+            _ => Op::Span,
         };
         // Warm up (first timeline start, page faults), settle, then one sample.
         sample(Config::Floor, op, 100_000);
@@ -254,9 +266,10 @@ fn main() {
                     })
                     .collect();
                 eprintln!(
-                    "sample {k}: {:.1} (recording thread {:.1}) {}",
+                    "sample {k}: {:.1} (recording thread {:.1}) ticks {:?}, {}",
                     s.total,
                     s.recording,
+                    SOURCE.lock().unwrap().take(),
                     delta.join(", ")
                 );
             }
