@@ -444,6 +444,14 @@ impl<'a> Decoder<'a> {
         Some((Err(error), self.pos - start))
     }
 
+    /// Whether the next record (not yet decoded) is the close of span `serial`.
+    #[inline]
+    pub(crate) fn next_closes(&self, serial: u64) -> bool {
+        self.records
+            .get(self.pos)
+            .is_some_and(|r| r.kind() == Some(Kind::SpanClose) && r.word1 == serial)
+    }
+
     /// The next item and how many records it spans, or the framing error and how many records were skipped.
     #[inline(always)]
     pub(crate) fn next_with_len(&mut self) -> Option<(Result<Item<'a>, FrameError>, usize)> {

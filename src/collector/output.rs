@@ -152,7 +152,9 @@ impl Output {
         fields: &mut Vec<TraceField>,
     ) -> &mut TraceEvent {
         let start = self.batch.fields.len() as u32;
-        self.batch.fields.append(fields);
+        if !fields.is_empty() {
+            self.batch.fields.append(fields);
+        }
         self.push_event_with_fields_from(start, ts_ns, track, kind, name)
     }
 

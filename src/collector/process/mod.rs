@@ -65,7 +65,7 @@ use super::stats::SharedStats;
 use super::AsyncTasks;
 use crate::calibration::{CalibrationHistory, ClockDomain, HistoryConfig};
 use crate::clock::{FastConverter, TickSource};
-use crate::codec::Decoder;
+use crate::codec::{Decoder, Item};
 use crate::export::{CpuClock, EventKind, FieldValue, NameId, TraceField, TrackId, TrackKind};
 use crate::gpu::GpuCalibrationConfig;
 
@@ -257,6 +257,12 @@ pub(crate) struct Recycler {
 pub(crate) struct Processor {
     out: Output,
     callsites: IdMap<CallsiteInfo>,
+    /// The last span callsite looked up, its name and whether it declares no fields (a loop creates one
+    /// span after another from the same callsite; callsites are never replaced once known).
+    last_span_callsite: Option<(u64, NameId, bool)>,
+    /// The record being processed is a span's exit and the next record in its ring is that span's close: the
+    /// span is synchronous, its poll needs no speculative flow (see `tasks.rs`).
+    exit_before_close: bool,
     rings: Vec<Option<Ring>>,
     active: Vec<u32>,
     spans: Spans,
@@ -298,6 +304,7 @@ pub(crate) struct Processor {
 }
 
 /// What happened to a record.
+#[derive(Clone, Copy, PartialEq, Eq)]
 enum Step {
     Done,
     /// It names a span not known yet: try again later.
@@ -336,6 +343,8 @@ impl Processor {
         Processor {
             out,
             callsites: IdMap::default(),
+            last_span_callsite: None,
+            exit_before_close: false,
             rings: Vec::new(),
             active: Vec::new(),
             spans: Spans::default(),
@@ -634,14 +643,18 @@ impl Processor {
                     Err(_) => {
                         self.counts.framing_errors += len as u64;
                     }
-                    Ok(item) => match self.item(&mut r.track, item, chunk.now_ticks, force) {
-                        Step::Done => {}
-                        Step::Stall => {
+                    Ok(item) => {
+                        // An exit right before its span's close: a synchronous span's only poll, no task.
+                        self.exit_before_close =
+                            matches!(item, Item::SpanExit { serial, .. } if decoder.next_closes(serial));
+                        let step = self.item(&mut r.track, item, chunk.now_ticks, force);
+                        self.exit_before_close = false;
+                        if step == Step::Stall {
                             r.input.cursor += processed;
                             r.input.pending.push_front(chunk);
                             break 'chunks;
                         }
-                    },
+                    }
                 }
                 processed += len;
                 progress = true;

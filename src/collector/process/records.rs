@@ -30,9 +30,16 @@ impl Processor {
                     track.undated.push(serial);
                     track.last_ns
                 };
-                let (name, fieldless) = match self.callsites.get(&callsite) {
-                    Some(c) => (c.name, c.fields.is_empty()),
-                    None => (self.callsite_name(callsite), true),
+                let (name, fieldless) = match self.last_span_callsite {
+                    Some((key, name, fieldless)) if key == callsite => (name, fieldless),
+                    _ => match self.callsites.get(&callsite) {
+                        Some(c) => {
+                            let found = (c.name, c.fields.is_empty());
+                            self.last_span_callsite = Some((callsite, found.0, found.1));
+                            found
+                        }
+                        None => (self.callsite_name(callsite), true),
+                    },
                 };
                 let mut values = Vec::new();
                 let truncated = self.decode_payload(callsite, fields, &mut values);

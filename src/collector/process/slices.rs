@@ -181,7 +181,12 @@ impl Processor {
                 let (known_task, maybe_task) = if !split && mode != AsyncTasks::Never {
                     (
                         span.task.is_some(),
-                        mode == AsyncTasks::Auto && span.task.is_none() && !span.is_closed() && span.enters == 1,
+                        // Closed by the ring's next record: synchronous, decided now (no flow to take back).
+                        mode == AsyncTasks::Auto
+                            && span.task.is_none()
+                            && !span.is_closed()
+                            && span.enters == 1
+                            && !self.exit_before_close,
                     )
                 } else {
                     (false, false)
