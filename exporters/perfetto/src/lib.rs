@@ -212,6 +212,9 @@ pub struct PerfettoExporter<W: Write + Send = File> {
     nested: Vec<u8>,
     /// XORed into the high half of every track uuid and flow id: the trace's own.
     uuid_salt: u64,
+    /// The last plain event's track uuid and its varint (10 bytes, zero-padded) and length: a salted uuid is
+    /// a 10-byte varint, and consecutive events are mostly on one track.
+    last_track_uuid: (u64, [u8; 10], usize),
     boot_offset_ns: i64,
     started: bool,
     failed: Option<(std::io::ErrorKind, String)>,
@@ -396,6 +399,7 @@ impl<W: Write + Send> PerfettoExporter<W> {
             body: Vec::with_capacity(256),
             nested: Vec::with_capacity(256),
             uuid_salt: u64::from(trace_uuid.salt32()) << 32,
+            last_track_uuid: (0, [0; 10], 1),
             boot_offset_ns: 0,
             started: false,
             failed: None,
@@ -942,7 +946,16 @@ impl<W: Write + Send> PerfettoExporter<W> {
             EventKind::Counter(_) => field::event::TYPE_COUNTER,
         } as u8;
         b[pos + 2] = 0x58; // TrackEvent.track_uuid (11)
-        pos = put_varint(&mut b, pos + 3, self.uuid_salt ^ event.track.0);
+        let uuid = self.uuid_salt ^ event.track.0;
+        if self.last_track_uuid.0 != uuid {
+            let mut bytes = [0u8; 10];
+            let len = put_varint_into(&mut bytes, 0, uuid);
+            self.last_track_uuid = (uuid, bytes, len);
+        }
+        // All 10 bytes (a fixed-size copy), then only the varint's length counts.
+        let (_, bytes, len) = self.last_track_uuid;
+        b[pos + 3..pos + 13].copy_from_slice(&bytes);
+        pos += 3 + len;
         match event.kind {
             EventKind::SliceBegin | EventKind::Instant => {
                 b[pos] = 0x50; // TrackEvent.name_iid (10)
