@@ -52,6 +52,29 @@ impl Processor {
         }
     }
 
+    /// [`emit`](Self::emit) of an event without fields: straight into the batch when nothing is held (no
+    /// empty `Vec` handed over: its three words, stored by the caller and loaded here as two, cost a failed
+    /// store-to-load forward per event).
+    #[inline]
+    pub(super) fn emit_bare(
+        &mut self,
+        track: &mut Track,
+        ts_ns: u64,
+        kind: EventKind,
+        name: NameId,
+        flow_out: Option<u64>,
+    ) -> EventSlot {
+        if !track.held.is_empty() {
+            return self.emit(track, ts_ns, kind, name, Vec::new(), flow_out);
+        }
+        let start = self.out.batch.fields.len() as u32;
+        let event = self
+            .out
+            .push_event_with_fields_from(start, ts_ns, track.id, kind, name);
+        event.flow_out = flow_out;
+        EventSlot::Batch(self.out.batch.events.len() - 1)
+    }
+
     /// Ends the innermost open slice of `kind` on `track` at `ts_ns`. Slices opened inside it and still open
     /// (ends out of stack order, which `tracing` allows) end there too and open again right after, so every
     /// track nests; an end with no open slice is counted and dropped.
@@ -88,7 +111,7 @@ impl Processor {
     /// [`begin_unheld`](Self::begin_unheld) of a slice (a poll) that began at `begin_ns`, reopened at `ts_ns`.
     fn begin_unheld_since(&mut self, track: &mut Track, kind: OpenKind, name: NameId, ts_ns: u64, begin_ns: u64) {
         let held = (!track.held.is_empty()).then(|| track.held_base + track.held.len() as u64);
-        self.emit(track, ts_ns, EventKind::SliceBegin, name, Vec::new(), None);
+        self.emit_bare(track, ts_ns, EventKind::SliceBegin, name, None);
         track.open.push(OpenSlice {
             kind,
             name,
@@ -219,7 +242,11 @@ impl Processor {
                 self.write_task_polls(serial);
             }
         }
-        let slot = self.emit(track, ts_ns, EventKind::SliceEnd, slice.name, end_fields, flow);
+        let slot = if end_fields.is_empty() {
+            self.emit_bare(track, ts_ns, EventKind::SliceEnd, slice.name, flow)
+        } else {
+            self.emit(track, ts_ns, EventKind::SliceEnd, slice.name, end_fields, flow)
+        };
         if speculative {
             if let OpenKind::Span(serial) = slice.kind {
                 track.speculative = Some((serial, slot));
