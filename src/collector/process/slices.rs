@@ -68,9 +68,7 @@ impl Processor {
             return self.emit(track, ts_ns, kind, name, Vec::new(), flow_out);
         }
         let start = self.out.batch.fields.len() as u32;
-        let event = self
-            .out
-            .push_event_with_fields_from(start, ts_ns, track.id, kind, name);
+        let event = self.out.push_event_with_fields_from(start, ts_ns, track.id, kind, name);
         event.flow_out = flow_out;
         EventSlot::Batch(self.out.batch.events.len() - 1)
     }
@@ -154,43 +152,13 @@ impl Processor {
     /// begin while that is held, else on the end.
     /// `split`: the slice ends only to keep nesting and opens again at once (its poll goes on).
     fn end_slice(&mut self, track: &mut Track, slice: OpenSlice, ts_ns: u64, truncated: bool, split: bool) {
-        let mut markers = Vec::new();
-        if truncated {
-            markers.push(TraceField {
-                name: self.names.truncated,
-                value: FieldValue::Bool(true),
-            });
-        }
-        if slice.dropped_inside > 0 {
-            markers.push(TraceField {
-                name: self.names.dropped_inside,
-                value: FieldValue::U64(slice.dropped_inside),
-            });
-        }
-        let mut end_fields = Vec::new();
-        match slice.held.and_then(|seq| held_at(track, seq)) {
-            Some(begin) => {
-                begin.fields.extend(markers);
-                if let Some(span) = &mut begin.span {
-                    span.end = Some((ts_ns, self.pass));
-                }
-            }
-            None => {
-                end_fields = markers;
-                if let (OpenKind::Span(serial), Some(released)) = (slice.kind, &slice.released_values) {
-                    // Released before it ended: the values that changed since go on its end.
-                    if let Some(span) = self.spans.get(serial) {
-                        let mut now = Vec::new();
-                        span.values_at(ts_ns, &mut now);
-                        for field in now {
-                            if !released.contains(&field) {
-                                end_fields.push(field);
-                            }
-                        }
-                    }
-                }
-            }
-        }
+        // Most slices carry nothing on their end: no field vector is built or moved for them.
+        let end_fields =
+            if truncated || slice.dropped_inside > 0 || slice.held.is_some() || slice.released_values.is_some() {
+                self.end_fields(track, &slice, ts_ns, truncated)
+            } else {
+                Vec::new()
+            };
         let mut flow = None;
         let mut speculative = false;
         if let OpenKind::Span(serial) = slice.kind {
@@ -252,6 +220,48 @@ impl Processor {
                 track.speculative = Some((serial, slot));
             }
         }
+    }
+
+    /// What goes on `slice`'s end at `ts_ns`: its markers (`truncated`, records dropped inside it) and, for a
+    /// span slice released before it ended, the values that changed since. While its begin is still held,
+    /// the markers go on the begin instead (which then also learns when the slice ended), and nothing on the
+    /// end.
+    #[inline(never)]
+    fn end_fields(&mut self, track: &mut Track, slice: &OpenSlice, ts_ns: u64, truncated: bool) -> Vec<TraceField> {
+        let mut markers = Vec::new();
+        if truncated {
+            markers.push(TraceField {
+                name: self.names.truncated,
+                value: FieldValue::Bool(true),
+            });
+        }
+        if slice.dropped_inside > 0 {
+            markers.push(TraceField {
+                name: self.names.dropped_inside,
+                value: FieldValue::U64(slice.dropped_inside),
+            });
+        }
+        if let Some(begin) = slice.held.and_then(|seq| held_at(track, seq)) {
+            begin.fields.extend(markers);
+            if let Some(span) = &mut begin.span {
+                span.end = Some((ts_ns, self.pass));
+            }
+            return Vec::new();
+        }
+        let mut end_fields = markers;
+        if let (OpenKind::Span(serial), Some(released)) = (slice.kind, &slice.released_values) {
+            // Released before it ended: the values that changed since go on its end.
+            if let Some(span) = self.spans.get(serial) {
+                let mut now = Vec::new();
+                span.values_at(ts_ns, &mut now);
+                for field in now {
+                    if !released.contains(&field) {
+                        end_fields.push(field);
+                    }
+                }
+            }
+        }
+        end_fields
     }
 
     /// Sends out `track`'s held events up to the first span begin that must wait longer: still open, or
