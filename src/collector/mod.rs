@@ -230,6 +230,29 @@ pub mod bench_support {
         now_ticks: u64,
     }
 
+    /// The first tick of the benches' records, and their CPU calibration: a 2.5 GHz TSC anchored there.
+    const BASE_TICKS: u64 = 1 << 44;
+
+    fn bench_calibration() -> (ClockDomain, ClockCalibration) {
+        let domain = ClockDomain::new(64, 0.4).expect("valid domain");
+        let cal = ClockCalibration::from_anchor(domain, BASE_TICKS, 1_000_000_000, 0.4).expect("valid calibration");
+        (domain, cal)
+    }
+
+    /// The four records the layer writes for `info_span!(..).entered()` dropped: a bare creation stamped
+    /// `new_ticks` (0: untimed), the enter and exit, and the close at the last exit.
+    fn span_lifecycle(serial: u64, callsite: u64, new_ticks: u64, enter: u64, exit: u64) -> [Record; 4] {
+        [
+            crate::codec::span_new_bare(new_ticks, callsite),
+            Record::timed(Kind::SpanEnter, enter, serial),
+            Record::timed(Kind::SpanExit, exit, serial),
+            Record::head(Kind::SpanClose, crate::codec::AT_LAST_EXIT, 0, serial),
+        ]
+    }
+
+    /// The callsite of the benches' `tracing` spans.
+    const SPAN_CALLSITE: u64 = 0x2000;
+
     impl ConvertBench {
         /// `spans` scope begin/end pairs, 100 ticks apart, on one thread track; a 2.5 GHz TSC calibration.
         pub fn new(spans: usize) -> Self {
@@ -239,7 +262,7 @@ pub mod bench_support {
         /// [`new`](Self::new), its batches going to `exporters` at each pass's end.
         fn exporting(spans: usize, exporters: Vec<Box<dyn Exporter>>) -> Self {
             const KEY: u64 = 0x1000;
-            let base = 1u64 << 44;
+            let base = BASE_TICKS;
             let records: Vec<Record> = (0..spans as u64 * 2)
                 .map(|i| {
                     let kind = if i % 2 == 0 { Kind::ScopeBegin } else { Kind::ScopeEnd };
@@ -247,8 +270,7 @@ pub mod bench_support {
                 })
                 .collect();
             let now_ticks = base + spans as u64 * 200 + 1_000;
-            let domain = ClockDomain::new(64, 0.4).expect("valid domain");
-            let cal = ClockCalibration::from_anchor(domain, base, 1_000_000_000, 0.4).expect("valid calibration");
+            let (domain, cal) = bench_calibration();
             let out = Output::new(&crate::export::RecordingOrigin::this_process(), exporters);
             let stats = Arc::new(SharedStats::default());
             let mut processor = Processor::new(out, Default::default(), None, stats);
@@ -286,21 +308,18 @@ pub mod bench_support {
         }
 
         fn tracing_spans_exporting(spans: usize, exporters: Vec<Box<dyn Exporter>>) -> Self {
-            const SPAN: u64 = 0x2000;
             let mut bench = ConvertBench::exporting(0, exporters);
-            let base = 1u64 << 44;
+            let base = BASE_TICKS;
             let mut records = Vec::with_capacity(spans * 4);
             for i in 0..spans as u64 {
                 let serial = crate::recorder::span_serial(1, i + 1);
-                records.push(crate::codec::span_new_bare(0, SPAN));
-                records.push(Record::timed(Kind::SpanEnter, base + i * 200, serial));
-                records.push(Record::timed(Kind::SpanExit, base + i * 200 + 100, serial));
-                records.push(Record::head(Kind::SpanClose, crate::codec::AT_LAST_EXIT, 0, serial));
+                let t = base + i * 200;
+                records.extend(span_lifecycle(serial, SPAN_CALLSITE, 0, t, t + 100));
             }
             bench.now_ticks = base + spans as u64 * 200 + 1_000;
             bench.records = records;
             bench.processor.input(Input::Callsite(CallsiteDef {
-                key: SPAN,
+                key: SPAN_CALLSITE,
                 kind: CallsiteKind::Span,
                 name: "span".into(),
                 target: String::new(),
@@ -320,14 +339,14 @@ pub mod bench_support {
             const GROUP: u64 = 8;
             let mut bench = ConvertBench::tracing_spans(0);
             bench.processor.set_async_tasks(mode);
-            let base = 1u64 << 44;
+            let base = BASE_TICKS;
             let mut records = Vec::with_capacity(tasks * (2 + 2 * polls));
             let mut t = base;
             let tasks = tasks as u64;
             for first in (0..tasks).step_by(GROUP as usize) {
                 let group = first..(first + GROUP).min(tasks);
                 for _ in group.clone() {
-                    records.push(crate::codec::span_new_bare(t, 0x2000));
+                    records.push(crate::codec::span_new_bare(t, SPAN_CALLSITE));
                     t += 10;
                 }
                 for _ in 0..polls {
@@ -387,18 +406,16 @@ pub mod bench_support {
         pub fn new(exporters: Vec<Box<dyn Exporter>>, mode: AsyncTasks) -> Self {
             let mut bench = ConvertBench::tracing_spans_exporting(0, exporters);
             bench.processor.set_async_tasks(mode);
-            let domain = ClockDomain::new(64, 0.4).expect("valid domain");
-            let cal = ClockCalibration::from_anchor(domain, 1 << 44, 1_000_000_000, 0.4).expect("valid calibration");
             SteadySpans {
                 bench,
                 spans_done: 0,
-                cal,
+                cal: bench_calibration().1,
             }
         }
 
         /// Processes one chunk of `spans` spans and ends the pass; returns the events exported.
         pub fn chunk(&mut self, spans: usize) -> u64 {
-            let base = 1u64 << 44;
+            let base = BASE_TICKS;
             let mut records = std::mem::take(&mut self.bench.records);
             records.clear();
             for _ in 0..spans {
@@ -406,10 +423,7 @@ pub mod bench_support {
                 self.spans_done += 1;
                 let serial = crate::recorder::span_serial(1, i + 1);
                 let t = base + i * 200;
-                records.push(crate::codec::span_new_bare(t, 0x2000));
-                records.push(Record::timed(Kind::SpanEnter, t + 10, serial));
-                records.push(Record::timed(Kind::SpanExit, t + 110, serial));
-                records.push(Record::head(Kind::SpanClose, crate::codec::AT_LAST_EXIT, 0, serial));
+                records.extend(span_lifecycle(serial, SPAN_CALLSITE, t, t + 10, t + 110));
             }
             let now_ticks = base + self.spans_done * 200 + 1_000;
             self.bench.processor.input(Input::Chunk(Chunk {

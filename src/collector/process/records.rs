@@ -147,21 +147,22 @@ impl Processor {
                 parent: _,
                 fields,
             } => {
-                if !track.held.is_empty() {
-                    let (ts, name, values) = self.stamped_values(track, (ticks, now_ticks), callsite, fields);
-                    self.emit(track, ts, EventKind::Instant, name, values, None);
-                    return Step::Done;
-                }
-                // Nothing held on the track: decoded straight into the batch's field arena (no `Vec` per
-                // event).
                 let ts = self.ticks_to_ns(track, ticks, now_ticks);
                 let name = self.callsite_name(callsite);
-                let mut arena = std::mem::take(&mut self.out.batch.fields);
-                let start = arena.len() as u32;
-                self.decode_payload(callsite, fields, &mut arena);
-                self.out.batch.fields = arena;
-                self.out
-                    .push_event_with_fields_from(start, ts, track.id, EventKind::Instant, name);
+                if track.held.is_empty() {
+                    // Nothing held on the track: decoded straight into the batch's field arena (no `Vec` per
+                    // event).
+                    let mut arena = std::mem::take(&mut self.out.batch.fields);
+                    let start = arena.len() as u32;
+                    self.decode_payload(callsite, fields, &mut arena);
+                    self.out.batch.fields = arena;
+                    self.out
+                        .push_event_with_fields_from(start, ts, track.id, EventKind::Instant, name);
+                } else {
+                    let mut values = Vec::new();
+                    self.decode_payload(callsite, fields, &mut values);
+                    self.emit(track, ts, EventKind::Instant, name, values, None);
+                }
             }
             Item::ScopeBegin { ticks, callsite } => {
                 let ts = self.ticks_to_ns(track, ticks, now_ticks);
