@@ -138,6 +138,55 @@ fn a_span_slice_waits_a_pass_after_its_end_and_shows_its_values_then() {
     );
 }
 
+/// An event's two ways out: behind a held span begin (its fields in a vector of their own, kept in the held
+/// queue) and straight into the batch's field arena (nothing held). Both keep their own fields, no other
+/// event's, and their place in the track's order.
+#[test]
+fn events_keep_their_fields_whether_held_behind_a_slice_or_not() {
+    let memory = MemoryExporter::default();
+    let mut p = processor(&memory);
+    register_span_callsite(&mut p);
+    let serial = crate::recorder::span_serial(1, 1);
+    let event = |ticks, v| group(|g| codec::encode_event(g, ticks, KNOWN, codec::Parent::Contextual, &u64_field(v)));
+    // Two in one batch: each decodes into the same arena.
+    let mut records = event(50, 5);
+    records.extend(event(60, 6));
+    records.extend(group(|g| {
+        codec::encode_span_new(g, 0, SPAN, codec::Parent::Contextual, &u64_field(1))
+    }));
+    records.push(Record::timed(Kind::SpanEnter, 100, serial));
+    // Held behind the span's begin until the slice ends: the span's values come from its end.
+    records.extend(event(150, 7));
+    records.push(Record::timed(Kind::SpanExit, 200, serial));
+    records.push(Record::timed(Kind::SpanClose, 210, serial));
+    chunk(&mut p, 1, records);
+    pass(&mut p);
+    // After the held begin went out: straight into the arena again.
+    chunk(&mut p, 1, event(300, 9));
+    pass(&mut p);
+    pass(&mut p);
+    let trace = memory.snapshot();
+    let instants: Vec<(u64, Option<FieldValue>)> = trace
+        .events
+        .iter()
+        .filter(|e| e.kind == EventKind::Instant && e.name == "known")
+        .map(|e| (e.ts_ns, e.fields.iter().find(|(n, _)| n == "x").map(|(_, v)| v.clone())))
+        .collect();
+    assert_eq!(
+        instants,
+        [
+            (50, Some(FieldValue::U64(5))),
+            (60, Some(FieldValue::U64(6))),
+            (150, Some(FieldValue::U64(7))),
+            (300, Some(FieldValue::U64(9)))
+        ]
+    );
+    assert!(trace.events.iter().all(|e| e.fields.len() <= 1), "{:?}", trace.events);
+    let slices = trace.slices();
+    assert_eq!(slices.len(), 1);
+    assert_eq!((slices[0].begin_ns, slices[0].end_ns), (100, 200));
+}
+
 #[test]
 fn a_span_entered_on_another_thread_waits_for_its_creation_there() {
     let memory = MemoryExporter::default();
