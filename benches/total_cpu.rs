@@ -139,11 +139,13 @@ fn sample(config: Config, op: Op, ops: u64) -> Sample {
             drop(dispatch);
             // The collector's threads end with the timeline: their counters now, for `--repeat`.
             *SCHED_BEFORE_SHUTDOWN.lock().unwrap() = thread_sched();
+            let before_shutdown = process_cpu();
             let stats = timeline.shutdown().expect("shutdown");
             assert_eq!(
                 stats.dropped_records, 0,
                 "{config:?} dropped records (the sample would flatter it): {stats:?}"
             );
+            *SHUTDOWN_CPU.lock().unwrap() = process_cpu() - before_shutdown;
         }
         Config::TracingTracy => {
             let dispatch = Dispatch::new(tracing_subscriber::registry().with(tracing_tracy::TracyLayer::default()));
@@ -162,6 +164,9 @@ fn sample(config: Config, op: Op, ops: u64) -> Sample {
 
 /// The tick source the last sample's timeline recorded with.
 static SOURCE: std::sync::Mutex<Option<tickline::clock::TickSource>> = std::sync::Mutex::new(None);
+
+/// The process's CPU time spent in the last sample's `Timeline::shutdown` (the backlog the collector had left).
+static SHUTDOWN_CPU: std::sync::Mutex<Duration> = std::sync::Mutex::new(Duration::ZERO);
 
 /// [`thread_sched`] read just before the last sample's timeline shut down.
 static SCHED_BEFORE_SHUTDOWN: std::sync::Mutex<Vec<(String, i64)>> = std::sync::Mutex::new(Vec::new());
@@ -265,10 +270,12 @@ fn main() {
                         format!("{name} {}", a - b)
                     })
                     .collect();
+                let shutdown = std::mem::take(&mut *SHUTDOWN_CPU.lock().unwrap());
                 eprintln!(
-                    "sample {k}: {:.1} (recording thread {:.1}) ticks {:?}, {}",
+                    "sample {k}: {:.1} (recording thread {:.1}, shutdown {:.1}) ticks {:?}, {}",
                     s.total,
                     s.recording,
+                    shutdown.as_nanos() as f64 / 1_000_000.0,
                     SOURCE.lock().unwrap().take(),
                     delta.join(", ")
                 );
