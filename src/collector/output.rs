@@ -6,8 +6,8 @@ use std::sync::atomic::Ordering;
 
 use super::stats::SharedStats;
 use crate::export::{
-    Batch, EventKind, ExportError, Exporter, NameId, RecordingOrigin, TraceEvent, TraceField, TrackDescriptor, TrackId,
-    TrackKind,
+    Batch, EventKind, ExportError, Exporter, FieldValue, NameId, RecordingOrigin, TraceEvent, TraceField,
+    TrackDescriptor, TrackId, TrackKind,
 };
 
 /// A track shared by threads (a counter): its events are ordered before they join the batch.
@@ -36,7 +36,14 @@ pub(crate) struct Output {
     exporters: Vec<ExporterSlot>,
     /// Timestamps held back on counter tracks to keep them monotonic.
     pub(crate) monotonic_clamps: u64,
+    /// String field values of exported batches, emptied, for the next ones: an `info!` message is a string,
+    /// and a fresh allocation and its free for each cost the collector more than decoding the event.
+    spare_strings: Vec<String>,
 }
+
+/// Most strings [`Output`] keeps for reuse, and the largest capacity it keeps (longer ones are freed).
+const SPARE_STRINGS: usize = 4096;
+const SPARE_STRING_CAPACITY: usize = 256;
 
 impl Output {
     /// Tells each exporter where the events come from, then describes the process track.
@@ -54,6 +61,7 @@ impl Output {
             process_track: TrackId(0),
             value_name: NameId(0),
             counters: SharedTrackOrder::default(),
+            spare_strings: Vec::new(),
             exporters: exporters
                 .into_iter()
                 .map(|exporter| ExporterSlot {
@@ -265,7 +273,31 @@ impl Output {
                 record_failure(stats, slot, e);
             }
         }
+        self.clear_batch();
+    }
+
+    /// Empties the batch, keeping its string values for [`string`](Self::string).
+    pub(crate) fn clear_batch(&mut self) {
+        for field in self.batch.fields.drain(..) {
+            if let FieldValue::Str(mut text) = field.value {
+                if self.spare_strings.len() < SPARE_STRINGS && text.capacity() <= SPARE_STRING_CAPACITY {
+                    text.clear();
+                    self.spare_strings.push(text);
+                }
+            }
+        }
         self.batch.clear();
+    }
+
+    /// `text` as an owned string, in a reused allocation where one is spare.
+    pub(crate) fn string(&mut self, text: &str) -> String {
+        match self.spare_strings.pop() {
+            Some(mut spare) => {
+                spare.push_str(text);
+                spare
+            }
+            None => text.to_owned(),
+        }
     }
 
     /// Flushes (or, `finishing`, finishes) every exporter; the first failure so far, in words.

@@ -404,7 +404,7 @@ impl Processor {
 
     /// Empties the batch being built (benches).
     pub(crate) fn clear_batch(&mut self) {
-        self.out.batch.clear();
+        self.out.clear_batch();
     }
 
     /// Ends `passes` drain passes after everything queued (benches): returns the events exported meanwhile.

@@ -290,7 +290,7 @@ impl Processor {
                 RawValue::U64(v) => (field_name(&callsite.fields, index), FieldValue::U64(v)),
                 RawValue::F64(v) => (field_name(&callsite.fields, index), FieldValue::F64(v)),
                 RawValue::Bool(v) => (field_name(&callsite.fields, index), FieldValue::Bool(v)),
-                RawValue::Str(s) => (field_name(&callsite.fields, index), FieldValue::Str(s.to_owned())),
+                RawValue::Str(s) => (field_name(&callsite.fields, index), FieldValue::Str(self.out.string(s))),
             };
             if name == NameId(0) {
                 continue;
