@@ -187,6 +187,45 @@ fn events_keep_their_fields_whether_held_behind_a_slice_or_not() {
     assert_eq!((slices[0].begin_ns, slices[0].end_ns), (100, 200));
 }
 
+fn str_field(text: &str) -> Vec<u8> {
+    let mut payload = vec![0, codec::TAG_STR];
+    payload.extend_from_slice(&(text.len() as u16).to_le_bytes());
+    payload.extend_from_slice(text.as_bytes());
+    payload
+}
+
+#[test]
+fn string_values_are_whole_when_their_allocations_are_reused_from_earlier_batches() {
+    let memory = MemoryExporter::default();
+    let mut p = processor(&memory);
+    register_span_callsite(&mut p);
+    let event = |ticks, text: &str| {
+        group(|g| codec::encode_event(g, ticks, KNOWN, codec::Parent::Contextual, &str_field(text)))
+    };
+    // Batch by batch: a long value, then shorter ones in the strings its batch left (one batch per pass).
+    let texts = [
+        "a long message of forty characters, or so",
+        "short",
+        "",
+        "mid-sized text",
+        "x",
+    ];
+    for (k, text) in texts.iter().enumerate() {
+        chunk(&mut p, 1, event(100 + k as u64 * 10, text));
+        pass(&mut p);
+    }
+    pass(&mut p);
+    let values: Vec<Option<FieldValue>> = memory
+        .snapshot()
+        .events
+        .iter()
+        .filter(|e| e.kind == EventKind::Instant && e.name == "known")
+        .map(|e| e.fields.iter().find(|(n, _)| n == "x").map(|(_, v)| v.clone()))
+        .collect();
+    let expected: Vec<Option<FieldValue>> = texts.iter().map(|t| Some(FieldValue::Str(t.to_string()))).collect();
+    assert_eq!(values, expected);
+}
+
 #[test]
 fn a_span_entered_on_another_thread_waits_for_its_creation_there() {
     let memory = MemoryExporter::default();
