@@ -343,6 +343,50 @@ impl<'a> Payload<'a> {
     }
 }
 
+/// A leaf span's four records, one after another in its ring: a bare creation (no fields, contextual parent),
+/// its enter, its exit, and its close right after the exit. Nothing else was recorded on the thread from the
+/// span's creation to its close: the common case of `info_span!(..).entered()` around code that records
+/// nothing itself.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct LeafSpan {
+    /// The creation's ticks (0: untimed).
+    pub(crate) created_ticks: u64,
+    pub(crate) callsite: u64,
+    pub(crate) enter_ticks: u64,
+    pub(crate) exit_ticks: u64,
+    /// The serial the enter, exit and close name (the creation's serial is its position in the ring: the
+    /// caller checks they agree).
+    pub(crate) serial: u64,
+}
+
+impl LeafSpan {
+    /// Records in a leaf span.
+    pub(crate) const RECORDS: usize = 4;
+
+    /// The leaf span `records` starts with, if it starts with one. Kinds and aux bits are compared as bits, four
+    /// at once: no per-record decoding.
+    #[inline]
+    pub(crate) fn at(records: &[Record]) -> Option<LeafSpan> {
+        let [new, enter, exit, close, ..] = records else {
+            return None;
+        };
+        let head = |r: &Record| r.word0 >> AUX_SHIFT;
+        let expected = |kind: Kind, aux: u64| ((kind as u64) << (KIND_SHIFT - AUX_SHIFT)) | aux;
+        let shape = head(new) == expected(Kind::SpanNew, 0)
+            && head(enter) == expected(Kind::SpanEnter, 0)
+            && head(exit) == expected(Kind::SpanExit, 0)
+            && head(close) == expected(Kind::SpanClose, AT_LAST_EXIT);
+        let serial = enter.word1;
+        (shape && exit.word1 == serial && close.word1 == serial).then(|| LeafSpan {
+            created_ticks: new.low48(),
+            callsite: new.word1,
+            enter_ticks: enter.low48(),
+            exit_ticks: exit.low48(),
+            serial,
+        })
+    }
+}
+
 /// One decoded record or group.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Item<'a> {
@@ -442,6 +486,18 @@ impl<'a> Decoder<'a> {
             self.pos += 1;
         }
         Some((Err(error), self.pos - start))
+    }
+
+    /// The records not yet decoded.
+    #[inline]
+    pub(crate) fn rest(&self) -> &'a [Record] {
+        &self.records[self.pos.min(self.records.len())..]
+    }
+
+    /// Moves past `n` records the caller decoded itself (a [`LeafSpan`]).
+    #[inline]
+    pub(crate) fn skip_decoded(&mut self, n: usize) {
+        self.pos = (self.pos + n).min(self.records.len());
     }
 
     /// Whether the next record (not yet decoded) is the close of span `serial`.

@@ -65,7 +65,7 @@ use super::stats::SharedStats;
 use super::AsyncTasks;
 use crate::calibration::{CalibrationHistory, ClockDomain, HistoryConfig};
 use crate::clock::{FastConverter, TickSource};
-use crate::codec::{Decoder, Item};
+use crate::codec::{Decoder, Item, LeafSpan};
 use crate::export::{CpuClock, EventKind, FieldValue, NameId, TraceField, TrackId, TrackKind};
 use crate::gpu::GpuCalibrationConfig;
 
@@ -236,7 +236,7 @@ struct OwnTracks {
 }
 
 /// Counts that end up in [`crate::TimelineStats`].
-#[derive(Default)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 struct Counts {
     truncated_slices: u64,
     fields_truncated: u64,
@@ -263,6 +263,11 @@ pub(crate) struct Processor {
     /// The record being processed is a span's exit and the next record in its ring is that span's close: the
     /// span is synchronous, its poll needs no speculative flow (see `tasks.rs`).
     exit_before_close: bool,
+    /// Leaf spans take their fast path ([`LeafSpan`]); off only to test it against the general one.
+    leaf_spans: bool,
+    /// Leaf spans that took the fast path (tests).
+    #[cfg(test)]
+    leaf_spans_taken: u64,
     rings: Vec<Option<Ring>>,
     active: Vec<u32>,
     spans: Spans,
@@ -345,6 +350,9 @@ impl Processor {
             callsites: IdMap::default(),
             last_span_callsite: None,
             exit_before_close: false,
+            leaf_spans: true,
+            #[cfg(test)]
+            leaf_spans_taken: 0,
             rings: Vec::new(),
             active: Vec::new(),
             spans: Spans::default(),
@@ -638,7 +646,25 @@ impl Processor {
             r.dropped_total = r.dropped_total.max(chunk.dropped_total);
             let mut decoder = Decoder::new(&chunk.records[r.input.cursor..]);
             let mut processed = 0;
-            while let Some((item, len)) = decoder.next_with_len() {
+            loop {
+                if self.leaf_spans {
+                    if let Some(leaf) = LeafSpan::at(decoder.rest()) {
+                        if self.leaf_span(&mut r.track, leaf, chunk.now_ticks) {
+                            decoder.skip_decoded(LeafSpan::RECORDS);
+                            processed += LeafSpan::RECORDS;
+                            progress = true;
+                            r.input.stalled_passes = 0;
+                            #[cfg(test)]
+                            {
+                                self.leaf_spans_taken += 1;
+                            }
+                            continue;
+                        }
+                    }
+                }
+                let Some((item, len)) = decoder.next_with_len() else {
+                    break;
+                };
                 match item {
                     Err(_) => {
                         self.counts.framing_errors += len as u64;

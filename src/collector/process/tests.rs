@@ -2,9 +2,9 @@ use proptest::prelude::*;
 
 use super::*;
 use crate::calibration::ClockCalibration;
-use crate::codec::{self, Kind, Record};
+use crate::codec::{self, Kind, LeafSpan, Record};
 use crate::collector::input::CallsiteKind;
-use crate::export::{MemoryExporter, TrackKind};
+use crate::export::{MemoryExporter, MemoryTrace, TrackKind};
 
 const KNOWN: u64 = 0x1000;
 
@@ -473,5 +473,217 @@ proptest! {
         for e in memory.snapshot().events {
             prop_assert!(allowed.contains(&e.name.as_str()), "{:?}", e.name);
         }
+    }
+}
+
+/// A fieldless span callsite: the kind whose leaf spans take the fast path.
+const LEAF: u64 = 0x3000;
+
+/// One thing a thread records, for [`leaf_spans_make_the_same_trace_as_their_records_one_by_one`]. Span
+/// references pick among the spans a ring has created so far (or its first, not yet created).
+#[derive(Clone, Debug)]
+enum RingOp {
+    /// Creation, enter, exit and close right after: a leaf span, on callsite `callsite % 3` (fieldless, with a
+    /// field, unknown).
+    Leaf {
+        callsite: u8,
+        timed: bool,
+    },
+    /// A bare creation only.
+    New {
+        callsite: u8,
+        timed: bool,
+    },
+    /// A creation with a value for the span's field.
+    NewWithValue(u64),
+    Enter {
+        ring: u8,
+        span: u16,
+    },
+    Exit {
+        ring: u8,
+        span: u16,
+    },
+    Close {
+        ring: u8,
+        span: u16,
+        at_last_exit: bool,
+    },
+    Event(u64),
+    ScopeBegin,
+    ScopeEnd,
+    /// Time going backwards (a clamp).
+    Backwards,
+}
+
+fn ring_op() -> impl Strategy<Value = RingOp> {
+    prop_oneof![
+        6 => (0u8..3, any::<bool>()).prop_map(|(callsite, timed)| RingOp::Leaf { callsite, timed }),
+        2 => (0u8..3, any::<bool>()).prop_map(|(callsite, timed)| RingOp::New { callsite, timed }),
+        1 => any::<u64>().prop_map(RingOp::NewWithValue),
+        2 => (1u8..3, any::<u16>()).prop_map(|(ring, span)| RingOp::Enter { ring, span }),
+        2 => (1u8..3, any::<u16>()).prop_map(|(ring, span)| RingOp::Exit { ring, span }),
+        2 => (1u8..3, any::<u16>(), any::<bool>())
+            .prop_map(|(ring, span, at_last_exit)| RingOp::Close { ring, span, at_last_exit }),
+        1 => any::<u64>().prop_map(RingOp::Event),
+        1 => Just(RingOp::ScopeBegin),
+        1 => Just(RingOp::ScopeEnd),
+        1 => Just(RingOp::Backwards),
+    ]
+}
+
+/// Builds the records of `ops` on ring `ring`; `created[r]` counts the spans ring `r` has created so far.
+fn ring_records(ring: u32, ops: &[RingOp], created: &mut [u64; 3], ticks: &mut u64) -> Vec<Record> {
+    let mut out = Vec::new();
+    let callsite = |c: u8| [LEAF, SPAN, 0x9999][c as usize % 3];
+    let serial = |created: &[u64; 3], r: u8, k: u16| {
+        crate::recorder::span_serial(u64::from(r), 1 + u64::from(k) % created[r as usize].max(1))
+    };
+    for op in ops {
+        *ticks += 10;
+        let t = *ticks;
+        match *op {
+            RingOp::Leaf { callsite: c, timed } => {
+                created[ring as usize] += 1;
+                let s = crate::recorder::span_serial(u64::from(ring), created[ring as usize]);
+                out.push(codec::span_new_bare(if timed { t } else { 0 }, callsite(c)));
+                out.push(Record::timed(Kind::SpanEnter, t + 1, s));
+                out.push(Record::timed(Kind::SpanExit, t + 5, s));
+                out.push(Record::head(Kind::SpanClose, codec::AT_LAST_EXIT, 0, s));
+                *ticks += 5;
+            }
+            RingOp::New { callsite: c, timed } => {
+                created[ring as usize] += 1;
+                out.push(codec::span_new_bare(if timed { t } else { 0 }, callsite(c)));
+            }
+            RingOp::NewWithValue(v) => {
+                created[ring as usize] += 1;
+                codec::encode_span_new(&mut out, t, SPAN, codec::Parent::Contextual, &u64_field(v));
+            }
+            RingOp::Enter { ring: r, span } => out.push(Record::timed(Kind::SpanEnter, t, serial(created, r, span))),
+            RingOp::Exit { ring: r, span } => out.push(Record::timed(Kind::SpanExit, t, serial(created, r, span))),
+            RingOp::Close {
+                ring: r,
+                span,
+                at_last_exit,
+            } => out.push(if at_last_exit {
+                Record::head(Kind::SpanClose, codec::AT_LAST_EXIT, 0, serial(created, r, span))
+            } else {
+                Record::timed(Kind::SpanClose, t, serial(created, r, span))
+            }),
+            RingOp::Event(v) => codec::encode_event(&mut out, t, KNOWN, codec::Parent::Contextual, &u64_field(v)),
+            RingOp::ScopeBegin => out.push(Record::timed(Kind::ScopeBegin, t, KNOWN)),
+            RingOp::ScopeEnd => out.push(Record::timed(Kind::ScopeEnd, t, KNOWN)),
+            RingOp::Backwards => out.push(Record::timed(Kind::ScopeBegin, t.saturating_sub(500), KNOWN)),
+        }
+    }
+    out
+}
+
+/// The trace, counts and task figures a processor makes of `steps` (each: a ring, its ops, a pass after?).
+fn process_steps(
+    steps: &[(u8, Vec<RingOp>, bool)],
+    mode: AsyncTasks,
+    leaf_spans: bool,
+) -> (MemoryTrace, Counts, u64, u64) {
+    let memory = MemoryExporter::default();
+    let mut p = processor(&memory);
+    p.set_async_tasks(mode);
+    p.leaf_spans = leaf_spans;
+    register_span_callsite(&mut p);
+    p.input(Input::Callsite(CallsiteDef {
+        key: LEAF,
+        kind: CallsiteKind::Span,
+        name: "leaf".into(),
+        target: String::new(),
+        level: 3,
+        file: String::new(),
+        line: 0,
+        fields: Vec::new(),
+    }));
+    ring(&mut p, 2);
+    let mut created = [0u64; 3];
+    let mut ticks = [0u64, 1_000, 1_000];
+    for (r, ops, pass_after) in steps {
+        let r = u32::from(*r);
+        let records = ring_records(r, ops, &mut created, &mut ticks[r as usize]);
+        p.input(Input::Chunk(Chunk {
+            ring: r,
+            now_ticks: 1 << 40,
+            dropped_total: 0,
+            records,
+        }));
+        if *pass_after {
+            pass(&mut p);
+        }
+    }
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    p.input(Input::Shutdown(tx));
+    rx.recv().unwrap().unwrap();
+    (memory.snapshot(), p.counts, p.tasks_written, p.polls_written)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(if cfg!(miri) { 4 } else { 768 }))]
+
+    /// The leaf-span fast path changes nothing but speed: two rings whose spans refer to each other, leaf spans
+    /// among every other kind of record, chunks cut anywhere (a leaf span's records split over two chunks),
+    /// passes anywhere, every async-task mode: the same events, fields, flows, tracks, counts and tasks with the
+    /// fast path as without it.
+    #[test]
+    fn leaf_spans_make_the_same_trace_as_their_records_one_by_one(
+        steps in prop::collection::vec(
+            (1u8..3, prop::collection::vec(ring_op(), 0..12), any::<bool>()),
+            1..12,
+        ),
+        mode in prop_oneof![Just(AsyncTasks::Auto), Just(AsyncTasks::Never), Just(AsyncTasks::Always)],
+    ) {
+        let fast = process_steps(&steps, mode, true);
+        let general = process_steps(&steps, mode, false);
+        prop_assert_eq!(fast, general);
+    }
+}
+
+#[test]
+fn leaf_spans_take_the_fast_path_and_come_out_whole() {
+    // Guards the property above against a fast path that never runs: every span of a ring of leaf spans, timed
+    // and untimed, goes through `leaf_span`.
+    let memory = MemoryExporter::default();
+    let mut p = processor(&memory);
+    p.input(Input::Callsite(CallsiteDef {
+        key: LEAF,
+        kind: CallsiteKind::Span,
+        name: "leaf".into(),
+        target: String::new(),
+        level: 3,
+        file: String::new(),
+        line: 0,
+        fields: Vec::new(),
+    }));
+    let ops: Vec<RingOp> = (0..100)
+        .map(|k| RingOp::Leaf {
+            callsite: 0,
+            timed: k % 2 == 0,
+        })
+        .collect();
+    let records = ring_records(1, &ops, &mut [0; 3], &mut 0);
+    let leaves = records
+        .chunks(LeafSpan::RECORDS)
+        .filter(|r| LeafSpan::at(r).is_some())
+        .count();
+    assert_eq!(leaves, 100);
+    chunk(&mut p, 1, records);
+    pass(&mut p);
+    pass(&mut p);
+    assert_eq!(p.leaf_spans_taken, 100);
+    let slices = memory.snapshot().slices();
+    assert_eq!(slices.len(), 100);
+    for (k, slice) in slices.iter().enumerate() {
+        assert_eq!(slice.name, "leaf");
+        assert_eq!(
+            (slice.begin_ns, slice.end_ns),
+            (15 * k as u64 + 11, 15 * k as u64 + 15),
+            "{slice:?}"
+        );
     }
 }
