@@ -33,6 +33,16 @@
 //! pass's end, and after [`HOLD_LIMIT_NS`] at the latest, with its flow (a span kept open that long after its
 //! only poll may then show a flow with one end, which Perfetto ignores).
 //!
+//! # Leaf spans
+//!
+//! Most spans are leaves: created, entered, exited and closed with nothing recorded on their thread in
+//! between (`info_span!(..).entered()` around code that records nothing itself). Their four records, one after
+//! another in a chunk, are processed at once (`Processor::leaf_span`, recognized by `codec::LeafSpan`): the
+//! same events, span-table entry and counts as the records one by one, with one span-table access instead of
+//! four and no per-record dispatch. Anything the general path would treat differently (fields, held events,
+//! undated creations, `AsyncTasks::Always`, ...) takes the general path. A differential property test holds the
+//! two to the same output.
+//!
 //! # Losses
 //!
 //! A `Gap` record (records dropped right there) becomes an instant named `tickline: records dropped` with the
@@ -46,8 +56,8 @@
 //!
 //! - `mod.rs` (this file): the types, the inputs, drain passes and ring processing, reporting, export and
 //!   shutdown.
-//! - `records.rs`: one record of a ring (`Processor::item`), with the decoding it needs: ticks to time,
-//!   callsite names, field payloads.
+//! - `records.rs`: one record of a ring (`Processor::item`), a leaf span's four at once
+//!   (`Processor::leaf_span`), with the decoding they need: ticks to time, callsite names, field payloads.
 //! - `slices.rs`: slices on thread tracks and the held queue: nesting, fields at the end, truncation.
 //! - `tasks.rs`: async task tracks, and whether a span's first poll gets its flow.
 //! - `tests.rs`: the unit tests.
