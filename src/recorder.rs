@@ -682,6 +682,10 @@ fn current_tid() -> u32 {
 /// `Debug` code, which may record), then calls `push` with the payload. `None` if the scratch space is in
 /// use (a field's `Debug` impl recorded while this thread was encoding): that inner record is counted as
 /// dropped rather than lost silently.
+///
+/// Inlined into its callers: called, its closures' captures (built by the caller with narrow stores, loaded
+/// here as wide ones) cost a failed store-to-load forward per record, half of this function's time.
+#[inline(always)]
 fn with_payload<R>(
     target: &impl Target,
     max_bytes: usize,

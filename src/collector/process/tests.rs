@@ -479,6 +479,19 @@ proptest! {
 /// A fieldless span callsite: the kind whose leaf spans take the fast path.
 const LEAF: u64 = 0x3000;
 
+fn register_leaf_callsite(p: &mut Processor) {
+    p.input(Input::Callsite(CallsiteDef {
+        key: LEAF,
+        kind: CallsiteKind::Span,
+        name: "leaf".into(),
+        target: String::new(),
+        level: 3,
+        file: String::new(),
+        line: 0,
+        fields: Vec::new(),
+    }));
+}
+
 /// One thing a thread records, for [`leaf_spans_make_the_same_trace_as_their_records_one_by_one`]. Span
 /// references pick among the spans a ring has created so far (or its first, not yet created).
 #[derive(Clone, Debug)]
@@ -591,16 +604,7 @@ fn process_steps(
     p.set_async_tasks(mode);
     p.leaf_spans = leaf_spans;
     register_span_callsite(&mut p);
-    p.input(Input::Callsite(CallsiteDef {
-        key: LEAF,
-        kind: CallsiteKind::Span,
-        name: "leaf".into(),
-        target: String::new(),
-        level: 3,
-        file: String::new(),
-        line: 0,
-        fields: Vec::new(),
-    }));
+    register_leaf_callsite(&mut p);
     ring(&mut p, 2);
     let mut created = [0u64; 3];
     let mut ticks = [0u64, 1_000, 1_000];
@@ -650,16 +654,7 @@ fn leaf_spans_take_the_fast_path_and_come_out_whole() {
     // and untimed, goes through `leaf_span`.
     let memory = MemoryExporter::default();
     let mut p = processor(&memory);
-    p.input(Input::Callsite(CallsiteDef {
-        key: LEAF,
-        kind: CallsiteKind::Span,
-        name: "leaf".into(),
-        target: String::new(),
-        level: 3,
-        file: String::new(),
-        line: 0,
-        fields: Vec::new(),
-    }));
+    register_leaf_callsite(&mut p);
     let ops: Vec<RingOp> = (0..100)
         .map(|k| RingOp::Leaf {
             callsite: 0,
