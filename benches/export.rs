@@ -82,6 +82,22 @@ fn export(c: &mut Criterion) {
     }
     group.finish();
 
+    // The same for events: chunks of 1,000 `info!(i, "event")` events (a message and a `u64`). Throughput is per
+    // event.
+    let mut group = c.benchmark_group("collector_steady_events");
+    group.throughput(Throughput::Elements(CHUNK_SPANS as u64));
+    let exporter = || -> Vec<Box<dyn Exporter>> { vec![Box::new(PerfettoExporter::new(std::io::sink()))] };
+    let mut check = tickline::bench_support::SteadyEvents::new(exporter());
+    check.chunk(CHUNK_SPANS);
+    let events = check.chunk(CHUNK_SPANS);
+    assert!(
+        (CHUNK_SPANS as u64..CHUNK_SPANS as u64 + 16).contains(&events),
+        "{events} events"
+    );
+    let mut steady = tickline::bench_support::SteadyEvents::new(exporter());
+    group.bench_function("perfetto", |b| b.iter(|| steady.chunk(CHUNK_SPANS)));
+    group.finish();
+
     // Async tasks: 10,000 spans each polled 4 times (enter/exit pairs, 8 tasks polled in turn) then closed, with task tracks (`Auto`:
     // each becomes a task with its lifetime slice, 4 poll slices and 4 flows) and without (`Never`: 4 slices
     // on the thread track). Throughput is per poll.

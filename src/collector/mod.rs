@@ -368,6 +368,20 @@ pub mod bench_support {
             bench
         }
 
+        /// Hands `records` over as a drain would (keeping them, for the next chunk to reuse) and ends a drain pass;
+        /// returns the events exported.
+        fn chunk_and_pass(&mut self, records: Vec<Record>, now_ticks: u64, cal: &ClockCalibration) -> u64 {
+            self.processor.input(Input::Chunk(Chunk {
+                ring: 1,
+                now_ticks,
+                dropped_total: 0,
+                records: records.clone(),
+            }));
+            self.records = records;
+            let drain_ns = cal.to_reference_ns(now_ticks);
+            self.processor.pass_end_for_bench(drain_ns, now_ticks)
+        }
+
         /// Processes the queued records and ends enough drain passes for everything to be written (closed
         /// tasks included); returns how many events went out.
         pub fn convert_and_write(&mut self) -> u64 {
@@ -388,6 +402,70 @@ pub mod bench_support {
         /// Processes the queued records into the batch and returns it.
         pub fn convert(&mut self) -> &Batch {
             self.processor.process_for_bench()
+        }
+    }
+
+    /// The callsite of the benches' `tracing` events: `info!(i, "event")`, fields `message` and `i`.
+    const EVENT_CALLSITE: u64 = 0x4000;
+
+    /// The processing stage in its steady state for events: one processor takes chunk after chunk of
+    /// `info!(i, "event")` events (a message and a `u64`, encoded as the layer encodes them) and ends a drain pass
+    /// after each (export to its exporters).
+    pub struct SteadyEvents {
+        bench: ConvertBench,
+        events_done: u64,
+        cal: ClockCalibration,
+        payload: Vec<u8>,
+        group: Vec<Record>,
+    }
+
+    impl SteadyEvents {
+        /// A processor exporting to `exporters`.
+        pub fn new(exporters: Vec<Box<dyn Exporter>>) -> Self {
+            let mut bench = ConvertBench::exporting(0, exporters);
+            bench.processor.input(Input::Callsite(CallsiteDef {
+                key: EVENT_CALLSITE,
+                kind: CallsiteKind::Event,
+                name: "event".into(),
+                target: String::new(),
+                level: 2,
+                file: String::new(),
+                line: 0,
+                fields: vec!["message".into(), "i".into()],
+            }));
+            SteadyEvents {
+                bench,
+                events_done: 0,
+                cal: bench_calibration().1,
+                payload: Vec::new(),
+                group: Vec::new(),
+            }
+        }
+
+        /// Processes one chunk of `events` events and ends the pass; returns the events exported.
+        pub fn chunk(&mut self, events: usize) -> u64 {
+            let mut records = std::mem::take(&mut self.bench.records);
+            records.clear();
+            for _ in 0..events {
+                let i = self.events_done;
+                self.events_done += 1;
+                let mut encoder = crate::codec::FieldEncoder::new(&mut self.payload, crate::MAX_PAYLOAD_BYTES);
+                encoder.str(0, "event");
+                encoder.u64(1, i);
+                encoder.finish();
+                let ticks = BASE_TICKS + i * 100;
+                // One group at a time: `encode_event` writes its group over what `group` held.
+                crate::codec::encode_event(
+                    &mut self.group,
+                    ticks,
+                    EVENT_CALLSITE,
+                    crate::codec::Parent::Contextual,
+                    &self.payload,
+                );
+                records.extend_from_slice(&self.group);
+            }
+            let now_ticks = BASE_TICKS + self.events_done * 100 + 1_000;
+            self.bench.chunk_and_pass(records, now_ticks, &self.cal)
         }
     }
 
@@ -426,15 +504,7 @@ pub mod bench_support {
                 records.extend(span_lifecycle(serial, SPAN_CALLSITE, t, t + 10, t + 110));
             }
             let now_ticks = base + self.spans_done * 200 + 1_000;
-            self.bench.processor.input(Input::Chunk(Chunk {
-                ring: 1,
-                now_ticks,
-                dropped_total: 0,
-                records: records.clone(),
-            }));
-            self.bench.records = records;
-            let drain_ns = self.cal.to_reference_ns(now_ticks);
-            self.bench.processor.pass_end_for_bench(drain_ns, now_ticks)
+            self.bench.chunk_and_pass(records, now_ticks, &self.cal)
         }
     }
 }

@@ -59,7 +59,8 @@ use std::time::{Duration, Instant};
 
 use tickline::{
     export::{
-        Batch, EventKind, ExportError, Exporter, FieldValue, RecordingOrigin, TraceEvent, TrackDescriptor, TrackKind,
+        Batch, EventKind, ExportError, Exporter, FieldValue, RecordingOrigin, TraceEvent, TraceField, TrackDescriptor,
+        TrackKind,
     },
     sync::{
         ClockExchange, ClockReadings, ExchangeSample, HostInfo, MachineId, MachineIdSource, SimulatedClock, TraceUuid,
@@ -311,6 +312,99 @@ enum Annotation<'a> {
 }
 
 /// Protobuf wire types.
+/// [`PerfettoExporter::write_small_event`]'s bounds: the fixed part of a packet (keys and lengths 2 + timestamp
+/// 11 + track event key and length 2 + type 2 + track uuid 11 + name 11 + two flows 20 + sequence id and flags
+/// 4), what a field adds besides a string's bytes (key and length 2 + name 11 + value 11), and the largest
+/// packet it writes (a body under 128 bytes: every length prefix one byte).
+const SMALL_PACKET_FIXED: usize = 63;
+const SMALL_PACKET_PER_FIELD: usize = 24;
+const SMALL_PACKET_BOUND: usize = 129;
+
+/// An upper bound of the size of an event's packet with `fields`: its fixed part (with both flows) and, per
+/// field, the key, length, name and value (a string's bytes on top).
+#[inline]
+fn small_packet_bound(fields: &[TraceField]) -> usize {
+    let mut bound = SMALL_PACKET_FIXED;
+    for f in fields {
+        bound += SMALL_PACKET_PER_FIELD
+            + if let FieldValue::Str(text) = &f.value {
+                text.len()
+            } else {
+                0
+            };
+    }
+    bound
+}
+
+/// Writes a packet's head into `b` (the room made for it in the output buffer): `b[0]` the `Trace.packet` key,
+/// `b[1]` left for the packet's length, then the timestamp, the `track_event` key (its length left at
+/// `event_start - 1`), the event's type, track uuid (its varint `uuid_bytes[..uuid_len]`) and name or counter
+/// value. Returns where the event body goes on and where it starts.
+#[inline(always)]
+fn put_event_head<const N: usize>(
+    b: &mut [u8; N],
+    event: &TraceEvent,
+    ts: u64,
+    uuid_bytes: &[u8; 10],
+    uuid_len: usize,
+) -> (usize, usize) {
+    b[0] = const { key_byte(field::TRACE_PACKET, WIRE_LENGTH_DELIMITED) };
+    b[2] = const { key_byte(field::packet::TIMESTAMP, WIRE_VARINT) };
+    let mut pos = put_varint_into(b, 3, ts);
+    b[pos] = const { key_byte(field::packet::TRACK_EVENT, WIRE_LENGTH_DELIMITED) };
+    pos += 2;
+    let event_start = pos;
+    b[pos] = const { key_byte(field::event::TYPE, WIRE_VARINT) };
+    b[pos + 1] = match event.kind {
+        EventKind::SliceBegin => field::event::TYPE_SLICE_BEGIN,
+        EventKind::SliceEnd => field::event::TYPE_SLICE_END,
+        EventKind::Instant => field::event::TYPE_INSTANT,
+        EventKind::Counter(_) => field::event::TYPE_COUNTER,
+    } as u8;
+    b[pos + 2] = const { key_byte(field::event::TRACK_UUID, WIRE_VARINT) };
+    // All 10 bytes (a fixed-size copy), then only the varint's length counts.
+    b[pos + 3..pos + 13].copy_from_slice(uuid_bytes);
+    pos += 3 + uuid_len;
+    match event.kind {
+        EventKind::SliceBegin | EventKind::Instant => {
+            b[pos] = const { key_byte(field::event::NAME_IID, WIRE_VARINT) };
+            pos = put_varint_into(b, pos + 1, event.name.0 as u64);
+        }
+        EventKind::Counter(value) => {
+            // TrackEvent.double_counter_value (44), fixed64: key 44 << 3 | 1 = 353 = varint [0xe1, 0x02].
+            b[pos] = 0xe1;
+            b[pos + 1] = 0x02;
+            b[pos + 2..pos + 10].copy_from_slice(&value.to_bits().to_le_bytes());
+            pos += 10;
+        }
+        EventKind::SliceEnd => {}
+    }
+    (pos, event_start)
+}
+
+/// Ends a packet whose event body started at `event_start` and goes on to `pos`: both lengths (one byte each:
+/// the caller keeps the packet under 128 bytes), the sequence id and flags. Returns the packet's size.
+#[inline(always)]
+fn put_packet_tail<const N: usize>(b: &mut [u8; N], mut pos: usize, event_start: usize) -> usize {
+    b[event_start - 1] = (pos - event_start) as u8;
+    // trusted_packet_sequence_id (10) = 1, sequence_flags (13) = SEQ_NEEDS_INCREMENTAL_STATE.
+    b[pos..pos + 4].copy_from_slice(&[
+        const { key_byte(field::packet::TRUSTED_PACKET_SEQUENCE_ID, WIRE_VARINT) },
+        SEQUENCE_ID as u8,
+        const { key_byte(field::packet::SEQUENCE_FLAGS, WIRE_VARINT) },
+        SEQ_NEEDS_INCREMENTAL_STATE as u8,
+    ]);
+    pos += 4;
+    b[1] = (pos - 2) as u8;
+    pos
+}
+
+/// A field key that fits in one byte (tags below 16).
+const fn key_byte(tag: u32, wire_type: u64) -> u8 {
+    assert!(tag < 16);
+    ((tag << 3) as u8) | wire_type as u8
+}
+
 const WIRE_VARINT: u64 = 0;
 const WIRE_FIXED64: u64 = 1;
 const WIRE_LENGTH_DELIMITED: u64 = 2;
@@ -363,12 +457,6 @@ fn put_varint_into(b: &mut [u8], mut pos: usize, mut value: u64) -> usize {
     }
     b[pos] = value as u8;
     pos + 1
-}
-
-/// Writes `value` as a varint at `b[pos..]`, returning the position after it. At most 10 bytes.
-#[inline(always)]
-fn put_varint(b: &mut [u8; 64], pos: usize, value: u64) -> usize {
-    put_varint_into(b, pos, value)
 }
 
 /// Fills in the one-byte length placeholder just before `body_start` with the length of everything after
@@ -924,18 +1012,25 @@ impl<W: Write + Send> PerfettoExporter<W> {
         self.commit_packet();
     }
 
-    /// The hot path: an event with no fields and no flows (most slice ends, most begins, every counter)
-    /// is written straight into the output buffer with hand-rolled varints.
-    #[inline]
-    fn write_plain_event<const SIM: bool>(&mut self, event: &TraceEvent) {
-        let ts = self.trace_ts::<SIM>(event.ts_ns);
-        let uuid = self.uuid_salt ^ event.track.0;
+    /// `track`'s salted uuid as a varint (10 bytes, the first `len` of them used), encoded once per run of events
+    /// on one track.
+    #[inline(always)]
+    fn track_uuid_varint(&mut self, track: tickline::export::TrackId) -> ([u8; 10], usize) {
+        let uuid = self.uuid_salt ^ track.0;
         if self.last_track_uuid.0 != uuid {
             let mut bytes = [0u8; 10];
             let len = put_varint_into(&mut bytes, 0, uuid);
             self.last_track_uuid = (uuid, bytes, len);
         }
-        let (_, uuid_bytes, uuid_len) = self.last_track_uuid;
+        (self.last_track_uuid.1, self.last_track_uuid.2)
+    }
+
+    /// The hot path: an event with no fields and no flows (most slice ends, most begins, every counter)
+    /// is written straight into the output buffer with hand-rolled varints.
+    #[inline]
+    fn write_plain_event<const SIM: bool>(&mut self, event: &TraceEvent) {
+        let ts = self.trace_ts::<SIM>(event.ts_ns);
+        let (uuid_bytes, uuid_len) = self.track_uuid_varint(event.track);
         // Written in place: 64 bytes made room for (two vector stores), the packet written into them, the rest
         // cut off. Built on the stack and copied out instead, the copy's wide loads waited on the packet's
         // byte stores (a failed store-to-load forward, 12 % of the processing stage's time).
@@ -944,44 +1039,74 @@ impl<W: Write + Send> PerfettoExporter<W> {
         let b: &mut [u8; 64] = (&mut self.buf[start..start + 64])
             .try_into()
             .expect("64 bytes were just added");
-        // b[0] = Trace.packet key, b[1] = packet length, then the packet body from b[2].
-        b[0] = 0x0a; // field 1, length-delimited
-        b[2] = 0x40; // TracePacket.timestamp (8), varint
-        let mut pos = put_varint(b, 3, ts);
-        b[pos] = 0x5a; // TracePacket.track_event (11), length-delimited
-        let event_len_at = pos + 1;
-        pos += 2;
-        let event_start = pos;
-        b[pos] = 0x48; // TrackEvent.type (9)
-        b[pos + 1] = match event.kind {
-            EventKind::SliceBegin => field::event::TYPE_SLICE_BEGIN,
-            EventKind::SliceEnd => field::event::TYPE_SLICE_END,
-            EventKind::Instant => field::event::TYPE_INSTANT,
-            EventKind::Counter(_) => field::event::TYPE_COUNTER,
-        } as u8;
-        b[pos + 2] = 0x58; // TrackEvent.track_uuid (11)
-                           // All 10 bytes (a fixed-size copy), then only the varint's length counts.
-        b[pos + 3..pos + 13].copy_from_slice(&uuid_bytes);
-        pos += 3 + uuid_len;
-        match event.kind {
-            EventKind::SliceBegin | EventKind::Instant => {
-                b[pos] = 0x50; // TrackEvent.name_iid (10)
-                pos = put_varint(b, pos + 1, event.name.0 as u64);
+        let (pos, event_start) = put_event_head(b, event, ts, &uuid_bytes, uuid_len);
+        let pos = put_packet_tail(b, pos, event_start);
+        self.buf.truncate(start + pos);
+        self.stats.packets += 1;
+    }
+
+    /// An event with fields or flows whose packet is under 128 bytes (an `info!` event, a slice end with its
+    /// flow): written in place like [`write_plain_event`](Self::write_plain_event), with room for
+    /// [`SMALL_PACKET_BOUND`] bytes made (the caller checked that the packet fits, so every length prefix is one
+    /// byte). Pushed byte by byte with length prefixes patched afterwards, an `info!` event's packet was the
+    /// processing stage's largest cost for events.
+    fn write_small_event<const SIM: bool>(&mut self, event: &TraceEvent, fields: &[TraceField]) {
+        debug_assert!(small_packet_bound(fields) <= SMALL_PACKET_BOUND);
+        let ts = self.trace_ts::<SIM>(event.ts_ns);
+        let (uuid_bytes, uuid_len) = self.track_uuid_varint(event.track);
+        let salt = self.uuid_salt;
+        let start = self.buf.len();
+        self.buf.resize(start + SMALL_PACKET_BOUND, 0);
+        let b: &mut [u8; SMALL_PACKET_BOUND] = (&mut self.buf[start..start + SMALL_PACKET_BOUND])
+            .try_into()
+            .expect("the bound's bytes were just added");
+        let (mut pos, event_start) = put_event_head(b, event, ts, &uuid_bytes, uuid_len);
+        for f in fields {
+            b[pos] = const { key_byte(field::event::DEBUG_ANNOTATIONS, WIRE_LENGTH_DELIMITED) };
+            let annotation_len_at = pos + 1;
+            pos += 2;
+            let annotation_start = pos;
+            b[pos] = const { key_byte(field::annotation::NAME_IID, WIRE_VARINT) };
+            pos = put_varint_into(b, pos + 1, f.name.0 as u64);
+            match &f.value {
+                FieldValue::Bool(v) => {
+                    b[pos] = const { key_byte(field::annotation::BOOL_VALUE, WIRE_VARINT) };
+                    pos = put_varint_into(b, pos + 1, u64::from(*v));
+                }
+                FieldValue::U64(v) => {
+                    b[pos] = const { key_byte(field::annotation::UINT_VALUE, WIRE_VARINT) };
+                    pos = put_varint_into(b, pos + 1, *v);
+                }
+                FieldValue::I64(v) => {
+                    b[pos] = const { key_byte(field::annotation::INT_VALUE, WIRE_VARINT) };
+                    pos = put_varint_into(b, pos + 1, *v as u64);
+                }
+                FieldValue::F64(v) => {
+                    b[pos] = const { key_byte(field::annotation::DOUBLE_VALUE, WIRE_FIXED64) };
+                    b[pos + 1..pos + 9].copy_from_slice(&v.to_bits().to_le_bytes());
+                    pos += 9;
+                }
+                FieldValue::Str(text) => {
+                    b[pos] = const { key_byte(field::annotation::STRING_VALUE, WIRE_LENGTH_DELIMITED) };
+                    pos = put_varint_into(b, pos + 1, text.len() as u64);
+                    b[pos..pos + text.len()].copy_from_slice(text.as_bytes());
+                    pos += text.len();
+                }
             }
-            EventKind::Counter(value) => {
-                // TrackEvent.double_counter_value (44), fixed64: key 44 << 3 | 1 = 353 = varint [0xe1, 0x02].
-                b[pos] = 0xe1;
-                b[pos + 1] = 0x02;
-                b[pos + 2..pos + 10].copy_from_slice(&value.to_bits().to_le_bytes());
-                pos += 10;
-            }
-            EventKind::SliceEnd => {}
+            b[annotation_len_at] = (pos - annotation_start) as u8;
         }
-        b[event_len_at] = (pos - event_start) as u8;
-        // trusted_packet_sequence_id (10) = 1, sequence_flags (13) = SEQ_NEEDS_INCREMENTAL_STATE.
-        b[pos..pos + 4].copy_from_slice(&[0x50, SEQUENCE_ID as u8, 0x68, SEQ_NEEDS_INCREMENTAL_STATE as u8]);
-        pos += 4;
-        b[1] = (pos - 2) as u8;
+        // Unpacked, one key per id (see `write_large_event`); keys 47 and 48, fixed64: two-byte varints.
+        if let Some(flow) = event.flow_out {
+            b[pos..pos + 2].copy_from_slice(&[0xf9, 0x02]);
+            b[pos + 2..pos + 10].copy_from_slice(&(salt ^ flow).to_le_bytes());
+            pos += 10;
+        }
+        if let Some(flow) = event.flow_in {
+            b[pos..pos + 2].copy_from_slice(&[0x81, 0x03]);
+            b[pos + 2..pos + 10].copy_from_slice(&(salt ^ flow).to_le_bytes());
+            pos += 10;
+        }
+        let pos = put_packet_tail(b, pos, event_start);
         self.buf.truncate(start + pos);
         self.stats.packets += 1;
     }
@@ -990,6 +1115,16 @@ impl<W: Write + Send> PerfettoExporter<W> {
         if event.fields.is_empty() && event.flow_out.is_none() && event.flow_in.is_none() {
             return self.write_plain_event::<SIM>(event);
         }
+        let fields = batch.fields_of(event);
+        if small_packet_bound(fields) <= SMALL_PACKET_BOUND {
+            return self.write_small_event::<SIM>(event, fields);
+        }
+        self.write_large_event::<SIM>(fields, event);
+    }
+
+    /// An event whose packet may be 128 bytes or more: encoded field by field into the output buffer, each length
+    /// prefix widened in place where its body turned out longer than 127 bytes.
+    fn write_large_event<const SIM: bool>(&mut self, fields: &[TraceField], event: &TraceEvent) {
         // Encoded straight into the output buffer: `Trace.packet { timestamp, track_event { .. }, sequence id,
         // flags }`. Both length prefixes get one byte up front, the common case (a packet under 128 bytes);
         // a longer one is widened in place after the fact.
@@ -1020,7 +1155,7 @@ impl<W: Write + Send> PerfettoExporter<W> {
             }
             EventKind::SliceEnd => {}
         }
-        for f in batch.fields_of(event) {
+        for f in fields {
             // In place, like the packet: a one-byte length up front, widened after the fact if need be.
             encode_key(field::event::DEBUG_ANNOTATIONS, WIRE_LENGTH_DELIMITED, buf);
             buf.push(0);
@@ -1169,5 +1304,74 @@ impl<W: Write + Send> Exporter for PerfettoExporter<W> {
             self.write_clock_snapshot(false);
         }
         self.housekeeping(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tickline::export::{NameId, TrackId};
+
+    /// The small-packet path writes every event it takes byte for byte as the general path does: each kind,
+    /// every value type, strings up to the bound, with and without flows, small and large timestamps, track
+    /// uuids and names (one- and multi-byte varints).
+    #[test]
+    fn small_packets_are_byte_for_byte_the_general_encoding() {
+        let values = [
+            FieldValue::Bool(true),
+            FieldValue::Bool(false),
+            FieldValue::U64(0),
+            FieldValue::U64(u64::MAX),
+            FieldValue::I64(-1),
+            FieldValue::I64(300),
+            FieldValue::F64(-1.5),
+            FieldValue::Str(String::new()),
+            FieldValue::Str("event".into()),
+            FieldValue::Str("é".repeat(20)),
+        ];
+        let kinds = [
+            EventKind::SliceBegin,
+            EventKind::SliceEnd,
+            EventKind::Instant,
+            EventKind::Counter(2.5),
+        ];
+        let mut exporter = PerfettoExporter::new(Vec::<u8>::new());
+        let mut checked = 0;
+        for (k, kind) in kinds.iter().enumerate() {
+            for n_fields in 0..3usize {
+                for first in 0..values.len() {
+                    for flows in 0..4u64 {
+                        let fields: Vec<TraceField> = (0..n_fields)
+                            .map(|i| TraceField {
+                                name: NameId(1 + (i as u32) * 200),
+                                value: values[(first + 3 * i) % values.len()].clone(),
+                            })
+                            .collect();
+                        let event = TraceEvent {
+                            ts_ns: [0, 1 << 40, u64::MAX / 4][(first + k) % 3],
+                            track: TrackId([1, 1 << 20][flows as usize % 2]),
+                            kind: *kind,
+                            name: NameId([1, 300][first % 2]),
+                            fields: 0..fields.len() as u32,
+                            flow_out: (flows & 1 == 1).then_some(7 + first as u64),
+                            flow_in: (flows & 2 == 2).then_some(1 << 50),
+                        };
+                        let bound = small_packet_bound(&fields);
+                        if bound > SMALL_PACKET_BOUND {
+                            continue;
+                        }
+                        exporter.buf.clear();
+                        exporter.write_small_event::<false>(&event, &fields);
+                        let small = exporter.buf.clone();
+                        exporter.buf.clear();
+                        exporter.write_large_event::<false>(&fields, &event);
+                        assert_eq!(small, exporter.buf, "{event:?} {fields:?}");
+                        assert!(small.len() <= bound, "{} > {bound}", small.len());
+                        checked += 1;
+                    }
+                }
+            }
+        }
+        assert!(checked > 300, "{checked}");
     }
 }
