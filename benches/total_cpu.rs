@@ -25,7 +25,8 @@
 //!
 //! `cargo bench -p tickline-benches --bench total_cpu` prints the medians of 9 samples. `-- --once CONFIG OP`
 //! prints one sample (the slow-mode check runs that as 20 separate processes: `benches/slow_mode.sh`);
-//! `-- --once CONFIG OP --repeat N` takes N samples in that one process and prints each.
+//! `-- --once CONFIG OP --repeat N` takes N samples in that one process and prints each; `--median N` takes N and
+//! prints their medians as the one sample.
 //! `cargo test --benches` runs each configuration once with few operations, to keep it compiling and working.
 
 use std::hint::black_box;
@@ -256,6 +257,22 @@ fn main() {
             .position(|a| a == "--repeat")
             .and_then(|at| args.get(at + 1)?.parse().ok())
             .unwrap_or(1usize);
+        // `--median N`: N samples in this one process, their medians printed as one sample: what the process
+        // runs at, not one moment of it (the slow-mode check compares processes, not interruptions).
+        let median_of = args
+            .iter()
+            .position(|a| a == "--median")
+            .and_then(|at| args.get(at + 1)?.parse().ok())
+            .unwrap_or(1usize);
+        if median_of > 1 {
+            let mut samples: Vec<Sample> = (0..median_of).map(|_| sample(config, op, 1_000_000)).collect();
+            samples.sort_by(|a, b| a.total.total_cmp(&b.total));
+            let total = samples[median_of / 2].total;
+            samples.sort_by(|a, b| a.recording.total_cmp(&b.recording));
+            println!("{total:.1}");
+            eprintln!("recording thread {:.1}", samples[median_of / 2].recording);
+            return;
+        }
         for k in 0..repeat {
             let before = thread_sched();
             let s = sample(config, op, 1_000_000);
