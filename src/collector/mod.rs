@@ -368,18 +368,17 @@ pub mod bench_support {
             bench
         }
 
-        /// Hands `records` over as a drain would (keeping them, for the next chunk to reuse) and ends a drain pass;
-        /// returns the events exported.
-        fn chunk_and_pass(&mut self, records: Vec<Record>, now_ticks: u64, cal: &ClockCalibration) -> u64 {
+        /// Hands a prepared chunk over as a drain would (moved, not copied) and ends a drain pass; returns the
+        /// events exported.
+        fn pass(&mut self, chunk: SteadyChunk, cal: &ClockCalibration) -> u64 {
             self.processor.input(Input::Chunk(Chunk {
                 ring: 1,
-                now_ticks,
+                now_ticks: chunk.now_ticks,
                 dropped_total: 0,
-                records: records.clone(),
+                records: chunk.records,
             }));
-            self.records = records;
-            let drain_ns = cal.to_reference_ns(now_ticks);
-            self.processor.pass_end_for_bench(drain_ns, now_ticks)
+            let drain_ns = cal.to_reference_ns(chunk.now_ticks);
+            self.processor.pass_end_for_bench(drain_ns, chunk.now_ticks)
         }
 
         /// Processes the queued records and ends enough drain passes for everything to be written (closed
@@ -444,8 +443,14 @@ pub mod bench_support {
 
         /// Processes one chunk of `events` events and ends the pass; returns the events exported.
         pub fn chunk(&mut self, events: usize) -> u64 {
-            let mut records = std::mem::take(&mut self.bench.records);
-            records.clear();
+            let chunk = self.prepare(events);
+            self.process(chunk)
+        }
+
+        /// The next `events` events as the drain hands them over (encoded as the layer encodes them: the
+        /// recording thread's work, not the processing stage's, so benches keep it out of what they time).
+        pub fn prepare(&mut self, events: usize) -> SteadyChunk {
+            let mut records = Vec::with_capacity(events * 4);
             for _ in 0..events {
                 let i = self.events_done;
                 self.events_done += 1;
@@ -464,9 +469,22 @@ pub mod bench_support {
                 );
                 records.extend_from_slice(&self.group);
             }
-            let now_ticks = BASE_TICKS + self.events_done * 100 + 1_000;
-            self.bench.chunk_and_pass(records, now_ticks, &self.cal)
+            SteadyChunk {
+                records,
+                now_ticks: BASE_TICKS + self.events_done * 100 + 1_000,
+            }
         }
+
+        /// Processes a chunk from [`prepare`](Self::prepare) and ends the pass; returns the events exported.
+        pub fn process(&mut self, chunk: SteadyChunk) -> u64 {
+            self.bench.pass(chunk, &self.cal)
+        }
+    }
+
+    /// A chunk of records made ahead by a steady-state bench, for its processing stage to take.
+    pub struct SteadyChunk {
+        records: Vec<Record>,
+        now_ticks: u64,
     }
 
     /// The processing stage in its steady state, as it runs under load: one processor (tables and buffers
@@ -493,9 +511,14 @@ pub mod bench_support {
 
         /// Processes one chunk of `spans` spans and ends the pass; returns the events exported.
         pub fn chunk(&mut self, spans: usize) -> u64 {
+            let chunk = self.prepare(spans);
+            self.process(chunk)
+        }
+
+        /// The next `spans` span lifecycles as the drain hands them over (made outside what benches time).
+        pub fn prepare(&mut self, spans: usize) -> SteadyChunk {
             let base = BASE_TICKS;
-            let mut records = std::mem::take(&mut self.bench.records);
-            records.clear();
+            let mut records = Vec::with_capacity(spans * 4);
             for _ in 0..spans {
                 let i = self.spans_done;
                 self.spans_done += 1;
@@ -503,8 +526,15 @@ pub mod bench_support {
                 let t = base + i * 200;
                 records.extend(span_lifecycle(serial, SPAN_CALLSITE, t, t + 10, t + 110));
             }
-            let now_ticks = base + self.spans_done * 200 + 1_000;
-            self.bench.chunk_and_pass(records, now_ticks, &self.cal)
+            SteadyChunk {
+                records,
+                now_ticks: base + self.spans_done * 200 + 1_000,
+            }
+        }
+
+        /// Processes a chunk from [`prepare`](Self::prepare) and ends the pass; returns the events exported.
+        pub fn process(&mut self, chunk: SteadyChunk) -> u64 {
+            self.bench.pass(chunk, &self.cal)
         }
     }
 }
