@@ -290,6 +290,13 @@ impl Processor {
                             span.held_begins = span.held_begins.saturating_sub(1);
                         }
                     }
+                    // Decided: if it headed the queue, it and what waited behind it go out now, as
+                    // `release_decided` does for an undecided end (it no longer sees this one as undecided).
+                    // Left held, it would hold every later event on the track until the pass's end, and keep
+                    // the track's leaf spans off their fast path for that long.
+                    if seq == track.held_base {
+                        self.release(track, false, track.last_ns);
+                    }
                 } else {
                     self.mark_undecided(track, serial, seq);
                 }

@@ -682,3 +682,42 @@ fn leaf_spans_take_the_fast_path_and_come_out_whole() {
         );
     }
 }
+
+#[test]
+fn a_chunk_that_ends_on_an_exit_does_not_keep_the_next_chunks_leaf_spans_off_their_fast_path() {
+    // Live, a drain pass cuts a ring's records anywhere: a quarter of the chunks end right after an exit, whose
+    // span's close comes first in the next chunk. That poll's end waits, undecided, in the track's held queue;
+    // once the close decides it, it must go out at once, or everything after it on the track waits behind it
+    // until the pass's end (the whole next chunk through the general path, each event through the queue).
+    let memory = MemoryExporter::default();
+    let mut p = processor(&memory);
+    register_leaf_callsite(&mut p);
+    let ops: Vec<RingOp> = (0..101)
+        .map(|_| RingOp::Leaf {
+            callsite: 0,
+            timed: true,
+        })
+        .collect();
+    let mut records = ring_records(1, &ops, &mut [0; 3], &mut 0);
+    let rest = records.split_off(3);
+    assert_eq!(rest[0].kind(), Some(Kind::SpanClose));
+    chunk(&mut p, 1, records);
+    pass(&mut p);
+    chunk(&mut p, 1, rest);
+    pass(&mut p);
+    pass(&mut p);
+    assert_eq!(p.leaf_spans_taken, 100, "the 100 spans after the cut one");
+    let trace = memory.snapshot();
+    let slices = trace.slices();
+    assert_eq!(slices.len(), 101);
+    for (k, slice) in slices.iter().enumerate() {
+        assert_eq!(slice.name, "leaf");
+        assert_eq!(
+            (slice.begin_ns, slice.end_ns),
+            (15 * k as u64 + 11, 15 * k as u64 + 15),
+            "{slice:?}"
+        );
+        // Closed right after its only poll: synchronous, no flow (the cut one's speculative flow taken back).
+        assert_eq!(slice.flow_out, None, "{slice:?}");
+    }
+}
