@@ -39,11 +39,21 @@ pub(crate) struct Output {
     /// String field values of exported batches, emptied, for the next ones: an `info!` message is a string,
     /// and a fresh allocation and its free for each cost the collector more than decoding the event.
     spare_strings: Vec<String>,
+    /// Memory the spare strings hold (their capacities and their `String`s).
+    spare_bytes: usize,
 }
 
-/// Most strings [`Output`] keeps for reuse, and the largest capacity it keeps (longer ones are freed).
-const SPARE_STRINGS: usize = 4096;
+/// Most memory [`Output`] keeps in spare strings, and the largest capacity it keeps (longer ones are freed).
+/// By bytes, not count: a pass under load exports tens of thousands of short messages (a 1 ms pass of
+/// `info!` events on one thread is about 16,000), and every one the pool cannot take back costs a `malloc`
+/// and a `free` in the next pass.
+const SPARE_STRING_BYTES: usize = 4 << 20;
 const SPARE_STRING_CAPACITY: usize = 256;
+
+/// What a spare string costs the pool.
+fn spare_cost(text: &String) -> usize {
+    text.capacity() + std::mem::size_of::<String>()
+}
 
 impl Output {
     /// Tells each exporter where the events come from, then describes the process track.
@@ -62,6 +72,7 @@ impl Output {
             value_name: NameId(0),
             counters: SharedTrackOrder::default(),
             spare_strings: Vec::new(),
+            spare_bytes: 0,
             exporters: exporters
                 .into_iter()
                 .map(|exporter| ExporterSlot {
@@ -280,8 +291,11 @@ impl Output {
     pub(crate) fn clear_batch(&mut self) {
         for field in self.batch.fields.drain(..) {
             if let FieldValue::Str(mut text) = field.value {
-                if self.spare_strings.len() < SPARE_STRINGS && text.capacity() <= SPARE_STRING_CAPACITY {
+                if text.capacity() <= SPARE_STRING_CAPACITY
+                    && self.spare_bytes + spare_cost(&text) <= SPARE_STRING_BYTES
+                {
                     text.clear();
+                    self.spare_bytes += spare_cost(&text);
                     self.spare_strings.push(text);
                 }
             }
@@ -293,6 +307,7 @@ impl Output {
     pub(crate) fn string(&mut self, text: &str) -> String {
         match self.spare_strings.pop() {
             Some(mut spare) => {
+                self.spare_bytes -= spare_cost(&spare);
                 spare.push_str(text);
                 spare
             }
@@ -329,5 +344,37 @@ fn record_failure(stats: &SharedStats, slot: &mut ExporterSlot, e: ExportError) 
             _ => std::io::ErrorKind::Other,
         };
         *first = Some((kind, e.to_string()));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn batch_of_strings(out: &mut Output, count: usize, text: &str) {
+        for _ in 0..count {
+            let value = FieldValue::Str(out.string(text));
+            out.batch.fields.push(TraceField { name: NameId(1), value });
+        }
+    }
+
+    #[test]
+    fn a_pass_worth_of_messages_is_reused_by_the_next_and_the_spare_memory_stays_bounded() {
+        let mut out = Output::new(&crate::export::RecordingOrigin::this_process(), Vec::new());
+        // More short messages than a 1 ms pass of `info!` on one thread: all kept for the next batch.
+        batch_of_strings(&mut out, 20_000, "event");
+        out.clear_batch();
+        assert_eq!(out.spare_strings.len(), 20_000);
+        batch_of_strings(&mut out, 20_000, "event 2");
+        assert!(out.spare_strings.is_empty());
+        assert_eq!(out.spare_bytes, 0, "every reused string's cost given back");
+        out.clear_batch();
+        // Long values: the pool stops at its memory budget, the rest is freed.
+        batch_of_strings(&mut out, 50_000, &"x".repeat(200));
+        out.clear_batch();
+        let held: usize = out.spare_strings.iter().map(spare_cost).sum();
+        assert_eq!(held, out.spare_bytes);
+        assert!(out.spare_bytes <= SPARE_STRING_BYTES, "{}", out.spare_bytes);
+        assert!(out.spare_strings.len() < 50_000);
     }
 }
