@@ -18,7 +18,8 @@
 //!
 //! Operations: `span` (`info_span!("span").entered()` dropped: create, enter, exit, close) and `event`
 //! (`info!(i, "event")`); with `--once`, also `scope` (`tickline::scope!`, no `tracing`: the recording path
-//! alone).
+//! alone) and `span_field` (`info_span!("span", i).entered()` dropped: a span with a field, `#[instrument]`'s
+//! case, whose slice waits for its values).
 //!
 //! `TICKLINE_BENCH_ASYNC_TASKS=never` runs tickline's configurations with `AsyncTasks::Never` (default: `Auto`),
 //! to see what deciding which spans are async tasks costs the collector.
@@ -85,6 +86,9 @@ enum Op {
     Event,
     /// `tickline::scope!` (no `tracing`): `--once` only, to tell the ring's cost from the registry's.
     Scope,
+    /// `info_span!("span", i).entered()` dropped: a span with a field (`#[instrument]`'s case), whose slice
+    /// waits for its values (`--once` only).
+    SpanField,
 }
 
 fn run_ops(op: Op, ops: u64) {
@@ -92,6 +96,11 @@ fn run_ops(op: Op, ops: u64) {
         Op::Span => {
             for _ in 0..ops {
                 drop(black_box(tracing::info_span!("span").entered()));
+            }
+        }
+        Op::SpanField => {
+            for i in 0..ops {
+                drop(black_box(tracing::info_span!("span", i).entered()));
             }
         }
         Op::Event => {
@@ -245,6 +254,7 @@ fn main() {
         let op = match args.get(at + 2).map(String::as_str) {
             Some("event") => Op::Event,
             Some("scope") => Op::Scope,
+            Some("span_field") => Op::SpanField,
             _ => Op::Span,
         };
         // Warm up (first timeline start, page faults), settle, then one sample.

@@ -96,10 +96,18 @@ pub(crate) struct TaskData {
 /// A span's field values: as of creation (and every update folded in), and later updates `(ns, field)`,
 /// oldest first.
 #[derive(Default)]
-struct SpanValues {
-    base: Vec<TraceField>,
+pub(crate) struct SpanValues {
+    pub(crate) base: Vec<TraceField>,
     updates: Vec<(u64, TraceField)>,
 }
+
+/// Most emptied [`SpanValues`] kept for the next spans with fields (about a pass's worth under load: a
+/// `#[instrument]` loop creates ~10,000 per ms). A fresh one costs two allocations and, a few passes later,
+/// two frees of memory long out of cache.
+const SPARE_VALUES: usize = 16_384;
+
+/// Values whose vectors grew past this many entries are freed rather than kept.
+const SPARE_VALUES_MAX_LEN: usize = 64;
 
 impl SpanState {
     pub(crate) fn new(
@@ -107,7 +115,7 @@ impl SpanState {
         callsite: u64,
         created_ns: u64,
         parent: Option<u64>,
-        fields: Vec<TraceField>,
+        values: Option<Box<SpanValues>>,
     ) -> Self {
         SpanState {
             name,
@@ -125,12 +133,7 @@ impl SpanState {
             first_track: 0,
             first_poll: Poll::default(),
             task: None,
-            values: (!fields.is_empty()).then(|| {
-                Box::new(SpanValues {
-                    base: fields,
-                    updates: Vec::new(),
-                })
-            }),
+            values,
         }
     }
 
@@ -213,6 +216,12 @@ pub(crate) struct Spans {
     /// Closed spans with an async task track, and the pass their close was processed in: written once no
     /// slice of theirs can still come.
     closing_tasks: Vec<(u64, u64)>,
+    /// Values of forgotten spans, emptied, for new spans with fields.
+    #[allow(
+        clippy::vec_box,
+        reason = "the boxes are what is reused: a span holds its values boxed"
+    )]
+    spare_values: Vec<Box<SpanValues>>,
 }
 
 /// One ring's spans: `slots[k]` holds span `n = base + k`.
@@ -233,6 +242,32 @@ fn split(serial: u64) -> (u64, u64) {
 }
 
 impl Spans {
+    /// Empty values for a new span with fields to decode into (reused from a forgotten span when one is
+    /// spare); hand them back with [`recycle_values`](Self::recycle_values) if they stay empty.
+    pub(crate) fn take_values(&mut self) -> Box<SpanValues> {
+        self.spare_values.pop().unwrap_or_default()
+    }
+
+    /// Keeps `values` (emptied) for the next [`take_values`](Self::take_values), up to the pool's bound.
+    pub(crate) fn recycle_values(&mut self, values: Box<SpanValues>) {
+        Self::recycle_into(&mut self.spare_values, values);
+    }
+
+    #[allow(
+        clippy::vec_box,
+        reason = "the boxes are what is reused: a span holds its values boxed"
+    )]
+    fn recycle_into(spare: &mut Vec<Box<SpanValues>>, mut values: Box<SpanValues>) {
+        if spare.len() < SPARE_VALUES
+            && values.base.capacity() <= SPARE_VALUES_MAX_LEN
+            && values.updates.capacity() <= SPARE_VALUES_MAX_LEN
+        {
+            values.base.clear();
+            values.updates.clear();
+            spare.push(values);
+        }
+    }
+
     fn window_of(&mut self, ring: u64) -> Option<usize> {
         if let Some((r, index)) = self.last {
             if r == ring {
@@ -381,7 +416,13 @@ impl Spans {
                     }
                     _ => break,
                 }
-                window.slots.pop_front();
+                // Its values (if any) go back to the pool: the next span with fields decodes into them.
+                if let Some(Some(SpanState {
+                    values: Some(values), ..
+                })) = window.slots.pop_front()
+                {
+                    Self::recycle_into(&mut self.spare_values, values);
+                }
                 window.base += 1;
             }
         }
@@ -415,7 +456,16 @@ mod tests {
 
     #[test]
     fn values_at_a_time_apply_only_earlier_updates_in_time_order() {
-        let mut span = SpanState::new(NameId(1), 0, 100, None, vec![field(1, 0)]);
+        let mut span = SpanState::new(
+            NameId(1),
+            0,
+            100,
+            None,
+            Some(Box::new(SpanValues {
+                base: vec![field(1, 0)],
+                updates: Vec::new(),
+            })),
+        );
         span.update(300, [field(1, 3)]);
         span.update(200, [field(1, 2), field(2, 20)]);
         let mut out = Vec::new();
@@ -430,7 +480,7 @@ mod tests {
     #[test]
     fn closed_spans_are_forgotten_once_no_slice_needs_them() {
         let mut spans = Spans::default();
-        spans.insert(7, SpanState::new(NameId(1), 0, 0, None, Vec::new()));
+        spans.insert(7, SpanState::new(NameId(1), 0, 0, None, None));
         spans.get_mut(7).unwrap().open_slices = 1;
         spans.close(7, 10, 5);
         spans.sweep(20);
@@ -447,7 +497,7 @@ mod tests {
     #[test]
     fn rings_keep_their_spans_apart_and_a_long_lived_span_does_not_hold_the_window() {
         let mut spans = Spans::default();
-        let state = || SpanState::new(NameId(1), 0, 0, None, Vec::new());
+        let state = || SpanState::new(NameId(1), 0, 0, None, None);
         // Ring 1: one span that stays, then many that close at once.
         spans.insert(serial(1, 1), state());
         spans.insert(serial(2, 1), state());
@@ -475,7 +525,7 @@ mod tests {
     #[test]
     fn serials_out_of_order_are_kept_too() {
         let mut spans = Spans::default();
-        let state = |name| SpanState::new(NameId(name), 0, 0, None, Vec::new());
+        let state = |name| SpanState::new(NameId(name), 0, 0, None, None);
         spans.insert(serial(1, 5), state(5));
         spans.insert(serial(1, 3), state(3));
         spans.insert(serial(1, 9), state(9));
@@ -483,5 +533,24 @@ mod tests {
         for n in [5, 3, 9, 6] {
             assert_eq!(spans.get(serial(1, n)).map(|s| s.name), Some(NameId(n as u32)), "{n}");
         }
+    }
+
+    #[test]
+    fn values_of_forgotten_spans_are_reused_empty() {
+        let mut spans = Spans::default();
+        let mut values = spans.take_values();
+        values.base.push(field(1, 7));
+        let address = &*values as *const SpanValues;
+        let mut span = SpanState::new(NameId(1), 0, 0, None, Some(values));
+        span.update(5, [field(1, 8)]);
+        spans.insert(serial(1, 1), span);
+        spans.close(serial(1, 1), 1, 0);
+        spans.sweep(10);
+        assert!(spans.get(serial(1, 1)).is_none());
+        let reused = spans.take_values();
+        assert_eq!(&*reused as *const SpanValues, address, "the forgotten span's values");
+        assert!(reused.base.is_empty() && reused.updates.is_empty());
+        // None spare: fresh ones.
+        assert!(spans.take_values().base.is_empty());
     }
 }

@@ -288,6 +288,8 @@ pub(crate) struct Processor {
     names: OwnNames,
     tracks: OwnTracks,
     payload: Vec<u8>,
+    /// Released span begins' values, on their way into the batch (empty between releases).
+    release_fields: Vec<TraceField>,
     scratch_fields: Vec<TraceField>,
     recycler: Option<Recycler>,
     stats: Arc<SharedStats>,
@@ -374,6 +376,7 @@ impl Processor {
             tracks,
             payload: Vec::new(),
             scratch_fields: Vec::new(),
+            release_fields: Vec::new(),
             recycler,
             stats,
             last_export_ns: 0,

@@ -34,8 +34,15 @@ impl Processor {
                     Some(found) => found,
                     None => (self.callsite_name(callsite), true),
                 };
-                let mut values = Vec::new();
-                let truncated = self.decode_payload(callsite, fields, &mut values);
+                // Decoded into reused values (a pool of forgotten spans'), kept only if there are any.
+                let mut values = self.spans.take_values();
+                let truncated = self.decode_payload(callsite, fields, &mut values.base);
+                let values = if values.base.is_empty() {
+                    self.spans.recycle_values(values);
+                    None
+                } else {
+                    Some(values)
+                };
                 let parent = match parent {
                     Parent::Explicit(serial) => Some(serial),
                     Parent::Root => None,
@@ -302,7 +309,7 @@ impl Processor {
         let begin = self.ticks_to_ns(track, leaf.enter_ticks, now_ticks);
         let end = self.ticks_to_ns(track, leaf.exit_ticks, now_ticks);
         // Untimed: dated by the ring's next timed record, its enter.
-        let mut span = SpanState::new(name, leaf.callsite, created.unwrap_or(begin), parent, Vec::new());
+        let mut span = SpanState::new(name, leaf.callsite, created.unwrap_or(begin), parent, None);
         span.fieldless = true;
         span.enters = 1;
         span.first_track = track.id.0;

@@ -302,7 +302,8 @@ impl Processor {
             track.held_base += 1;
             if let Some(span) = event.span.take() {
                 let at = span.end.map_or(now_ns, |(end, _)| end);
-                let mut values = Vec::new();
+                // The span's values at its end, in a reused vector (emptied again when the batch takes them).
+                let mut values = std::mem::take(&mut self.release_fields);
                 if let Some(state) = self.spans.get_mut(span.serial) {
                     state.values_at(at, &mut values);
                     state.held_begins = state.held_begins.saturating_sub(1);
@@ -313,9 +314,13 @@ impl Processor {
                         open.released_values = Some(Box::new(values.clone()));
                     }
                 }
-                let markers = std::mem::take(&mut event.fields);
-                values.extend(markers);
-                event.fields = values;
+                values.append(&mut event.fields);
+                let event_out = self
+                    .out
+                    .push_event_owned(event.ts_ns, track.id, event.kind, event.name, &mut values);
+                event_out.flow_out = event.flow_out;
+                self.release_fields = values;
+                continue;
             }
             let event_out = self
                 .out
