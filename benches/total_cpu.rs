@@ -19,7 +19,8 @@
 //! Operations: `span` (`info_span!("span").entered()` dropped: create, enter, exit, close) and `event`
 //! (`info!(i, "event")`); with `--once`, also `scope` (`tickline::scope!`, no `tracing`: the recording path
 //! alone) and `span_field` (`info_span!("span", i).entered()` dropped: a span with a field, `#[instrument]`'s
-//! case, whose slice waits for its values).
+//! case, whose slice waits for its values) and `span_field_event` (the same with an `info!` inside, held
+//! behind the span's begin).
 //!
 //! `TICKLINE_BENCH_ASYNC_TASKS=never` runs tickline's configurations with `AsyncTasks::Never` (default: `Auto`),
 //! to see what deciding which spans are async tasks costs the collector.
@@ -89,6 +90,9 @@ enum Op {
     /// `info_span!("span", i).entered()` dropped: a span with a field (`#[instrument]`'s case), whose slice
     /// waits for its values (`--once` only).
     SpanField,
+    /// The same span with an `info!(i, "event")` inside: an event held behind its span's begin until the span
+    /// ends (`--once` only).
+    SpanFieldEvent,
 }
 
 fn run_ops(op: Op, ops: u64) {
@@ -101,6 +105,12 @@ fn run_ops(op: Op, ops: u64) {
         Op::SpanField => {
             for i in 0..ops {
                 drop(black_box(tracing::info_span!("span", i).entered()));
+            }
+        }
+        Op::SpanFieldEvent => {
+            for i in 0..ops {
+                let _span = tracing::info_span!("span", i).entered();
+                tracing::info!(i, "event");
             }
         }
         Op::Event => {
@@ -255,6 +265,7 @@ fn main() {
             Some("event") => Op::Event,
             Some("scope") => Op::Scope,
             Some("span_field") => Op::SpanField,
+            Some("span_field_event") => Op::SpanFieldEvent,
             _ => Op::Span,
         };
         // Warm up (first timeline start, page faults), settle, then one sample.
