@@ -82,6 +82,19 @@ fn export(c: &mut Criterion) {
             b.iter_custom(|iters| time_processing(iters, &mut steady, |s| s.prepare(CHUNK_SPANS), |s, c| s.process(c)))
         });
     }
+    // Spans with a field (`info_span!("span", i)`): each slice waits a pass for its values.
+    let exporter = || -> Vec<Box<dyn Exporter>> { vec![Box::new(PerfettoExporter::new(std::io::sink()))] };
+    let mut check = tickline::bench_support::SteadySpans::with_field(exporter(), AsyncTasks::Auto);
+    check.chunk(CHUNK_SPANS);
+    let events = check.chunk(CHUNK_SPANS);
+    assert!(
+        (2 * CHUNK_SPANS as u64..2 * CHUNK_SPANS as u64 + 16).contains(&events),
+        "with_field: {events} events"
+    );
+    let mut steady = tickline::bench_support::SteadySpans::with_field(exporter(), AsyncTasks::Auto);
+    group.bench_function("with_field", |b| {
+        b.iter_custom(|iters| time_processing(iters, &mut steady, |s| s.prepare(CHUNK_SPANS), |s, c| s.process(c)))
+    });
     group.finish();
 
     // The same for events: chunks of 1,000 `info!(i, "event")` events (a message and a `u64`). Throughput is per

@@ -495,7 +495,13 @@ pub mod bench_support {
         bench: ConvertBench,
         spans_done: u64,
         cal: ClockCalibration,
+        /// Each span created with a value for its field `i` (`info_span!("span", i)`), encoded as the layer
+        /// encodes it: its slice waits for its values (see the processing stage's docs).
+        with_field: Option<(Vec<u8>, Vec<Record>)>,
     }
+
+    /// The callsite of the benches' `tracing` spans with a field `i`.
+    const FIELD_SPAN_CALLSITE: u64 = 0x3000;
 
     impl SteadySpans {
         /// A processor exporting to `exporters`, with task tracks chosen by `mode`.
@@ -506,7 +512,25 @@ pub mod bench_support {
                 bench,
                 spans_done: 0,
                 cal: bench_calibration().1,
+                with_field: None,
             }
+        }
+
+        /// [`new`](Self::new) for spans with a field: `info_span!("span", i)`.
+        pub fn with_field(exporters: Vec<Box<dyn Exporter>>, mode: AsyncTasks) -> Self {
+            let mut steady = Self::new(exporters, mode);
+            steady.bench.processor.input(Input::Callsite(CallsiteDef {
+                key: FIELD_SPAN_CALLSITE,
+                kind: CallsiteKind::Span,
+                name: "span".into(),
+                target: String::new(),
+                level: 2,
+                file: String::new(),
+                line: 0,
+                fields: vec!["i".into()],
+            }));
+            steady.with_field = Some((Vec::new(), Vec::new()));
+            steady
         }
 
         /// Processes one chunk of `spans` spans and ends the pass; returns the events exported.
@@ -524,7 +548,23 @@ pub mod bench_support {
                 self.spans_done += 1;
                 let serial = crate::recorder::span_serial(1, i + 1);
                 let t = base + i * 200;
-                records.extend(span_lifecycle(serial, SPAN_CALLSITE, t, t + 10, t + 110));
+                match &mut self.with_field {
+                    None => records.extend(span_lifecycle(serial, SPAN_CALLSITE, t, t + 10, t + 110)),
+                    Some((payload, group)) => {
+                        let mut encoder = crate::codec::FieldEncoder::new(payload, crate::MAX_PAYLOAD_BYTES);
+                        encoder.u64(0, i);
+                        encoder.finish();
+                        crate::codec::encode_span_new(
+                            group,
+                            t,
+                            FIELD_SPAN_CALLSITE,
+                            crate::codec::Parent::Contextual,
+                            payload,
+                        );
+                        records.extend_from_slice(group);
+                        records.extend_from_slice(&span_lifecycle(serial, SPAN_CALLSITE, t, t + 10, t + 110)[1..]);
+                    }
+                }
             }
             SteadyChunk {
                 records,
