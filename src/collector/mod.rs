@@ -253,6 +253,20 @@ pub mod bench_support {
     /// The callsite of the benches' `tracing` spans.
     const SPAN_CALLSITE: u64 = 0x2000;
 
+    /// The benches' `tracing` span callsite `key`, named "span", declaring `fields`.
+    fn span_callsite_def(key: u64, fields: Vec<String>) -> CallsiteDef {
+        CallsiteDef {
+            key,
+            kind: CallsiteKind::Span,
+            name: "span".into(),
+            target: String::new(),
+            level: 2,
+            file: String::new(),
+            line: 0,
+            fields,
+        }
+    }
+
     impl ConvertBench {
         /// `spans` scope begin/end pairs, 100 ticks apart, on one thread track; a 2.5 GHz TSC calibration.
         pub fn new(spans: usize) -> Self {
@@ -318,16 +332,9 @@ pub mod bench_support {
             }
             bench.now_ticks = base + spans as u64 * 200 + 1_000;
             bench.records = records;
-            bench.processor.input(Input::Callsite(CallsiteDef {
-                key: SPAN_CALLSITE,
-                kind: CallsiteKind::Span,
-                name: "span".into(),
-                target: String::new(),
-                level: 2,
-                file: String::new(),
-                line: 0,
-                fields: Vec::new(),
-            }));
+            bench
+                .processor
+                .input(Input::Callsite(span_callsite_def(SPAN_CALLSITE, Vec::new())));
             bench
         }
 
@@ -519,16 +526,10 @@ pub mod bench_support {
         /// [`new`](Self::new) for spans with a field: `info_span!("span", i)`.
         pub fn with_field(exporters: Vec<Box<dyn Exporter>>, mode: AsyncTasks) -> Self {
             let mut steady = Self::new(exporters, mode);
-            steady.bench.processor.input(Input::Callsite(CallsiteDef {
-                key: FIELD_SPAN_CALLSITE,
-                kind: CallsiteKind::Span,
-                name: "span".into(),
-                target: String::new(),
-                level: 2,
-                file: String::new(),
-                line: 0,
-                fields: vec!["i".into()],
-            }));
+            steady.bench.processor.input(Input::Callsite(span_callsite_def(
+                FIELD_SPAN_CALLSITE,
+                vec!["i".into()],
+            )));
             steady.with_field = Some((Vec::new(), Vec::new()));
             steady
         }
