@@ -367,24 +367,74 @@ impl LeafSpan {
     /// at once: no per-record decoding.
     #[inline]
     pub(crate) fn at(records: &[Record]) -> Option<LeafSpan> {
-        let [new, enter, exit, close, ..] = records else {
+        let [new, rest @ ..] = records else {
             return None;
         };
-        let head = |r: &Record| r.word0 >> AUX_SHIFT;
-        let expected = |kind: Kind, aux: u64| ((kind as u64) << (KIND_SHIFT - AUX_SHIFT)) | aux;
-        let shape = head(new) == expected(Kind::SpanNew, 0)
-            && head(enter) == expected(Kind::SpanEnter, 0)
-            && head(exit) == expected(Kind::SpanExit, 0)
-            && head(close) == expected(Kind::SpanClose, AT_LAST_EXIT);
-        let serial = enter.word1;
-        (shape && exit.word1 == serial && close.word1 == serial).then(|| LeafSpan {
+        if record_head(new) != expected_head(Kind::SpanNew, 0) {
+            return None;
+        }
+        let tail = LeafTail::at(rest)?;
+        Some(LeafSpan {
             created_ticks: new.low48(),
             callsite: new.word1,
+            enter_ticks: tail.enter_ticks,
+            exit_ticks: tail.exit_ticks,
+            serial: tail.serial,
+        })
+    }
+
+    /// Whether `records` may start with a creation group with fields or an explicit parent (a `SpanNew` head
+    /// with data records): the caller decodes it and checks for a [`LeafTail`] after it.
+    #[inline]
+    pub(crate) fn group_at(records: &[Record]) -> bool {
+        records
+            .first()
+            .is_some_and(|new| new.kind() == Some(Kind::SpanNew) && record_head(new) != expected_head(Kind::SpanNew, 0))
+    }
+}
+
+/// A leaf span's last three records: its enter, its exit, and its close right after the exit, all naming
+/// one serial. After a bare creation, a [`LeafSpan`]; after a creation group with fields, the leaf span with
+/// fields of `Processor::leaf_span_with_fields`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct LeafTail {
+    pub(crate) enter_ticks: u64,
+    pub(crate) exit_ticks: u64,
+    pub(crate) serial: u64,
+}
+
+impl LeafTail {
+    /// Records in a leaf tail.
+    pub(crate) const RECORDS: usize = 3;
+
+    /// The leaf tail `records` starts with, if it starts with one (kinds and aux bits compared as bits).
+    #[inline]
+    pub(crate) fn at(records: &[Record]) -> Option<LeafTail> {
+        let [enter, exit, close, ..] = records else {
+            return None;
+        };
+        let shape = record_head(enter) == expected_head(Kind::SpanEnter, 0)
+            && record_head(exit) == expected_head(Kind::SpanExit, 0)
+            && record_head(close) == expected_head(Kind::SpanClose, AT_LAST_EXIT);
+        let serial = enter.word1;
+        (shape && exit.word1 == serial && close.word1 == serial).then(|| LeafTail {
             enter_ticks: enter.low48(),
             exit_ticks: exit.low48(),
             serial,
         })
     }
+}
+
+/// A record's kind and aux bits, for comparing shapes without decoding.
+#[inline(always)]
+fn record_head(r: &Record) -> u64 {
+    r.word0 >> AUX_SHIFT
+}
+
+/// The kind and aux bits of a record of `kind` with `aux`.
+#[inline(always)]
+fn expected_head(kind: Kind, aux: u64) -> u64 {
+    ((kind as u64) << (KIND_SHIFT - AUX_SHIFT)) | aux
 }
 
 /// One decoded record or group.

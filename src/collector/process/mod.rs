@@ -39,9 +39,11 @@
 //! between (`info_span!(..).entered()` around code that records nothing itself). Their four records, one after
 //! another in a chunk, are processed at once (`Processor::leaf_span`, recognized by `codec::LeafSpan`): the
 //! same events, span-table entry and counts as the records one by one, with one span-table access instead of
-//! four and no per-record dispatch. Anything the general path would treat differently (fields, held events,
-//! undated creations, `AsyncTasks::Always`, ...) takes the general path. A differential property test holds the
-//! two to the same output.
+//! four and no per-record dispatch. A leaf span with fields (a creation group with values, then its enter, exit
+//! and close: `#[instrument]`'s spans) is processed at once too (`Processor::leaf_span_with_fields`): its begin
+//! still waits in the held queue for its values, with its end already known. Anything the general path would
+//! treat differently (held events for a field-less leaf, undated creations, `AsyncTasks::Always`, ...) takes
+//! the general path. A differential property test holds the two to the same output.
 //!
 //! # Losses
 //!
@@ -56,8 +58,9 @@
 //!
 //! - `mod.rs` (this file): the types, the inputs, drain passes and ring processing, reporting, export and
 //!   shutdown.
-//! - `records.rs`: one record of a ring (`Processor::item`), a leaf span's four at once
-//!   (`Processor::leaf_span`), with the decoding they need: ticks to time, callsite names, field payloads.
+//! - `records.rs`: one record of a ring (`Processor::item`), a leaf span's records at once
+//!   (`Processor::leaf_span`, `Processor::leaf_span_with_fields`), with the decoding they need: ticks to time,
+//!   callsite names, field payloads.
 //! - `slices.rs`: slices on thread tracks and the held queue: nesting, fields at the end, truncation.
 //! - `tasks.rs`: async task tracks, and whether a span's first poll gets its flow.
 //! - `tests.rs`: the unit tests.
@@ -75,7 +78,7 @@ use super::stats::SharedStats;
 use super::AsyncTasks;
 use crate::calibration::{CalibrationHistory, ClockDomain, HistoryConfig};
 use crate::clock::{FastConverter, TickSource};
-use crate::codec::{Decoder, Item, LeafSpan};
+use crate::codec::{Decoder, Item, LeafSpan, LeafTail};
 use crate::export::{CpuClock, EventKind, FieldValue, NameId, TraceField, TrackId, TrackKind};
 use crate::gpu::GpuCalibrationConfig;
 
@@ -278,6 +281,8 @@ pub(crate) struct Processor {
     /// Leaf spans that took the fast path (tests).
     #[cfg(test)]
     leaf_spans_taken: u64,
+    #[cfg(test)]
+    leaf_spans_with_fields_taken: u64,
     rings: Vec<Option<Ring>>,
     active: Vec<u32>,
     spans: Spans,
@@ -365,6 +370,8 @@ impl Processor {
             leaf_spans: true,
             #[cfg(test)]
             leaf_spans_taken: 0,
+            #[cfg(test)]
+            leaf_spans_with_fields_taken: 0,
             rings: Vec::new(),
             active: Vec::new(),
             spans: Spans::default(),
@@ -672,6 +679,35 @@ impl Processor {
                                 self.leaf_spans_taken += 1;
                             }
                             continue;
+                        }
+                    }
+                }
+                if self.leaf_spans && LeafSpan::group_at(decoder.rest()) {
+                    // A creation with fields: decoded, then a leaf tail looked for after it.
+                    let mut peek = decoder.clone();
+                    if let Some((
+                        Ok(Item::SpanNew {
+                            ticks,
+                            callsite,
+                            parent,
+                            fields,
+                        }),
+                        len,
+                    )) = peek.next_with_len()
+                    {
+                        if let Some(tail) = decoder.rest().get(len..).and_then(LeafTail::at) {
+                            let new = (ticks, callsite, parent, fields);
+                            if self.leaf_span_with_fields(&mut r.track, new, tail, chunk.now_ticks) {
+                                decoder.skip_decoded(len + LeafTail::RECORDS);
+                                processed += len + LeafTail::RECORDS;
+                                progress = true;
+                                r.input.stalled_passes = 0;
+                                #[cfg(test)]
+                                {
+                                    self.leaf_spans_with_fields_taken += 1;
+                                }
+                                continue;
+                            }
                         }
                     }
                 }

@@ -3,7 +3,7 @@
 //! dated by the ring's next timed record), callsite names, field payloads, counter tracks.
 
 use super::{OpenKind, Processor, Step, Track};
-use crate::codec::{decode_fields, restore_ticks, Item, LeafSpan, Parent, Payload, RawValue, META_INDEX};
+use crate::codec::{decode_fields, restore_ticks, Item, LeafSpan, LeafTail, Parent, Payload, RawValue, META_INDEX};
 use crate::collector::spans::{set_field, Poll, SpanState};
 use crate::collector::AsyncTasks;
 use crate::export::{EventKind, FieldValue, NameId, TraceField, TrackId};
@@ -324,6 +324,75 @@ impl Processor {
         span.closed_ns = end;
         self.spans.insert(serial, span);
         self.emit_bare(track, begin, EventKind::SliceBegin, name, None);
+        self.emit_bare(track, end, EventKind::SliceEnd, name, None);
+        track.last_exit = Some((serial, end));
+        true
+    }
+
+    /// A leaf span with fields at once: its creation group (`ticks`, `callsite`, `parent`, `fields`, decoded by
+    /// the caller) and `tail` (its enter, exit and close) have the effects the general path gives those
+    /// records one by one: the span-table entry (closed, its first poll, its values), its slice's begin held
+    /// for its values with its end known, and the end behind it. False, having changed nothing, where the
+    /// general path is needed (the same cases as [`leaf_span`](Self::leaf_span), and a callsite declaring no
+    /// fields, whose slice would not wait).
+    pub(super) fn leaf_span_with_fields(
+        &mut self,
+        track: &mut Track,
+        (ticks, callsite, parent, fields): (u64, u64, Parent, Payload<'_>),
+        tail: LeafTail,
+        now_ticks: u64,
+    ) -> bool {
+        let serial = crate::recorder::span_serial(u64::from(track.ring), track.spans_created + 1);
+        if tail.serial != serial
+            || self.async_tasks == AsyncTasks::Always
+            || track.speculative.is_some()
+            || !track.undated.is_empty()
+            || track.open.iter().any(|o| o.kind == OpenKind::Span(serial))
+        {
+            return false;
+        }
+        let Some((name, false)) = self.span_callsite(callsite) else {
+            return false;
+        };
+        track.spans_created += 1;
+        // In the order the general path converts them (each keeps the track's time monotonic).
+        let created = (ticks != 0).then(|| self.ticks_to_ns(track, ticks, now_ticks));
+        let mut values = self.spans.take_values();
+        let truncated = self.decode_payload(callsite, fields, &mut values.base);
+        let values = if values.base.is_empty() {
+            self.spans.recycle_values(values);
+            None
+        } else {
+            Some(values)
+        };
+        let parent = match parent {
+            Parent::Explicit(serial) => Some(serial),
+            Parent::Root => None,
+            Parent::Contextual => track.open.iter().rev().find_map(|o| match o.kind {
+                OpenKind::Span(serial) => Some(serial),
+                OpenKind::Scope(_) => None,
+            }),
+        };
+        let begin = self.ticks_to_ns(track, tail.enter_ticks, now_ticks);
+        let end = self.ticks_to_ns(track, tail.exit_ticks, now_ticks);
+        // Untimed: dated by the ring's next timed record, its enter.
+        let mut span = SpanState::new(name, callsite, created.unwrap_or(begin), parent, values);
+        span.fields_truncated = u32::try_from(truncated).unwrap_or(u32::MAX);
+        span.enters = 1;
+        span.first_track = track.id.0;
+        // Its begin waits for its values (released a pass after its end, which is known).
+        span.held_begins = 1;
+        if self.async_tasks != AsyncTasks::Never {
+            span.first_poll = Poll {
+                begin_ns: begin,
+                end_ns: end.max(begin).max(1),
+                flow: 0,
+            };
+        }
+        span.closed_in = self.pass.max(1);
+        span.closed_ns = end;
+        self.spans.insert(serial, span);
+        super::slices::begin_held_span_ended(track, serial, name, begin, (end, self.pass));
         self.emit_bare(track, end, EventKind::SliceEnd, name, None);
         track.last_exit = Some((serial, end));
         true

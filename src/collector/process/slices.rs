@@ -343,6 +343,20 @@ pub(super) fn held_at(track: &mut Track, seq: u64) -> Option<&mut HeldEvent> {
 
 /// Opens a slice of span `serial` whose begin is held until the slice ends, so that it shows the values the
 /// span had then: the begin at `ts_ns`, the slice (for nesting) from `begin_ns`.
+/// A leaf span's slice begin, held for its values, whose end (`(ns, pass)`) is already known: as
+/// [`begin_held_span`] followed by its end, with no open slice in between.
+pub(super) fn begin_held_span_ended(track: &mut Track, serial: u64, name: NameId, ts_ns: u64, end: (u64, u64)) {
+    track.held.push_back(HeldEvent {
+        ts_ns,
+        kind: EventKind::SliceBegin,
+        name,
+        fields: Vec::new(),
+        flow_out: None,
+        span: Some(HeldSpan { serial, end: Some(end) }),
+        undecided: None,
+    });
+}
+
 pub(super) fn begin_held_span(track: &mut Track, serial: u64, name: NameId, ts_ns: u64, begin_ns: u64) {
     let seq = track.held_base + track.held.len() as u64;
     track.held.push_back(HeldEvent {

@@ -502,6 +502,13 @@ enum RingOp {
         callsite: u8,
         timed: bool,
     },
+    /// A leaf span with a value for its field (`info_span!("span", x = v)` entered and dropped): a creation
+    /// group, enter, exit and close right after, on callsite `callsite % 3` (fieldless, with a field, unknown).
+    LeafWithValue {
+        callsite: u8,
+        value: u64,
+        timed: bool,
+    },
     /// A bare creation only.
     New {
         callsite: u8,
@@ -532,6 +539,8 @@ enum RingOp {
 fn ring_op() -> impl Strategy<Value = RingOp> {
     prop_oneof![
         6 => (0u8..3, any::<bool>()).prop_map(|(callsite, timed)| RingOp::Leaf { callsite, timed }),
+        4 => (0u8..3, any::<u64>(), any::<bool>())
+            .prop_map(|(callsite, value, timed)| RingOp::LeafWithValue { callsite, value, timed }),
         2 => (0u8..3, any::<bool>()).prop_map(|(callsite, timed)| RingOp::New { callsite, timed }),
         1 => any::<u64>().prop_map(RingOp::NewWithValue),
         2 => (1u8..3, any::<u16>()).prop_map(|(ring, span)| RingOp::Enter { ring, span }),
@@ -548,6 +557,8 @@ fn ring_op() -> impl Strategy<Value = RingOp> {
 /// Builds the records of `ops` on ring `ring`; `created[r]` counts the spans ring `r` has created so far.
 fn ring_records(ring: u32, ops: &[RingOp], created: &mut [u64; 3], ticks: &mut u64) -> Vec<Record> {
     let mut out = Vec::new();
+    // A group's records: the `encode_*` functions write a group over what their vector held.
+    let mut scratch = Vec::new();
     let callsite = |c: u8| [LEAF, SPAN, 0x9999][c as usize % 3];
     let serial = |created: &[u64; 3], r: u8, k: u16| {
         crate::recorder::span_serial(u64::from(r), 1 + u64::from(k) % created[r as usize].max(1))
@@ -565,13 +576,35 @@ fn ring_records(ring: u32, ops: &[RingOp], created: &mut [u64; 3], ticks: &mut u
                 out.push(Record::head(Kind::SpanClose, codec::AT_LAST_EXIT, 0, s));
                 *ticks += 5;
             }
+            RingOp::LeafWithValue {
+                callsite: c,
+                value,
+                timed,
+            } => {
+                created[ring as usize] += 1;
+                let s = crate::recorder::span_serial(u64::from(ring), created[ring as usize]);
+                let created_ticks = if timed { t } else { 0 };
+                codec::encode_span_new(
+                    &mut scratch,
+                    created_ticks,
+                    callsite(c),
+                    codec::Parent::Contextual,
+                    &u64_field(value),
+                );
+                out.extend_from_slice(&scratch);
+                out.push(Record::timed(Kind::SpanEnter, t + 1, s));
+                out.push(Record::timed(Kind::SpanExit, t + 5, s));
+                out.push(Record::head(Kind::SpanClose, codec::AT_LAST_EXIT, 0, s));
+                *ticks += 5;
+            }
             RingOp::New { callsite: c, timed } => {
                 created[ring as usize] += 1;
                 out.push(codec::span_new_bare(if timed { t } else { 0 }, callsite(c)));
             }
             RingOp::NewWithValue(v) => {
                 created[ring as usize] += 1;
-                codec::encode_span_new(&mut out, t, SPAN, codec::Parent::Contextual, &u64_field(v));
+                codec::encode_span_new(&mut scratch, t, SPAN, codec::Parent::Contextual, &u64_field(v));
+                out.extend_from_slice(&scratch);
             }
             RingOp::Enter { ring: r, span } => out.push(Record::timed(Kind::SpanEnter, t, serial(created, r, span))),
             RingOp::Exit { ring: r, span } => out.push(Record::timed(Kind::SpanExit, t, serial(created, r, span))),
@@ -584,7 +617,10 @@ fn ring_records(ring: u32, ops: &[RingOp], created: &mut [u64; 3], ticks: &mut u
             } else {
                 Record::timed(Kind::SpanClose, t, serial(created, r, span))
             }),
-            RingOp::Event(v) => codec::encode_event(&mut out, t, KNOWN, codec::Parent::Contextual, &u64_field(v)),
+            RingOp::Event(v) => {
+                codec::encode_event(&mut scratch, t, KNOWN, codec::Parent::Contextual, &u64_field(v));
+                out.extend_from_slice(&scratch);
+            }
             RingOp::ScopeBegin => out.push(Record::timed(Kind::ScopeBegin, t, KNOWN)),
             RingOp::ScopeEnd => out.push(Record::timed(Kind::ScopeEnd, t, KNOWN)),
             RingOp::Backwards => out.push(Record::timed(Kind::ScopeBegin, t.saturating_sub(500), KNOWN)),
@@ -721,4 +757,45 @@ fn a_chunk_that_ends_on_an_exit_does_not_keep_the_next_chunks_leaf_spans_off_the
         // Closed right after its only poll: synchronous, no flow (the cut one's speculative flow taken back).
         assert_eq!(slice.flow_out, None, "{slice:?}");
     }
+}
+
+#[test]
+fn leaf_spans_with_fields_take_their_fast_path_and_keep_their_values() {
+    // Guards the differential property above against a fast path for spans with fields that never runs: a
+    // ring of such spans, timed and untimed, each with its value; every one taken, every slice with its value
+    // (its begin held a pass for it) and no flow.
+    let memory = MemoryExporter::default();
+    let mut p = processor(&memory);
+    register_span_callsite(&mut p);
+    let ops: Vec<RingOp> = (0..100)
+        .map(|k| RingOp::LeafWithValue {
+            callsite: 1,
+            value: 1000 + k,
+            timed: k % 2 == 0,
+        })
+        .collect();
+    let records = ring_records(1, &ops, &mut [0; 3], &mut 0);
+    chunk(&mut p, 1, records);
+    pass(&mut p);
+    pass(&mut p);
+    assert_eq!(p.leaf_spans_with_fields_taken, 100);
+    let trace = memory.snapshot();
+    let slices = trace.slices();
+    assert_eq!(slices.len(), 100);
+    for (k, slice) in slices.iter().enumerate() {
+        assert_eq!(
+            (slice.begin_ns, slice.end_ns),
+            (15 * k as u64 + 11, 15 * k as u64 + 15),
+            "{slice:?}"
+        );
+        assert_eq!(slice.flow_out, None, "{slice:?}");
+    }
+    let values: Vec<Option<FieldValue>> = trace
+        .events
+        .iter()
+        .filter(|e| e.kind == EventKind::SliceBegin)
+        .map(|e| e.fields.iter().find(|(n, _)| n == "x").map(|(_, v)| v.clone()))
+        .collect();
+    let expected: Vec<Option<FieldValue>> = (0..100).map(|k| Some(FieldValue::U64(1000 + k))).collect();
+    assert_eq!(values, expected);
 }
