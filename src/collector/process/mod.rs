@@ -668,47 +668,12 @@ impl Processor {
             let mut processed = 0;
             loop {
                 if self.leaf_spans {
-                    if let Some(leaf) = LeafSpan::at(decoder.rest()) {
-                        if self.leaf_span(&mut r.track, leaf, chunk.now_ticks) {
-                            decoder.skip_decoded(LeafSpan::RECORDS);
-                            processed += LeafSpan::RECORDS;
-                            progress = true;
-                            r.input.stalled_passes = 0;
-                            #[cfg(test)]
-                            {
-                                self.leaf_spans_taken += 1;
-                            }
-                            continue;
-                        }
-                    }
-                }
-                if self.leaf_spans && LeafSpan::group_at(decoder.rest()) {
-                    // A creation with fields: decoded, then a leaf tail looked for after it.
-                    let mut peek = decoder.clone();
-                    if let Some((
-                        Ok(Item::SpanNew {
-                            ticks,
-                            callsite,
-                            parent,
-                            fields,
-                        }),
-                        len,
-                    )) = peek.next_with_len()
-                    {
-                        if let Some(tail) = decoder.rest().get(len..).and_then(LeafTail::at) {
-                            let new = (ticks, callsite, parent, fields);
-                            if self.leaf_span_with_fields(&mut r.track, new, tail, chunk.now_ticks) {
-                                decoder.skip_decoded(len + LeafTail::RECORDS);
-                                processed += len + LeafTail::RECORDS;
-                                progress = true;
-                                r.input.stalled_passes = 0;
-                                #[cfg(test)]
-                                {
-                                    self.leaf_spans_with_fields_taken += 1;
-                                }
-                                continue;
-                            }
-                        }
+                    if let Some(taken) = self.leaf_at(&mut r.track, decoder.clone(), chunk.now_ticks) {
+                        decoder.skip_decoded(taken);
+                        processed += taken;
+                        progress = true;
+                        r.input.stalled_passes = 0;
+                        continue;
                     }
                 }
                 let Some((item, len)) = decoder.next_with_len() else {
@@ -748,6 +713,47 @@ impl Processor {
         }
         self.rings[ring as usize] = Some(r);
         progress
+    }
+
+    /// Processes the leaf span `decoder`'s next records make, if they make one that can take a fast path
+    /// (`Processor::leaf_span`, `Processor::leaf_span_with_fields`); returns how many records it took.
+    #[inline]
+    fn leaf_at(&mut self, track: &mut Track, mut decoder: Decoder<'_>, now_ticks: u64) -> Option<usize> {
+        let rest = decoder.rest();
+        if let Some(leaf) = LeafSpan::at(rest) {
+            if self.leaf_span(track, leaf, now_ticks) {
+                #[cfg(test)]
+                {
+                    self.leaf_spans_taken += 1;
+                }
+                return Some(LeafSpan::RECORDS);
+            }
+        }
+        if !LeafSpan::group_at(rest) {
+            return None;
+        }
+        // A creation with fields: decoded, then a leaf tail looked for after it.
+        let (
+            Ok(Item::SpanNew {
+                ticks,
+                callsite,
+                parent,
+                fields,
+            }),
+            len,
+        ) = decoder.next_with_len()?
+        else {
+            return None;
+        };
+        let tail = rest.get(len..).and_then(LeafTail::at)?;
+        if !self.leaf_span_with_fields(track, (ticks, callsite, parent, fields), tail, now_ticks) {
+            return None;
+        }
+        #[cfg(test)]
+        {
+            self.leaf_spans_with_fields_taken += 1;
+        }
+        Some(len + LeafTail::RECORDS)
     }
 
     /// Rings whose thread exited and whose records are all processed: their open slices end at their last

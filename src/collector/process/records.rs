@@ -4,7 +4,7 @@
 
 use super::{OpenKind, Processor, Step, Track};
 use crate::codec::{decode_fields, restore_ticks, Item, LeafSpan, LeafTail, Parent, Payload, RawValue, META_INDEX};
-use crate::collector::spans::{set_field, Poll, SpanState};
+use crate::collector::spans::{set_field, Poll, SpanState, SpanValues};
 use crate::collector::AsyncTasks;
 use crate::export::{EventKind, FieldValue, NameId, TraceField, TrackId};
 
@@ -34,24 +34,8 @@ impl Processor {
                     Some(found) => found,
                     None => (self.callsite_name(callsite), true),
                 };
-                // Decoded into reused values (a pool of forgotten spans'), kept only if there are any.
-                let mut values = self.spans.take_values();
-                let truncated = self.decode_payload(callsite, fields, &mut values.base);
-                let values = if values.base.is_empty() {
-                    self.spans.recycle_values(values);
-                    None
-                } else {
-                    Some(values)
-                };
-                let parent = match parent {
-                    Parent::Explicit(serial) => Some(serial),
-                    Parent::Root => None,
-                    // The span current on this thread when it was created: the innermost open span slice.
-                    Parent::Contextual => track.open.iter().rev().find_map(|o| match o.kind {
-                        OpenKind::Span(serial) => Some(serial),
-                        OpenKind::Scope(_) => None,
-                    }),
-                };
+                let (values, truncated) = self.span_values(callsite, fields);
+                let parent = creation_parent(track, parent);
                 let mut span = SpanState::new(name, callsite, ts, parent, values);
                 span.fields_truncated = u32::try_from(truncated).unwrap_or(u32::MAX);
                 span.fieldless = fieldless && truncated == 0;
@@ -282,18 +266,9 @@ impl Processor {
     /// exit, it is synchronous (no task, no flow); its slice needs no held begin (no fields to wait for); its
     /// first poll is kept unless tasks are off; it is closed in this pass at its exit's time.
     pub(super) fn leaf_span(&mut self, track: &mut Track, leaf: LeafSpan, now_ticks: u64) -> bool {
-        let serial = crate::recorder::span_serial(u64::from(track.ring), track.spans_created + 1);
-        if leaf.serial != serial
-            || self.async_tasks == AsyncTasks::Always
-            || track.speculative.is_some()
-            || !track.held.is_empty()
-            || !track.undated.is_empty()
-        {
-            return false;
-        }
-        // A slice already open under this serial (an enter processed as unknown before the creation came):
-        // the general path treats the enter as nested.
-        if track.open.iter().any(|o| o.kind == OpenKind::Span(serial)) {
+        let serial = leaf.serial;
+        // Behind held events its slice would be held too: the general path.
+        if !self.leaf_fits(track, serial) || !track.held.is_empty() {
             return false;
         }
         let Some((name, true)) = self.span_callsite(leaf.callsite) else {
@@ -302,26 +277,16 @@ impl Processor {
         track.spans_created += 1;
         // In the order the general path converts them (each keeps the track's time monotonic).
         let created = (leaf.created_ticks != 0).then(|| self.ticks_to_ns(track, leaf.created_ticks, now_ticks));
-        let parent = track.open.iter().rev().find_map(|o| match o.kind {
-            OpenKind::Span(serial) => Some(serial),
-            OpenKind::Scope(_) => None,
-        });
+        let parent = creation_parent(track, Parent::Contextual);
         let begin = self.ticks_to_ns(track, leaf.enter_ticks, now_ticks);
         let end = self.ticks_to_ns(track, leaf.exit_ticks, now_ticks);
         // Untimed: dated by the ring's next timed record, its enter.
-        let mut span = SpanState::new(name, leaf.callsite, created.unwrap_or(begin), parent, None);
+        let mut span = self.closed_leaf(
+            track,
+            SpanState::new(name, leaf.callsite, created.unwrap_or(begin), parent, None),
+            (begin, end),
+        );
         span.fieldless = true;
-        span.enters = 1;
-        span.first_track = track.id.0;
-        if self.async_tasks != AsyncTasks::Never {
-            span.first_poll = Poll {
-                begin_ns: begin,
-                end_ns: end.max(begin).max(1),
-                flow: 0,
-            };
-        }
-        span.closed_in = self.pass.max(1);
-        span.closed_ns = end;
         self.spans.insert(serial, span);
         self.emit_bare(track, begin, EventKind::SliceBegin, name, None);
         self.emit_bare(track, end, EventKind::SliceEnd, name, None);
@@ -342,13 +307,8 @@ impl Processor {
         tail: LeafTail,
         now_ticks: u64,
     ) -> bool {
-        let serial = crate::recorder::span_serial(u64::from(track.ring), track.spans_created + 1);
-        if tail.serial != serial
-            || self.async_tasks == AsyncTasks::Always
-            || track.speculative.is_some()
-            || !track.undated.is_empty()
-            || track.open.iter().any(|o| o.kind == OpenKind::Span(serial))
-        {
+        let serial = tail.serial;
+        if !self.leaf_fits(track, serial) {
             return false;
         }
         let Some((name, false)) = self.span_callsite(callsite) else {
@@ -357,31 +317,43 @@ impl Processor {
         track.spans_created += 1;
         // In the order the general path converts them (each keeps the track's time monotonic).
         let created = (ticks != 0).then(|| self.ticks_to_ns(track, ticks, now_ticks));
-        let mut values = self.spans.take_values();
-        let truncated = self.decode_payload(callsite, fields, &mut values.base);
-        let values = if values.base.is_empty() {
-            self.spans.recycle_values(values);
-            None
-        } else {
-            Some(values)
-        };
-        let parent = match parent {
-            Parent::Explicit(serial) => Some(serial),
-            Parent::Root => None,
-            Parent::Contextual => track.open.iter().rev().find_map(|o| match o.kind {
-                OpenKind::Span(serial) => Some(serial),
-                OpenKind::Scope(_) => None,
-            }),
-        };
+        let (values, truncated) = self.span_values(callsite, fields);
+        let parent = creation_parent(track, parent);
         let begin = self.ticks_to_ns(track, tail.enter_ticks, now_ticks);
         let end = self.ticks_to_ns(track, tail.exit_ticks, now_ticks);
         // Untimed: dated by the ring's next timed record, its enter.
-        let mut span = SpanState::new(name, callsite, created.unwrap_or(begin), parent, values);
+        let mut span = self.closed_leaf(
+            track,
+            SpanState::new(name, callsite, created.unwrap_or(begin), parent, values),
+            (begin, end),
+        );
         span.fields_truncated = u32::try_from(truncated).unwrap_or(u32::MAX);
-        span.enters = 1;
-        span.first_track = track.id.0;
         // Its begin waits for its values (released a pass after its end, which is known).
         span.held_begins = 1;
+        self.spans.insert(serial, span);
+        super::slices::hold_span_begin(track, serial, name, begin, Some((end, self.pass)));
+        self.emit_bare(track, end, EventKind::SliceEnd, name, None);
+        track.last_exit = Some((serial, end));
+        true
+    }
+
+    /// Whether a leaf span naming `serial` may take a fast path on `track`: it is the ring's next span, and
+    /// nothing the general path treats differently is pending (a speculative flow, undated creations,
+    /// `AsyncTasks::Always`, a slice already open under this serial: an enter processed as unknown before the
+    /// creation came, which the general path treats as nested).
+    fn leaf_fits(&self, track: &Track, serial: u64) -> bool {
+        serial == crate::recorder::span_serial(u64::from(track.ring), track.spans_created + 1)
+            && self.async_tasks != AsyncTasks::Always
+            && track.speculative.is_none()
+            && track.undated.is_empty()
+            && !track.open.iter().any(|o| o.kind == OpenKind::Span(serial))
+    }
+
+    /// `span` as a leaf leaves it: entered once on `track` from `begin` to `end` (its first poll), closed at
+    /// `end` in this pass.
+    fn closed_leaf(&self, track: &Track, mut span: SpanState, (begin, end): (u64, u64)) -> SpanState {
+        span.enters = 1;
+        span.first_track = track.id.0;
         if self.async_tasks != AsyncTasks::Never {
             span.first_poll = Poll {
                 begin_ns: begin,
@@ -391,11 +363,20 @@ impl Processor {
         }
         span.closed_in = self.pass.max(1);
         span.closed_ns = end;
-        self.spans.insert(serial, span);
-        super::slices::begin_held_span_ended(track, serial, name, begin, (end, self.pass));
-        self.emit_bare(track, end, EventKind::SliceEnd, name, None);
-        track.last_exit = Some((serial, end));
-        true
+        span
+    }
+
+    /// A new span's values decoded from its creation's `fields` (callsite `callsite`), in reused values (a
+    /// pool of forgotten spans'), kept only if there are any; and how many fields were cut.
+    fn span_values(&mut self, callsite: u64, fields: Payload<'_>) -> (Option<Box<SpanValues>>, u64) {
+        let mut values = self.spans.take_values();
+        let truncated = self.decode_payload(callsite, fields, &mut values.base);
+        if values.base.is_empty() {
+            self.spans.recycle_values(values);
+            (None, truncated)
+        } else {
+            (Some(values), truncated)
+        }
     }
 
     fn callsite_name(&mut self, key: u64) -> NameId {
@@ -463,4 +444,17 @@ impl Processor {
 
 fn field_name(names: &[NameId], index: u8) -> NameId {
     names.get(index as usize).copied().unwrap_or(NameId(0))
+}
+
+/// A new span's parent: the one it names, none, or (contextual) the span current on its thread when it was
+/// created, the track's innermost open span slice.
+fn creation_parent(track: &Track, parent: Parent) -> Option<u64> {
+    match parent {
+        Parent::Explicit(serial) => Some(serial),
+        Parent::Root => None,
+        Parent::Contextual => track.open.iter().rev().find_map(|o| match o.kind {
+            OpenKind::Span(serial) => Some(serial),
+            OpenKind::Scope(_) => None,
+        }),
+    }
 }

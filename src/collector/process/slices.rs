@@ -300,9 +300,10 @@ impl Processor {
             let mut event = track.held.pop_front().expect("front exists");
             let seq = track.held_base;
             track.held_base += 1;
-            if let Some(span) = event.span.take() {
+            // A span begin goes out with the span's values at its end, gathered in a reused vector.
+            let span_begin = event.span.take();
+            if let Some(span) = &span_begin {
                 let at = span.end.map_or(now_ns, |(end, _)| end);
-                // The span's values at its end, in a reused vector (emptied again when the batch takes them).
                 let mut values = std::mem::take(&mut self.release_fields);
                 if let Some(state) = self.spans.get_mut(span.serial) {
                     state.values_at(at, &mut values);
@@ -315,17 +316,16 @@ impl Processor {
                     }
                 }
                 values.append(&mut event.fields);
-                let event_out = self
-                    .out
-                    .push_event_owned(event.ts_ns, track.id, event.kind, event.name, &mut values);
-                event_out.flow_out = event.flow_out;
-                self.release_fields = values;
-                continue;
+                event.fields = values;
             }
             let event_out = self
                 .out
                 .push_event_owned(event.ts_ns, track.id, event.kind, event.name, &mut event.fields);
             event_out.flow_out = event.flow_out;
+            if span_begin.is_some() {
+                // Emptied by the batch: kept for the next begin.
+                self.release_fields = event.fields;
+            }
         }
         for open in &mut track.open {
             if open.held.is_some_and(|seq| seq < track.held_base) {
@@ -341,23 +341,15 @@ pub(super) fn held_at(track: &mut Track, seq: u64) -> Option<&mut HeldEvent> {
     track.held.get_mut(index as usize)
 }
 
-/// Opens a slice of span `serial` whose begin is held until the slice ends, so that it shows the values the
-/// span had then: the begin at `ts_ns`, the slice (for nesting) from `begin_ns`.
-/// A leaf span's slice begin, held for its values, whose end (`(ns, pass)`) is already known: as
-/// [`begin_held_span`] followed by its end, with no open slice in between.
-pub(super) fn begin_held_span_ended(track: &mut Track, serial: u64, name: NameId, ts_ns: u64, end: (u64, u64)) {
-    track.held.push_back(HeldEvent {
-        ts_ns,
-        kind: EventKind::SliceBegin,
-        name,
-        fields: Vec::new(),
-        flow_out: None,
-        span: Some(HeldSpan { serial, end: Some(end) }),
-        undecided: None,
-    });
-}
-
-pub(super) fn begin_held_span(track: &mut Track, serial: u64, name: NameId, ts_ns: u64, begin_ns: u64) {
+/// Holds a begin of span `serial`'s slice at `ts_ns` in `track`'s held queue, for the values the span has at the
+/// slice's end (`end`: that end's time and pass, once known); returns its sequence number.
+pub(super) fn hold_span_begin(
+    track: &mut Track,
+    serial: u64,
+    name: NameId,
+    ts_ns: u64,
+    end: Option<(u64, u64)>,
+) -> u64 {
     let seq = track.held_base + track.held.len() as u64;
     track.held.push_back(HeldEvent {
         ts_ns,
@@ -365,9 +357,16 @@ pub(super) fn begin_held_span(track: &mut Track, serial: u64, name: NameId, ts_n
         name,
         fields: Vec::new(),
         flow_out: None,
-        span: Some(HeldSpan { serial, end: None }),
+        span: Some(HeldSpan { serial, end }),
         undecided: None,
     });
+    seq
+}
+
+/// Opens a slice of span `serial` whose begin is held until the slice ends, so that it shows the values the
+/// span had then: the begin at `ts_ns`, the slice (for nesting) from `begin_ns`.
+pub(super) fn begin_held_span(track: &mut Track, serial: u64, name: NameId, ts_ns: u64, begin_ns: u64) {
+    let seq = hold_span_begin(track, serial, name, ts_ns, None);
     track.open.push(OpenSlice {
         kind: OpenKind::Span(serial),
         name,
