@@ -123,8 +123,9 @@ impl<T> Deref for CachePadded<T> {
 /// per record went down (2.0-3.2 ns instead of 2.7-3.9). With both on one core, eviction costs the consumer
 /// about 0.6 ns per record and the producer nothing measurable. A `PREFETCHW` 16 lines ahead of the producer
 /// (this ring's remedy before) did not help in that model, and with eviction it made tickline's span
-/// lifecycle slower in total (`total_cpu`, 6 processes each: 275.9 ns median with it, 261.7 without). `CLFLUSHOPT` (unordered) was no better than `CLFLUSH` on this AMD EPYC (the drain thread's
-/// CPU per million spans: 16-30 ms against 11-22), so the baseline instruction is used everywhere.
+/// lifecycle slower in total (`total_cpu`, 6 processes each: 275.9 ns median with it, 261.7 without).
+/// `CLFLUSHOPT` (unordered) was no better than `CLFLUSH` on this AMD EPYC (the drain thread's CPU per million
+/// spans: 16-30 ms against 11-22), so the baseline instruction is used everywhere.
 #[cfg(all(target_arch = "x86_64", not(loom), not(miri)))]
 #[inline]
 fn evict_lines(start: *const u8, bytes: usize) {
