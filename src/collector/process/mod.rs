@@ -128,6 +128,52 @@ struct CallsiteInfo {
     counter_track: Option<TrackId>,
 }
 
+/// Every known call site by key. The last one looked up is remembered: a loop's events come from one call
+/// site, and each event needs its call site twice (its name, its fields' names), so most lookups are a compare
+/// instead of a hash probe. Call sites are never replaced once known.
+#[derive(Default)]
+struct Callsites {
+    index: IdMap<u32>,
+    infos: Vec<CallsiteInfo>,
+    /// The last key looked up and its index in `infos`.
+    last: Option<(u64, u32)>,
+}
+
+impl Callsites {
+    fn contains(&self, key: u64) -> bool {
+        self.index.contains_key(&key)
+    }
+
+    /// Adds call site `key` (the caller checked it is new).
+    fn insert(&mut self, key: u64, info: CallsiteInfo) {
+        self.index.insert(key, self.infos.len() as u32);
+        self.infos.push(info);
+    }
+
+    #[inline]
+    fn slot(&mut self, key: u64) -> Option<usize> {
+        match self.last {
+            Some((last, slot)) if last == key => Some(slot as usize),
+            _ => {
+                let slot = *self.index.get(&key)?;
+                self.last = Some((key, slot));
+                Some(slot as usize)
+            }
+        }
+    }
+
+    #[inline]
+    fn get(&mut self, key: u64) -> Option<&CallsiteInfo> {
+        let slot = self.slot(key)?;
+        self.infos.get(slot)
+    }
+
+    fn get_mut(&mut self, key: u64) -> Option<&mut CallsiteInfo> {
+        let slot = self.slot(key)?;
+        self.infos.get_mut(slot)
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum OpenKind {
     Span(u64),
@@ -269,7 +315,7 @@ pub(crate) struct Recycler {
 /// The processing stage. Feed it the input log with [`input`](Self::input).
 pub(crate) struct Processor {
     out: Output,
-    callsites: IdMap<CallsiteInfo>,
+    callsites: Callsites,
     /// The last span callsite looked up, its name and whether it declares no fields (a loop creates one
     /// span after another from the same callsite; callsites are never replaced once known).
     last_span_callsite: Option<(u64, NameId, bool)>,
@@ -364,7 +410,7 @@ impl Processor {
         };
         Processor {
             out,
-            callsites: IdMap::default(),
+            callsites: Callsites::default(),
             last_span_callsite: None,
             exit_before_close: false,
             leaf_spans: true,
@@ -543,7 +589,7 @@ impl Processor {
     }
 
     fn add_callsite(&mut self, def: CallsiteDef) {
-        if self.callsites.contains_key(&def.key) {
+        if self.callsites.contains(def.key) {
             return;
         }
         let name = self.out.intern(&def.name);

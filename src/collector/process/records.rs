@@ -246,7 +246,7 @@ impl Processor {
         match self.last_span_callsite {
             Some((key, name, fieldless)) if key == callsite => Some((name, fieldless)),
             _ => {
-                let c = self.callsites.get(&callsite)?;
+                let c = self.callsites.get(callsite)?;
                 let found = (c.name, c.fields.is_empty());
                 // A loop's spans come from one callsite: the next lookup is a compare.
                 self.last_span_callsite = Some((callsite, found.0, found.1));
@@ -380,7 +380,7 @@ impl Processor {
     }
 
     fn callsite_name(&mut self, key: u64) -> NameId {
-        match self.callsites.get(&key) {
+        match self.callsites.get(key) {
             Some(c) => c.name,
             None => {
                 self.counts.unknown_callsites += 1;
@@ -396,7 +396,7 @@ impl Processor {
             return 0;
         }
         payload.bytes_into(&mut self.payload);
-        let Some(callsite) = self.callsites.get(&key) else {
+        let Some(callsite) = self.callsites.get(key) else {
             return 0;
         };
         let mut truncated = 0;
@@ -427,7 +427,7 @@ impl Processor {
     }
 
     fn counter_track(&mut self, key: u64) -> (NameId, TrackId) {
-        if let Some(c) = self.callsites.get(&key) {
+        if let Some(c) = self.callsites.get(key) {
             if let Some(track) = c.counter_track {
                 return (c.name, track);
             }
@@ -435,7 +435,7 @@ impl Processor {
         let name = self.callsite_name(key);
         let label = self.out.name_of(name).to_owned();
         let track = self.out.new_counter_track(&label, "");
-        if let Some(c) = self.callsites.get_mut(&key) {
+        if let Some(c) = self.callsites.get_mut(key) {
             c.counter_track = Some(track);
         }
         (name, track)
