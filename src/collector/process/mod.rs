@@ -341,6 +341,8 @@ pub(crate) struct Processor {
     payload: Vec<u8>,
     /// Released span begins' values, on their way into the batch (empty between releases).
     release_fields: Vec<TraceField>,
+    /// Emptied field vectors of released events, for the next events held behind a span begin.
+    spare_field_vecs: Vec<Vec<TraceField>>,
     scratch_fields: Vec<TraceField>,
     recycler: Option<Recycler>,
     stats: Arc<SharedStats>,
@@ -430,6 +432,7 @@ impl Processor {
             payload: Vec::new(),
             scratch_fields: Vec::new(),
             release_fields: Vec::new(),
+            spare_field_vecs: Vec::new(),
             recycler,
             stats,
             last_export_ns: 0,

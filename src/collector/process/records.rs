@@ -143,7 +143,7 @@ impl Processor {
                     self.out
                         .push_event_with_fields_from(start, ts, track.id, EventKind::Instant, name);
                 } else {
-                    let mut values = Vec::new();
+                    let mut values = self.spare_field_vecs.pop().unwrap_or_default();
                     self.decode_payload(callsite, fields, &mut values);
                     self.emit(track, ts, EventKind::Instant, name, values, None);
                 }

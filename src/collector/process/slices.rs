@@ -13,6 +13,11 @@ use crate::collector::spans::Poll;
 use crate::collector::AsyncTasks;
 use crate::export::{EventKind, FieldValue, NameId, TraceField};
 
+/// Most emptied field vectors kept for events held behind a span begin (a pass's worth of `info!` inside
+/// `#[instrument]` spans), and the longest kept.
+const SPARE_FIELD_VECS: usize = 16_384;
+const SPARE_FIELD_VEC_LEN: usize = 16;
+
 impl Processor {
     /// Ends every open slice of `track` at `end_ns`, marked truncated.
     pub(super) fn truncate_open(&mut self, track: &mut Track, end_ns: u64) {
@@ -325,6 +330,11 @@ impl Processor {
             if span_begin.is_some() {
                 // Emptied by the batch: kept for the next begin.
                 self.release_fields = event.fields;
+            } else if event.fields.capacity() != 0
+                && event.fields.capacity() <= SPARE_FIELD_VEC_LEN
+                && self.spare_field_vecs.len() < SPARE_FIELD_VECS
+            {
+                self.spare_field_vecs.push(event.fields);
             }
         }
         for open in &mut track.open {
