@@ -46,10 +46,8 @@ pub(crate) struct SpanState {
     /// The callsite key (field names come from the callsite).
     pub(crate) callsite: u64,
     /// Creation time (reference ns).
-    #[allow(dead_code, reason = "a span's lifetime, for async task tracks")]
     pub(crate) created_ns: u64,
     /// The explicit or inferred parent span's serial (0: none).
-    #[allow(dead_code, reason = "nesting of async task tracks")]
     pub(crate) parent: u64,
     /// The pass in which its close was processed (0: still open).
     pub(crate) closed_in: u64,
