@@ -14,7 +14,8 @@
 //!   measured last, once the Tracy client runs, against a floor measured beside it.
 //!
 //! Once-per-process costs are paid before measuring: the process's TSC decision (whose full check runs on
-//! background threads for a few seconds after the first timeline starts) and the Tracy client's start.
+//! background threads for a few seconds after the first timeline starts) and the Tracy client's start (when the
+//! process loads, not at `Client::start()`: `settle` waits until its threads are idle).
 //!
 //! Operations: `span` (`info_span!("span").entered()` dropped: create, enter, exit, close) and `event`
 //! (`info!(i, "event")`); with `--once`, also `scope` (`tickline::scope!`, no `tracing`: the recording path
@@ -229,6 +230,40 @@ fn thread_sched() -> Vec<(String, i64)> {
     out
 }
 
+/// CPU time (ns) of this process's threads named `Tracy*`.
+fn tracy_threads_cpu() -> i64 {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return 0;
+    };
+    tasks
+        .flatten()
+        .filter(|t| std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.starts_with("Tracy")))
+        .filter_map(|t| {
+            let stat = std::fs::read_to_string(t.path().join("schedstat")).ok()?;
+            stat.split_whitespace().next()?.parse::<i64>().ok()
+        })
+        .sum()
+}
+
+/// Waits (at most 10 s) until the Tracy client's threads stop working. The peers' `tracy-client` starts its
+/// client when the process loads (no `manual-lifetime`: that feature would reach tickline-tracy's own tests
+/// through the workspace's feature unification), and its start-up reads the kernel's symbols on a thread of its
+/// own for a few hundred ms of CPU: without this wait, that runs beside the first samples and is counted in
+/// their process CPU time. Afterwards its threads sleep (a few µs of CPU per second).
+fn wait_for_tracy_start_up() {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut before = tracy_threads_cpu();
+    while std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+        let now = tracy_threads_cpu();
+        // Less than 1 ms of CPU in 100 ms: idle.
+        if now - before < 1_000_000 {
+            return;
+        }
+        before = now;
+    }
+}
+
 /// The sample with the median total.
 fn median(mut v: Vec<Sample>) -> Sample {
     v.sort_by(|a, b| a.total.total_cmp(&b.total));
@@ -249,6 +284,7 @@ fn parse_config(name: &str) -> Config {
 fn settle(tracy: bool) -> Option<tracy_client::Client> {
     let decision = tickline::clock::TscDecider::process().wait_final(Duration::from_secs(60));
     assert!(decision.is_final(), "the TSC decision did not finish: {decision:?}");
+    wait_for_tracy_start_up();
     tracy.then(|| {
         let client = tracy_client::Client::start();
         // Let its start-up work (delay calibration, symbol loading) finish.
@@ -327,8 +363,9 @@ fn main() {
     }
     let full = args.iter().any(|a| a == "--bench");
     let (ops, samples) = if full { (1_000_000, 9) } else { (10_000, 1) };
-    // tickline's configurations first, with no Tracy client in the process (its threads would be counted);
-    // then the Tracy client starts, and `tracing_tracy` is compared with a floor measured beside it.
+    // tickline's configurations first, before any Tracy layer records (the Tracy client's threads, started when
+    // the process loaded, are idle by then: see `wait_for_tracy_start_up`); then `tracing_tracy`, compared with a
+    // floor measured beside it.
     let _ = Timeline::builder().start().map(Timeline::shutdown);
     // Kept to the end: the Tracy client stops with the process.
     let mut _tracy = None;
