@@ -26,7 +26,7 @@
 //! | `SpanNew` | now, or 0 (untimed) | callsite key | with fields or a non-contextual parent: `[len, parent mode]` + explicit parent serial (or 0) | fields |
 //! | `SpanRecord` | now | span serial | `[len]` | fields |
 //! | `SpanEnter`, `SpanExit` | now | span serial | | |
-//! | `SpanClose` | now, or 0 with `aux = AT_LAST_EXIT` | span serial | | |
+//! | `SpanClose` | now, or 0 with `aux` bit [`AT_LAST_EXIT`] | span serial; `aux` bit [`VALUES_FINAL`]: no `record` reached the span | | |
 //! | `Event` | now | callsite key | `[len, parent mode]` + explicit parent serial (or 0) | fields |
 //! | `ScopeBegin`, `ScopeEnd`, `Instant` | now | callsite key | | |
 //! | `Counter` | now | callsite key | value (`f64` bits) | |
@@ -77,6 +77,9 @@ pub(crate) const DATA_BYTES: usize = 14;
 pub(crate) const MAX_DATA_RECORDS: usize = AUX_MAX as usize;
 /// `SpanClose` flag: untimed, the span closed right after its last exit on this thread, whose tick it takes.
 pub(crate) const AT_LAST_EXIT: u64 = 1;
+/// `SpanClose` flag: no `record` reached the span after its creation (on any thread), so the values it was
+/// created with are its values at every moment: its slices need not wait for values recorded elsewhere.
+pub(crate) const VALUES_FINAL: u64 = 2;
 
 /// What a record means. Stored in the top 4 bits of word 0; 0 (zeroed memory) is no kind.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -401,6 +404,8 @@ pub(crate) struct LeafTail {
     pub(crate) enter_ticks: u64,
     pub(crate) exit_ticks: u64,
     pub(crate) serial: u64,
+    /// The close says the span's creation values are final ([`VALUES_FINAL`]).
+    pub(crate) values_final: bool,
 }
 
 impl LeafTail {
@@ -413,14 +418,16 @@ impl LeafTail {
         let [enter, exit, close, ..] = records else {
             return None;
         };
+        // The close's VALUES_FINAL bit may be either way: compared with it set.
         let shape = record_head(enter) == expected_head(Kind::SpanEnter, 0)
             && record_head(exit) == expected_head(Kind::SpanExit, 0)
-            && record_head(close) == expected_head(Kind::SpanClose, AT_LAST_EXIT);
+            && record_head(close) | VALUES_FINAL == expected_head(Kind::SpanClose, AT_LAST_EXIT | VALUES_FINAL);
         let serial = enter.word1;
         (shape && exit.word1 == serial && close.word1 == serial).then(|| LeafTail {
             enter_ticks: enter.low48(),
             exit_ticks: exit.low48(),
             serial,
+            values_final: close.aux() & VALUES_FINAL != 0,
         })
     }
 }
@@ -461,9 +468,11 @@ pub(crate) enum Item<'a> {
         serial: u64,
     },
     /// `ticks` is `None` when the span closed right after its last exit on this thread (take that tick).
+    /// `values_final`: see [`VALUES_FINAL`].
     SpanClose {
         ticks: Option<u64>,
         serial: u64,
+        values_final: bool,
     },
     Event {
         ticks: u64,
@@ -587,13 +596,10 @@ impl<'a> Decoder<'a> {
             let item = match kind {
                 Kind::SpanEnter if aux == 0 => Item::SpanEnter { ticks, serial: word1 },
                 Kind::SpanExit if aux == 0 => Item::SpanExit { ticks, serial: word1 },
-                Kind::SpanClose if aux == 0 => Item::SpanClose {
-                    ticks: Some(ticks),
+                Kind::SpanClose if aux & !(AT_LAST_EXIT | VALUES_FINAL) == 0 => Item::SpanClose {
+                    ticks: (aux & AT_LAST_EXIT == 0).then_some(ticks),
                     serial: word1,
-                },
-                Kind::SpanClose if aux == AT_LAST_EXIT => Item::SpanClose {
-                    ticks: None,
-                    serial: word1,
+                    values_final: aux & VALUES_FINAL != 0,
                 },
                 Kind::ScopeBegin if aux == 0 => Item::ScopeBegin { ticks, callsite: word1 },
                 Kind::ScopeEnd if aux == 0 => Item::ScopeEnd { ticks, callsite: word1 },
@@ -927,24 +933,53 @@ mod tests {
             Record::timed(Kind::ScopeEnd, t, 0x1000),
             Record::timed(Kind::Instant, t, 0x2000),
             Record::timed(Kind::Gap, t, 12),
+            Record::head(Kind::SpanClose, AT_LAST_EXIT | VALUES_FINAL, 0, 9),
+            Record::head(Kind::SpanClose, VALUES_FINAL, t + 3, 10),
+            // An aux bit no close has: a framing error, not a close.
+            Record::head(Kind::SpanClose, 4, t + 4, 11),
         ];
         let items = decode_all(&records);
-        assert_eq!(items.len(), 8);
+        assert_eq!(items.len(), 11);
         let low = t & TICK_MASK;
         assert!(matches!(items[0], Ok(Item::SpanEnter { ticks, serial: 7 }) if ticks == low));
         assert!(matches!(items[1], Ok(Item::SpanExit { serial: 7, .. })));
-        assert!(matches!(items[2], Ok(Item::SpanClose { ticks: None, serial: 7 })));
+        assert!(matches!(
+            items[2],
+            Ok(Item::SpanClose {
+                ticks: None,
+                serial: 7,
+                values_final: false
+            })
+        ));
         assert!(matches!(
             items[3],
             Ok(Item::SpanClose {
                 ticks: Some(_),
-                serial: 8
+                serial: 8,
+                values_final: false
             })
         ));
         assert!(matches!(items[4], Ok(Item::ScopeBegin { callsite: 0x1000, .. })));
         assert!(matches!(items[5], Ok(Item::ScopeEnd { callsite: 0x1000, .. })));
         assert!(matches!(items[6], Ok(Item::Instant { callsite: 0x2000, .. })));
         assert!(matches!(items[7], Ok(Item::Gap { dropped: 12, .. })));
+        assert!(matches!(
+            items[8],
+            Ok(Item::SpanClose {
+                ticks: None,
+                serial: 9,
+                values_final: true
+            })
+        ));
+        assert!(matches!(
+            items[9],
+            Ok(Item::SpanClose {
+                ticks: Some(_),
+                serial: 10,
+                values_final: true
+            })
+        ));
+        assert!(items[10].is_err(), "{:?}", items[10]);
     }
 
     #[test]

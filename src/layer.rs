@@ -179,7 +179,8 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for TicklineLayer {
     }
 
     fn on_record(&self, id: &Id, values: &SpanValues<'_>, ctx: Context<'_, S>) {
-        if let Some(serial) = self.serial(id) {
+        // Marks the span: its values may now differ from its creation's (see `SpanTable`).
+        if let Some(serial) = self.spans.get_recording(id.into_u64()) {
             recorder::span_record(self, self.shared.max_payload_bytes, serial, |encoder| {
                 values.record(&mut Encode(encoder))
             });
@@ -229,8 +230,8 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for TicklineLayer {
     }
 
     fn on_close(&self, id: Id, _ctx: Context<'_, S>) {
-        if let Some(serial) = self.spans.remove(id.into_u64()) {
-            recorder::span_close(self, serial);
+        if let Some((serial, recorded)) = self.spans.remove(id.into_u64()) {
+            recorder::span_close(self, serial, !recorded);
         }
     }
 }
@@ -241,4 +242,63 @@ fn live_enter<S: Subscriber + for<'a> LookupSpan<'a>>(live: &dyn LiveSink, id: &
     let extensions = span.extensions();
     let data = extensions.get::<LiveData>().and_then(|d| d.0.as_ref());
     live.span_enter(span.metadata(), data);
+}
+
+#[cfg(test)]
+mod tests {
+    use tracing_subscriber::layer::SubscriberExt;
+
+    use crate::codec::{Decoder, Item};
+    use crate::collector::capture::{open, Frame};
+    use crate::collector::input::Input;
+
+    /// A span's close says whether a `record` reached it, from any thread: the collector lets the slices of a
+    /// span whose close says "values final" go out without waiting for values recorded elsewhere, so a close
+    /// that said so wrongly would cost a slice its values. Read back from a raw capture: each close's flag.
+    #[test]
+    fn a_close_says_values_final_only_when_no_record_reached_the_span() {
+        let path = std::env::temp_dir().join(format!("tickline-values-final-{}.tickline", std::process::id()));
+        let timeline = crate::Timeline::builder().raw_capture(&path).start().unwrap();
+        let subscriber = std::sync::Arc::new(tracing_subscriber::registry().with(timeline.layer()));
+        tracing::subscriber::with_default(subscriber.clone(), || {
+            // Serial 1: never recorded.
+            drop(tracing::info_span!("plain", x = 1).entered());
+            // Serial 2: recorded on this thread.
+            let span = tracing::info_span!("here", x = tracing::field::Empty);
+            span.record("x", 2);
+            drop(span.entered());
+            // Serial 3: recorded on another thread, which lets go of it first (the close is this thread's).
+            let span = tracing::info_span!("elsewhere", x = 1);
+            let entered = span.clone().entered();
+            std::thread::scope(|s| {
+                s.spawn(|| {
+                    tracing::subscriber::with_default(subscriber.clone(), || {
+                        let span = span.clone();
+                        span.record("x", 3);
+                    })
+                });
+            });
+            drop(span);
+            drop(entered);
+            // Serial 4: field-less, never recorded.
+            drop(tracing::info_span!("bare").entered());
+        });
+        timeline.shutdown().unwrap();
+        let mut closes = Vec::new();
+        for frame in open(&path).unwrap() {
+            if let Frame::Input(Input::Chunk(chunk)) = frame {
+                for item in Decoder::new(&chunk.records).flatten() {
+                    if let Item::SpanClose {
+                        serial, values_final, ..
+                    } = item
+                    {
+                        closes.push((serial & ((1 << 40) - 1), values_final));
+                    }
+                }
+            }
+        }
+        std::fs::remove_file(&path).ok();
+        closes.sort_unstable();
+        assert_eq!(closes, [(1, true), (2, false), (3, false), (4, true)]);
+    }
 }

@@ -812,17 +812,20 @@ fn drop_refused_exit(ring: &mut LocalRing, serial: u64) -> bool {
 }
 
 /// Records span `serial`'s close: untimed when it follows its own exit (it takes that exit's tick).
+/// `values_final`: no `record` reached the span, so the values it was created with are final
+/// ([`codec::VALUES_FINAL`]).
 #[inline]
-pub(crate) fn span_close(target: &impl Target, serial: u64) {
+pub(crate) fn span_close(target: &impl Target, serial: u64, values_final: bool) {
     with_ring(target, |ring| {
         if serial & NOT_ANNOUNCED != 0 {
             ring.drop_records(1);
             return;
         }
+        let flags = if values_final { codec::VALUES_FINAL } else { 0 };
         let record = if ring.last_exit == (serial, ring.producer.tail_index()) {
-            Record::head(Kind::SpanClose, codec::AT_LAST_EXIT, 0, serial)
+            Record::head(Kind::SpanClose, codec::AT_LAST_EXIT | flags, 0, serial)
         } else {
-            Record::timed(Kind::SpanClose, ring.now(), serial)
+            Record::head(Kind::SpanClose, flags, ring.now(), serial)
         };
         ring.push_other(&[record]);
     });

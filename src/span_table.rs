@@ -14,13 +14,20 @@
 //! further spans to an overflow map under a mutex; lookups go there only when an id is not in its set and the
 //! overflow map is not empty.
 //!
+//! Each entry also says whether a `record` reached its span ([`mark_recorded`](SpanTable::mark_recorded)):
+//! a span closed without one has the values it was created with for good, which its close record tells the
+//! collector (its slices then need not wait for values recorded on other threads). The flag is a plain
+//! store on the span's own way, which only that span holds while it lives; its close reads it, and every
+//! `record` on the span happened before the close (a `record` needs a handle on the span, and the close
+//! comes after the registry saw the last handle dropped, with the ordering its reference count gives).
+//!
 //! Why a span's entry cannot be mistaken for another's: an id is unique among live spans of one
 //! registry; a way is cleared only by its span's close, which happens before the registry can hand the
 //! id out again; and a reader that races a writer on the same way sees the sequence change and ignores
 //! what it read.
 
 use std::collections::HashMap;
-use std::sync::atomic::{fence, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 /// Ways per set.
@@ -33,6 +40,8 @@ const SETS: usize = 1024;
 #[derive(Default)]
 struct Way {
     seq: AtomicU32,
+    /// A `record` reached the span held (see the module docs); cleared when a span claims the way.
+    recorded: AtomicBool,
     /// The registry id held, 0 when free.
     id: AtomicU64,
     serial: AtomicU64,
@@ -47,7 +56,8 @@ struct Set {
 /// Registry span id -> tickline serial, for the live spans of one subscriber.
 pub(crate) struct SpanTable {
     sets: Box<[Set]>,
-    overflow: Mutex<HashMap<u64, u64>>,
+    /// Id -> (serial, a `record` reached it).
+    overflow: Mutex<HashMap<u64, (u64, bool)>>,
     /// Entries in `overflow`, read without the lock.
     overflow_len: AtomicUsize,
 }
@@ -100,6 +110,7 @@ impl SpanTable {
             // Release fence: the odd sequence is visible before the new contents (pairs with the reader's
             // Acquire fence before its second sequence load).
             fence(Ordering::Release);
+            way.recorded.store(false, Ordering::Relaxed);
             way.serial.store(serial, Ordering::Relaxed);
             way.id.store(id, Ordering::Relaxed);
             // Release: publishes the contents; pairs with the Acquire load of `seq` in `lookup`.
@@ -113,7 +124,7 @@ impl SpanTable {
     #[inline(never)]
     fn insert_overflow(&self, id: u64, serial: u64) {
         let mut overflow = self.overflow.lock().unwrap_or_else(|e| e.into_inner());
-        overflow.insert(id, serial);
+        overflow.insert(id, (serial, false));
         self.overflow_len.store(overflow.len(), Ordering::Release);
     }
 
@@ -163,25 +174,50 @@ impl SpanTable {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(&id)
-            .copied()
+            .map(|&(serial, _)| serial)
     }
 
-    /// Forgets span `id` (it closed) and returns its serial.
+    /// The serial of live span `id`, if the table has it, noting that a `record` reached the span.
     #[inline]
-    pub(crate) fn remove(&self, id: u64) -> Option<u64> {
+    pub(crate) fn get_recording(&self, id: u64) -> Option<u64> {
         match self.find(id) {
             Some((way, serial)) => {
+                // Relaxed: read by the span's close, which the registry orders after this call (module docs).
+                way.recorded.store(true, Ordering::Relaxed);
+                Some(serial)
+            }
+            None => self.get_recording_overflow(id),
+        }
+    }
+
+    #[cold]
+    fn get_recording_overflow(&self, id: u64) -> Option<u64> {
+        if self.overflow_len.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        let mut overflow = self.overflow.lock().unwrap_or_else(|e| e.into_inner());
+        let (serial, recorded) = overflow.get_mut(&id)?;
+        *recorded = true;
+        Some(*serial)
+    }
+
+    /// Forgets span `id` (it closed) and returns its serial and whether a `record` reached it.
+    #[inline]
+    pub(crate) fn remove(&self, id: u64) -> Option<(u64, bool)> {
+        match self.find(id) {
+            Some((way, serial)) => {
+                let recorded = way.recorded.load(Ordering::Relaxed);
                 // A plain store: no writer claims a way whose id is non-zero, and no reader wants this id
                 // any more (the span is closing; its id may be handed out only after this returns).
                 way.id.store(0, Ordering::Release);
-                Some(serial)
+                Some((serial, recorded))
             }
             None => self.remove_overflow(id),
         }
     }
 
     #[cold]
-    fn remove_overflow(&self, id: u64) -> Option<u64> {
+    fn remove_overflow(&self, id: u64) -> Option<(u64, bool)> {
         if self.overflow_len.load(Ordering::Acquire) == 0 {
             return None;
         }
@@ -211,13 +247,35 @@ mod tests {
             assert_eq!(table.get(id), Some(id * 3));
         }
         for id in (1..=10_000u64).step_by(2) {
-            assert_eq!(table.remove(id), Some(id * 3));
+            assert_eq!(table.remove(id), Some((id * 3, false)));
         }
         for id in 1..=10_000u64 {
             assert_eq!(table.get(id), (id % 2 == 0).then_some(id * 3), "id {id}");
         }
         assert_eq!(table.get(0), None);
         assert_eq!(table.remove(1), None);
+    }
+
+    /// A `record` marks its span, in a way and in the overflow map alike; the span that takes the id (and
+    /// the way) next starts unmarked.
+    #[test]
+    fn a_record_marks_its_span_until_its_close_and_no_later_span() {
+        let table = SpanTable::default();
+        // 5,000 live spans: some in ways, the rest in the overflow map.
+        for id in 1..=5_000u64 {
+            table.insert(id, id + 7);
+        }
+        for id in (1..=5_000u64).filter(|id| id % 3 == 0) {
+            assert_eq!(table.get_recording(id), Some(id + 7));
+        }
+        assert_eq!(table.get_recording(9_999), None);
+        for id in 1..=5_000u64 {
+            assert_eq!(table.remove(id), Some((id + 7, id % 3 == 0)), "id {id}");
+        }
+        for id in 1..=5_000u64 {
+            table.insert(id, id);
+            assert_eq!(table.remove(id), Some((id, false)), "id {id} again");
+        }
     }
 
     #[test]
@@ -227,7 +285,7 @@ mod tests {
             // The registry's pattern under load: the same id again and again, one live span at a time.
             table.insert(42, serial);
             assert_eq!(table.get(42), Some(serial));
-            assert_eq!(table.remove(42), Some(serial));
+            assert_eq!(table.remove(42), Some((serial, false)));
         }
         assert_eq!(table.overflow_len.load(Ordering::Relaxed), 0);
     }
@@ -249,7 +307,7 @@ mod tests {
                         table.insert(id, serial);
                         assert_eq!(table.get(id), Some(serial));
                         assert_eq!(table.get(held), Some(held << 32));
-                        assert_eq!(table.remove(id), Some(serial));
+                        assert_eq!(table.remove(id), Some((serial, false)));
                     }
                 });
             }

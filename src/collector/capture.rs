@@ -1,9 +1,9 @@
 //! Raw capture: the collector's input log written to a `.tickline` file as it is drained, and read back to
 //! be converted later with the whole calibration history.
 //!
-//! # Format (version 2)
+//! # Format (version 3)
 //!
-//! A file is the 16-byte magic `TICKLINE` + `\0\0\0\0` + version (`u32` little-endian, 2), then *frames*
+//! A file is the 16-byte magic `TICKLINE` + `\0\0\0\0` + version (`u32` little-endian, 3), then *frames*
 //! until the end of the file:
 //!
 //! ```text
@@ -17,6 +17,10 @@
 //! w)`, then its last 0 to 7 bytes, zero-padded to a word `w`, as the next step with `w ^ (count << 59)`.
 //! The check is `fold(fold(fold(lane[0], lane[1]), lane[2]), lane[3])`. (Version 1, still read, folds every
 //! word into lane 0 alone and is lane 0: one dependent multiply per word, a quarter of the speed.)
+//!
+//! Version 3 is version 2 whose records may carry a span close's `VALUES_FINAL` bit (see [`crate::codec`]),
+//! which a version-2 reader would count as a framing error: a reader of version 2 refuses version 3 by its
+//! number instead. Versions 1 and 2 still read (their closes never carry it).
 //!
 //! Integers are little-endian, strings are `u16` length + UTF-8 bytes, samples are
 //! `(source ticks u64, reference ns u64, max deviation ns u64)`. Frame types and payloads:
@@ -60,8 +64,8 @@ use crate::codec::Record;
 use crate::gpu::{GpuDeviceInfo, GpuTicks};
 
 const MAGIC: &[u8; 12] = b"TICKLINE\0\0\0\0";
-/// The format version this build writes (it also reads version 1, whose check has one lane).
-pub(crate) const VERSION: u32 = 2;
+/// The format version this build writes (it also reads versions 1, whose check has one lane, and 2).
+pub(crate) const VERSION: u32 = 3;
 /// Write the buffer to the file once it holds this much.
 const WRITE_OUT_BYTES: usize = 1 << 20;
 /// Write the buffer out at least this often, so a killed process loses at most about this much.
@@ -527,7 +531,7 @@ pub(crate) enum Frame {
 /// does not parse ends the reading (see [`CaptureReader::stopped`]).
 pub(crate) struct CaptureReader<R: Read> {
     input: R,
-    /// The file's format version (1 or 2: they differ in the frame check only).
+    /// The file's format version (1 to 3; 1 has the one-lane frame check).
     version: u32,
     buf: Vec<u8>,
     /// Why reading stopped early, if it did.
@@ -563,7 +567,7 @@ impl<R: Read> CaptureReader<R> {
             });
         }
         let version = u32::from_le_bytes(magic[12..].try_into().expect("4 bytes"));
-        if version != 1 && version != VERSION {
+        if !(1..=VERSION).contains(&version) {
             return Err(CaptureError::Format {
                 detail: format!("format version {version}; this build reads versions 1 to {VERSION}"),
             });
@@ -1018,10 +1022,11 @@ mod tests {
         assert!(matches!(frames.last(), Some(Frame::End)));
     }
 
-    /// Captures written by earlier builds (version 1: the same frames with a one-lane check) still read, and
-    /// a version-1 check is not accepted in a version-2 file (nor the other way round).
+    /// Captures written by earlier builds (version 1: the same frames with a one-lane check; version 2: the
+    /// same frames and check, no close marked `VALUES_FINAL`) still read, and a version-1 check is not accepted
+    /// in a later version's file (nor the other way round).
     #[test]
-    fn version_1_captures_still_read() {
+    fn version_1_and_2_captures_still_read() {
         let path = write_capture(&std::env::temp_dir());
         let v2 = std::fs::read(&path).unwrap();
         std::fs::remove_file(&path).ok();
@@ -1036,7 +1041,7 @@ mod tests {
             assert_eq!(
                 frame_check::<4>(&[&head[..1], &head[1..], payload]).to_le_bytes(),
                 v2[at + 5 + len..at + 13 + len],
-                "frame {frames} of the version-2 file"
+                "frame {frames} of the written file"
             );
             v1.extend_from_slice(&v2[at..at + 5 + len]);
             v1.extend_from_slice(&frame_check::<1>(&[&head[..1], &head[1..], payload]).to_le_bytes());
@@ -1053,6 +1058,11 @@ mod tests {
         assert_eq!(stopped, None);
         assert_eq!(from_v1, read(&v2).0);
         assert_eq!(from_v1.len(), frames);
+        // The written file (this build's version) relabelled version 2: the same frames.
+        assert_eq!(VERSION, 3);
+        let mut labelled_2 = v2.clone();
+        labelled_2[12..16].copy_from_slice(&2u32.to_le_bytes());
+        assert_eq!(read(&labelled_2), (from_v1.clone(), None));
         // The version says which check a frame carries: a mismatch is a corrupt frame, found at once.
         let mut mixed = v1.clone();
         mixed[12..16].copy_from_slice(&VERSION.to_le_bytes());

@@ -240,13 +240,19 @@ pub mod bench_support {
     }
 
     /// The four records the layer writes for `info_span!(..).entered()` dropped: a bare creation stamped
-    /// `new_ticks` (0: untimed), the enter and exit, and the close at the last exit.
+    /// `new_ticks` (0: untimed), the enter and exit, and the close at the last exit (no `record` reached the
+    /// span: its values are final).
     fn span_lifecycle(serial: u64, callsite: u64, new_ticks: u64, enter: u64, exit: u64) -> [Record; 4] {
         [
             crate::codec::span_new_bare(new_ticks, callsite),
             Record::timed(Kind::SpanEnter, enter, serial),
             Record::timed(Kind::SpanExit, exit, serial),
-            Record::head(Kind::SpanClose, crate::codec::AT_LAST_EXIT, 0, serial),
+            Record::head(
+                Kind::SpanClose,
+                crate::codec::AT_LAST_EXIT | crate::codec::VALUES_FINAL,
+                0,
+                serial,
+            ),
         ]
     }
 
@@ -366,7 +372,7 @@ pub mod bench_support {
                 }
                 for i in group {
                     let serial = crate::recorder::span_serial(1, i + 1);
-                    records.push(Record::timed(Kind::SpanClose, t, serial));
+                    records.push(Record::head(Kind::SpanClose, crate::codec::VALUES_FINAL, t, serial));
                     t += 10;
                 }
             }

@@ -57,6 +57,9 @@ pub(crate) struct SpanState {
     pub(crate) fields_truncated: u32,
     /// Its callsite declares no fields, so its values never change: its slices need not wait for them.
     pub(crate) fieldless: bool,
+    /// Its close said no `record` reached it ([`crate::codec::VALUES_FINAL`]): its creation values are final,
+    /// so its slices need not wait for values recorded on other threads.
+    pub(crate) values_final: bool,
     /// It was entered on more than one thread track.
     pub(crate) multi_track: bool,
     /// The thread track of its first enter (0: never entered).
@@ -127,6 +130,7 @@ impl SpanState {
             closed_ns: 0,
             fields_truncated: 0,
             fieldless: false,
+            values_final: false,
             multi_track: false,
             first_track: 0,
             first_poll: Poll::default(),
@@ -334,10 +338,13 @@ impl Spans {
     }
 
     /// Notes span `serial`'s close, processed in pass `pass` (passes count from 1).
-    pub(crate) fn close(&mut self, serial: u64, pass: u64, ts_ns: u64) {
+    /// Notes that span `serial` closed at `ts_ns`, in pass `pass`; `values_final`: see
+    /// [`SpanState::values_final`].
+    pub(crate) fn close(&mut self, serial: u64, pass: u64, ts_ns: u64, values_final: bool) {
         if let Some(span) = self.get_mut(serial) {
             span.closed_in = pass.max(1);
             span.closed_ns = ts_ns;
+            span.values_final = values_final;
             if span.task.is_some() {
                 self.closing_tasks.push((serial, pass.max(1)));
             }
@@ -480,7 +487,7 @@ mod tests {
         let mut spans = Spans::default();
         spans.insert(7, SpanState::new(NameId(1), 0, 0, None, None));
         spans.get_mut(7).unwrap().open_slices = 1;
-        spans.close(7, 10, 5);
+        spans.close(7, 10, 5, false);
         spans.sweep(20);
         assert!(spans.get(7).is_some(), "an open slice still refers to it");
         spans.get_mut(7).unwrap().open_slices = 0;
@@ -501,7 +508,7 @@ mod tests {
         spans.insert(serial(2, 1), state());
         for n in 2..=(WINDOW_MAX as u64 * 3) {
             spans.insert(serial(1, n), state());
-            spans.close(serial(1, n), 1, 0);
+            spans.close(serial(1, n), 1, 0, false);
         }
         spans.sweep(10);
         assert!(
@@ -513,7 +520,7 @@ mod tests {
         assert_eq!(spans.live(), 2, "everything closed was forgotten");
         assert!(spans.windows.iter().all(|w| w.slots.len() <= WINDOW_MAX));
         // The spilled span closes and goes too; a serial never created is unknown.
-        spans.close(serial(1, 1), 20, 0);
+        spans.close(serial(1, 1), 20, 0, false);
         spans.sweep(30);
         assert!(spans.get(serial(1, 1)).is_none());
         assert!(spans.get(serial(3, 1)).is_none());
@@ -542,7 +549,7 @@ mod tests {
         let mut span = SpanState::new(NameId(1), 0, 0, None, Some(values));
         span.update(5, [field(1, 8)]);
         spans.insert(serial(1, 1), span);
-        spans.close(serial(1, 1), 1, 0);
+        spans.close(serial(1, 1), 1, 0, false);
         spans.sweep(10);
         assert!(spans.get(serial(1, 1)).is_none());
         let reused = spans.take_values();

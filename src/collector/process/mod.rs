@@ -17,7 +17,9 @@
 //! ended and one more drain pass has been processed (so values recorded on other threads before the end
 //! have arrived), then the span's values as of the end go on the begin and the held events go out. A slice
 //! still open after [`HOLD_LIMIT_NS`] (or a flush) is released with the values it has then; values changed
-//! later go on its end event.
+//! later go on its end event. A span whose close says no `record` reached it (`codec::VALUES_FINAL`, which
+//! the layer sets: most spans, `#[instrument]`'s included) has its creation values for good: its ended
+//! slices go out at its close, without the pass.
 //!
 //! # Async tasks
 //!
@@ -40,8 +42,9 @@
 //! another in a chunk, are processed at once (`Processor::leaf_span`, recognized by `codec::LeafSpan`): the
 //! same events, span-table entry and counts as the records one by one, with one span-table access instead of
 //! four and no per-record dispatch. A leaf span with fields (a creation group with values, then its enter, exit
-//! and close: `#[instrument]`'s spans) is processed at once too (`Processor::leaf_span_with_fields`): its begin
-//! still waits in the held queue for its values, with its end already known. Anything the general path would
+//! and close: `#[instrument]`'s spans) is processed at once too (`Processor::leaf_span_with_fields`): with
+//! final values and nothing held before it, its begin and end go straight into the batch; otherwise its begin
+//! waits in the held queue for its values, with its end already known. Anything the general path would
 //! treat differently (held events for a field-less leaf, undated creations, `AsyncTasks::Always`, ...) takes
 //! the general path. A differential property test holds the two to the same output.
 //!

@@ -107,7 +107,11 @@ impl Processor {
                 track.last_exit = Some((serial, ts));
                 self.close_slice(track, OpenKind::Span(serial), ts);
             }
-            Item::SpanClose { ticks, serial } => {
+            Item::SpanClose {
+                ticks,
+                serial,
+                values_final,
+            } => {
                 if self.span_serial(serial).is_none() {
                     if !force {
                         return Step::Stall;
@@ -122,8 +126,12 @@ impl Processor {
                         _ => track.last_ns,
                     },
                 };
-                self.spans.close(serial, self.pass, ts);
+                self.spans.close(serial, self.pass, ts, values_final);
                 self.release_decided(track, serial, ts);
+                if values_final && !track.held.is_empty() {
+                    // Its held begins need not wait for the next pass: out now, with what follows them.
+                    self.release(track, false, ts);
+                }
             }
             Item::Event {
                 ticks,
@@ -296,8 +304,9 @@ impl Processor {
 
     /// A leaf span with fields at once: its creation group (`ticks`, `callsite`, `parent`, `fields`, decoded by
     /// the caller) and `tail` (its enter, exit and close) have the effects the general path gives those
-    /// records one by one: the span-table entry (closed, its first poll, its values), its slice's begin held
-    /// for its values with its end known, and the end behind it. False, having changed nothing, where the
+    /// records one by one: the span-table entry (closed, its first poll, its values), and its slice: begin and
+    /// end straight into the batch when its values are final and nothing is held on the track, else its begin
+    /// held for its values with its end known and the end behind it. False, having changed nothing, where the
     /// general path is needed (the same cases as [`leaf_span`](Self::leaf_span), and a callsite declaring no
     /// fields, whose slice would not wait).
     pub(super) fn leaf_span_with_fields(
@@ -328,12 +337,27 @@ impl Processor {
             (begin, end),
         );
         span.fields_truncated = u32::try_from(truncated).unwrap_or(u32::MAX);
-        // Its begin waits for its values (released a pass after its end, which is known).
+        span.values_final = tail.values_final;
+        track.last_exit = Some((serial, end));
+        if tail.values_final && track.held.is_empty() {
+            // Its creation values are final and nothing is held before it: its begin goes out now with them.
+            let start = self.out.batch.fields.len() as u32;
+            self.out.batch.fields.extend_from_slice(span.creation_values());
+            self.spans.insert(serial, span);
+            self.out
+                .push_event_with_fields_from(start, begin, track.id, EventKind::SliceBegin, name);
+            self.emit_bare(track, end, EventKind::SliceEnd, name, None);
+            return true;
+        }
+        // Its begin waits for its values (released a pass after its end, which is known; at once with final
+        // values, once what is held before it goes).
         span.held_begins = 1;
         self.spans.insert(serial, span);
         super::slices::hold_span_begin(track, serial, name, begin, Some((end, self.pass)));
         self.emit_bare(track, end, EventKind::SliceEnd, name, None);
-        track.last_exit = Some((serial, end));
+        if tail.values_final {
+            self.release(track, false, end);
+        }
         true
     }
 

@@ -296,10 +296,16 @@ impl Processor {
                 }
             }
             if let Some(span) = &front.span {
-                match span.end {
-                    Some((_, end_pass)) if end_pass < self.pass || force => {}
-                    None if force => {}
-                    _ => break,
+                // Ended a pass ago (values recorded on other threads before the end have come), or ended
+                // with values that no `record` changed.
+                let ready = match span.end {
+                    Some((_, end_pass)) => {
+                        end_pass < self.pass || force || self.spans.get(span.serial).is_some_and(|s| s.values_final)
+                    }
+                    None => force,
+                };
+                if !ready {
+                    break;
                 }
             }
             let mut event = track.held.pop_front().expect("front exists");

@@ -138,6 +138,81 @@ fn a_span_slice_waits_a_pass_after_its_end_and_shows_its_values_then() {
     );
 }
 
+/// A span whose close says no `record` reached it ([`codec::VALUES_FINAL`]) has its creation values for good:
+/// its slices go out in the pass that ends them, a leaf span's at once (no held queue), a span with an event
+/// inside at its close (the event with it, in order), and anything held before them first. Without the flag
+/// each waits a pass (values from other threads may still come: the test above).
+#[test]
+fn slices_of_a_span_whose_values_are_final_go_out_without_waiting_a_pass() {
+    let memory = MemoryExporter::default();
+    let mut p = processor(&memory);
+    register_span_callsite(&mut p);
+    let serial = |n| crate::recorder::span_serial(1, n);
+    let new = |v| group(|g| codec::encode_span_new(g, 0, SPAN, codec::Parent::Contextual, &u64_field(v)));
+    let close_at_exit = |n, flags| Record::head(Kind::SpanClose, codec::AT_LAST_EXIT | flags, 0, serial(n));
+    // 1: a leaf span with a value, final; 2: the same, not final (held); 3: final again, behind 2's held begin;
+    // 4: an event inside, a timed close, final.
+    let mut records = new(1);
+    records.extend([
+        Record::timed(Kind::SpanEnter, 100, serial(1)),
+        Record::timed(Kind::SpanExit, 110, serial(1)),
+        close_at_exit(1, codec::VALUES_FINAL),
+    ]);
+    records.extend(new(2));
+    records.extend([
+        Record::timed(Kind::SpanEnter, 200, serial(2)),
+        Record::timed(Kind::SpanExit, 210, serial(2)),
+        close_at_exit(2, 0),
+    ]);
+    records.extend(new(3));
+    records.extend([
+        Record::timed(Kind::SpanEnter, 300, serial(3)),
+        Record::timed(Kind::SpanExit, 310, serial(3)),
+        close_at_exit(3, codec::VALUES_FINAL),
+    ]);
+    chunk(&mut p, 1, records);
+    pass(&mut p);
+    let x = |slice: &crate::export::RecordedSlice| slice.field("x").cloned();
+    let slices = memory.snapshot().slices();
+    assert_eq!(slices.len(), 1, "{slices:?}");
+    assert_eq!(
+        (slices[0].begin_ns, slices[0].end_ns, x(&slices[0])),
+        (100, 110, Some(FieldValue::U64(1)))
+    );
+    let mut records = new(4);
+    records.push(Record::timed(Kind::SpanEnter, 400, serial(4)));
+    records.extend(group(|g| {
+        codec::encode_event(g, 405, KNOWN, codec::Parent::Contextual, &u64_field(9))
+    }));
+    records.push(Record::timed(Kind::SpanExit, 410, serial(4)));
+    records.push(Record::head(Kind::SpanClose, codec::VALUES_FINAL, 420, serial(4)));
+    chunk(&mut p, 1, records);
+    pass(&mut p);
+    let trace = memory.snapshot();
+    let slices: Vec<_> = trace.slices().iter().map(|s| (s.begin_ns, s.end_ns, x(s))).collect();
+    assert_eq!(
+        slices,
+        [
+            (100, 110, Some(FieldValue::U64(1))),
+            (200, 210, Some(FieldValue::U64(2))),
+            (300, 310, Some(FieldValue::U64(3))),
+            (400, 410, Some(FieldValue::U64(4))),
+        ],
+        "2 a pass after its end, 3 behind it, 4 at its close"
+    );
+    let instants: Vec<u64> = trace
+        .events
+        .iter()
+        .filter(|e| e.kind == EventKind::Instant)
+        .map(|e| e.ts_ns)
+        .collect();
+    assert_eq!(instants, [405]);
+    // The thread's events in time order (the event inside 4 between its begin and end).
+    let thread = trace.thread_track("t").unwrap();
+    let times: Vec<u64> = trace.events_on(thread).map(|e| e.ts_ns).collect();
+    assert_eq!(times, [100, 110, 200, 210, 300, 310, 400, 405, 410]);
+}
+
 /// An event's two ways out: behind a held span begin (its fields in a vector of their own, kept in the held
 /// queue) and straight into the batch's field arena (nothing held). Both keep their own fields, no other
 /// event's, and their place in the track's order.
@@ -541,6 +616,7 @@ enum RingOp {
     Leaf {
         callsite: u8,
         timed: bool,
+        values_final: bool,
     },
     /// A leaf span with a value for its field (`info_span!("span", x = v)` entered and dropped): a creation
     /// group, enter, exit and close right after, on callsite `callsite % 3` (fieldless, with a field, unknown).
@@ -548,6 +624,7 @@ enum RingOp {
         callsite: u8,
         value: u64,
         timed: bool,
+        values_final: bool,
     },
     /// A bare creation only.
     New {
@@ -568,6 +645,13 @@ enum RingOp {
         ring: u8,
         span: u16,
         at_last_exit: bool,
+        values_final: bool,
+    },
+    /// `span.record("x", value)`.
+    Record {
+        ring: u8,
+        span: u16,
+        value: u64,
     },
     Event(u64),
     ScopeBegin,
@@ -578,20 +662,32 @@ enum RingOp {
 
 fn ring_op() -> impl Strategy<Value = RingOp> {
     prop_oneof![
-        6 => (0u8..3, any::<bool>()).prop_map(|(callsite, timed)| RingOp::Leaf { callsite, timed }),
-        4 => (0u8..3, any::<u64>(), any::<bool>())
-            .prop_map(|(callsite, value, timed)| RingOp::LeafWithValue { callsite, value, timed }),
+        6 => (0u8..3, any::<bool>(), any::<bool>())
+            .prop_map(|(callsite, timed, values_final)| RingOp::Leaf { callsite, timed, values_final }),
+        4 => (0u8..3, any::<u64>(), any::<bool>(), any::<bool>()).prop_map(|(callsite, value, timed, values_final)| {
+            RingOp::LeafWithValue { callsite, value, timed, values_final }
+        }),
         2 => (0u8..3, any::<bool>()).prop_map(|(callsite, timed)| RingOp::New { callsite, timed }),
         1 => any::<u64>().prop_map(RingOp::NewWithValue),
         2 => (1u8..3, any::<u16>()).prop_map(|(ring, span)| RingOp::Enter { ring, span }),
         2 => (1u8..3, any::<u16>()).prop_map(|(ring, span)| RingOp::Exit { ring, span }),
-        2 => (1u8..3, any::<u16>(), any::<bool>())
-            .prop_map(|(ring, span, at_last_exit)| RingOp::Close { ring, span, at_last_exit }),
+        2 => (1u8..3, any::<u16>(), any::<bool>(), any::<bool>()).prop_map(|(ring, span, at_last_exit, values_final)| {
+            RingOp::Close { ring, span, at_last_exit, values_final }
+        }),
+        1 => (1u8..3, any::<u16>(), any::<u64>()).prop_map(|(ring, span, value)| RingOp::Record { ring, span, value }),
         1 => any::<u64>().prop_map(RingOp::Event),
         1 => Just(RingOp::ScopeBegin),
         1 => Just(RingOp::ScopeEnd),
         1 => Just(RingOp::Backwards),
     ]
+}
+
+fn final_bit(values_final: bool) -> u64 {
+    if values_final {
+        codec::VALUES_FINAL
+    } else {
+        0
+    }
 }
 
 /// Builds the records of `ops` on ring `ring`; `created[r]` counts the spans ring `r` has created so far.
@@ -607,19 +703,29 @@ fn ring_records(ring: u32, ops: &[RingOp], created: &mut [u64; 3], ticks: &mut u
         *ticks += 10;
         let t = *ticks;
         match *op {
-            RingOp::Leaf { callsite: c, timed } => {
+            RingOp::Leaf {
+                callsite: c,
+                timed,
+                values_final,
+            } => {
                 created[ring as usize] += 1;
                 let s = crate::recorder::span_serial(u64::from(ring), created[ring as usize]);
                 out.push(codec::span_new_bare(if timed { t } else { 0 }, callsite(c)));
                 out.push(Record::timed(Kind::SpanEnter, t + 1, s));
                 out.push(Record::timed(Kind::SpanExit, t + 5, s));
-                out.push(Record::head(Kind::SpanClose, codec::AT_LAST_EXIT, 0, s));
+                out.push(Record::head(
+                    Kind::SpanClose,
+                    codec::AT_LAST_EXIT | final_bit(values_final),
+                    0,
+                    s,
+                ));
                 *ticks += 5;
             }
             RingOp::LeafWithValue {
                 callsite: c,
                 value,
                 timed,
+                values_final,
             } => {
                 created[ring as usize] += 1;
                 let s = crate::recorder::span_serial(u64::from(ring), created[ring as usize]);
@@ -634,7 +740,12 @@ fn ring_records(ring: u32, ops: &[RingOp], created: &mut [u64; 3], ticks: &mut u
                 out.extend_from_slice(&scratch);
                 out.push(Record::timed(Kind::SpanEnter, t + 1, s));
                 out.push(Record::timed(Kind::SpanExit, t + 5, s));
-                out.push(Record::head(Kind::SpanClose, codec::AT_LAST_EXIT, 0, s));
+                out.push(Record::head(
+                    Kind::SpanClose,
+                    codec::AT_LAST_EXIT | final_bit(values_final),
+                    0,
+                    s,
+                ));
                 *ticks += 5;
             }
             RingOp::New { callsite: c, timed } => {
@@ -652,11 +763,21 @@ fn ring_records(ring: u32, ops: &[RingOp], created: &mut [u64; 3], ticks: &mut u
                 ring: r,
                 span,
                 at_last_exit,
+                values_final,
             } => out.push(if at_last_exit {
-                Record::head(Kind::SpanClose, codec::AT_LAST_EXIT, 0, serial(created, r, span))
+                Record::head(
+                    Kind::SpanClose,
+                    codec::AT_LAST_EXIT | final_bit(values_final),
+                    0,
+                    serial(created, r, span),
+                )
             } else {
-                Record::timed(Kind::SpanClose, t, serial(created, r, span))
+                Record::head(Kind::SpanClose, final_bit(values_final), t, serial(created, r, span))
             }),
+            RingOp::Record { ring: r, span, value } => {
+                codec::encode_span_record(&mut scratch, t, serial(created, r, span), &u64_field(value));
+                out.extend_from_slice(&scratch);
+            }
             RingOp::Event(v) => {
                 codec::encode_event(&mut scratch, t, KNOWN, codec::Parent::Contextual, &u64_field(v));
                 out.extend_from_slice(&scratch);
@@ -735,6 +856,7 @@ fn leaf_spans_take_the_fast_path_and_come_out_whole() {
         .map(|k| RingOp::Leaf {
             callsite: 0,
             timed: k % 2 == 0,
+            values_final: k % 3 == 0,
         })
         .collect();
     let records = ring_records(1, &ops, &mut [0; 3], &mut 0);
@@ -778,6 +900,7 @@ fn a_chunk_that_ends_on_an_exit_does_not_keep_the_next_chunks_leaf_spans_off_the
         .map(|_| RingOp::Leaf {
             callsite: 0,
             timed: true,
+            values_final: true,
         })
         .collect();
     let mut records = ring_records(1, &ops, &mut [0; 3], &mut 0);
@@ -802,8 +925,8 @@ fn a_chunk_that_ends_on_an_exit_does_not_keep_the_next_chunks_leaf_spans_off_the
 #[test]
 fn leaf_spans_with_fields_take_their_fast_path_and_keep_their_values() {
     // Guards the differential property above against a fast path for spans with fields that never runs: a
-    // ring of such spans, timed and untimed, each with its value; every one taken, every slice with its value
-    // (its begin held a pass for it) and no flow.
+    // ring of such spans, timed and untimed, each with its value, some final; every one taken, every slice
+    // with its value (its begin out at once when final and nothing is held before it, else held) and no flow.
     let memory = MemoryExporter::default();
     let mut p = processor(&memory);
     register_span_callsite(&mut p);
@@ -812,6 +935,7 @@ fn leaf_spans_with_fields_take_their_fast_path_and_keep_their_values() {
             callsite: 1,
             value: 1000 + k,
             timed: k % 2 == 0,
+            values_final: k % 4 != 1,
         })
         .collect();
     let records = ring_records(1, &ops, &mut [0; 3], &mut 0);
