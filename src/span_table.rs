@@ -14,7 +14,7 @@
 //! further spans to an overflow map under a mutex; lookups go there only when an id is not in its set and the
 //! overflow map is not empty.
 //!
-//! Each entry also says whether a `record` reached its span ([`mark_recorded`](SpanTable::mark_recorded)):
+//! Each entry also says whether a `record` reached its span ([`get_recording`](SpanTable::get_recording)):
 //! a span closed without one has the values it was created with for good, which its close record tells the
 //! collector (its slices then need not wait for values recorded on other threads). The flag is a plain
 //! store on the span's own way, which only that span holds while it lives; its close reads it, and every
