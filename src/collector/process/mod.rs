@@ -19,7 +19,8 @@
 //! still open after [`HOLD_LIMIT_NS`] (or a flush) is released with the values it has then; values changed
 //! later go on its end event. A span whose close says no `record` reached it (`codec::VALUES_FINAL`, which
 //! the layer sets: most spans, `#[instrument]`'s included) has its creation values for good: its ended
-//! slices go out at its close, without the pass.
+//! slices go out at its close, without the pass, and a slice whose enter sees that close a few records on in
+//! its chunk is not held at all (its begin goes out with the values, and what it contains straight after).
 //!
 //! # Async tasks
 //!
@@ -739,7 +740,7 @@ impl Processor {
                         // An exit right before its span's close: a synchronous span's only poll, no task.
                         self.exit_before_close =
                             matches!(item, Item::SpanExit { serial, .. } if decoder.next_closes(serial));
-                        let step = self.item(&mut r.track, item, chunk.now_ticks, force);
+                        let step = self.item(&mut r.track, item, decoder.rest(), chunk.now_ticks, force);
                         self.exit_before_close = false;
                         if step == Step::Stall {
                             r.input.cursor += processed;

@@ -3,14 +3,24 @@
 //! dated by the ring's next timed record), callsite names, field payloads, counter tracks.
 
 use super::{OpenKind, Processor, Step, Track};
-use crate::codec::{decode_fields, restore_ticks, Item, LeafSpan, LeafTail, Parent, Payload, RawValue, META_INDEX};
+use crate::codec::{
+    decode_fields, restore_ticks, Item, Kind, LeafSpan, LeafTail, Parent, Payload, RawValue, Record, META_INDEX,
+};
 use crate::collector::spans::{set_field, Poll, SpanState, SpanValues};
 use crate::collector::AsyncTasks;
 use crate::export::{EventKind, FieldValue, NameId, TraceField, TrackId};
 
 impl Processor {
-    /// One decoded record of a ring.
-    pub(super) fn item(&mut self, track: &mut Track, item: Item<'_>, now_ticks: u64, force: bool) -> Step {
+    /// One decoded record of a ring; `ahead`: the ring's records after it in this chunk (a span's enter looks
+    /// there for its close).
+    pub(super) fn item(
+        &mut self,
+        track: &mut Track,
+        item: Item<'_>,
+        ahead: &[Record],
+        now_ticks: u64,
+        force: bool,
+    ) -> Step {
         if let Some((serial, slot)) = track.speculative.take() {
             self.decide_flow(track, serial, slot, &item);
         }
@@ -67,10 +77,12 @@ impl Processor {
                 // Entered again while entered on this thread: not a new poll.
                 let nested = track.open.iter().any(|o| o.kind == OpenKind::Span(serial));
                 // One lookup: the span's name, and its enter counted.
-                let (name, fieldless, becomes_task) = match self.spans.get_mut(serial) {
+                let (name, fieldless, becomes_task, final_ahead) = match self.spans.get_mut(serial) {
                     Some(span) => {
+                        // Its close a few records on says its values are final: its slice need not wait.
+                        let final_ahead = !span.fieldless && closes_with_final_values(ahead, serial);
                         span.open_slices += 1;
-                        span.held_begins += u32::from(!span.fieldless);
+                        span.held_begins += u32::from(!span.fieldless && !final_ahead);
                         span.enters = span.enters.saturating_add(u32::from(!nested));
                         if span.first_track == 0 {
                             span.first_track = track.id.0;
@@ -81,12 +93,12 @@ impl Processor {
                         let becomes_task = self.async_tasks == AsyncTasks::Auto
                             && span.task.is_none()
                             && (span.enters > 1 || span.multi_track);
-                        (span.name, span.fieldless, becomes_task)
+                        (span.name, span.fieldless, becomes_task, final_ahead)
                     }
                     None if !force => return Step::Stall,
                     None => {
                         self.counts.unknown_spans += 1;
-                        (self.names.unknown_span, true, false)
+                        (self.names.unknown_span, true, false, false)
                     }
                 };
                 let ts = self.ticks_to_ns(track, ticks, now_ticks);
@@ -97,6 +109,11 @@ impl Processor {
                 if fieldless {
                     // No values to wait for: out at once (behind anything already held on the track).
                     self.begin_unheld(track, OpenKind::Span(serial), name, ts);
+                    return Step::Done;
+                }
+                if final_ahead {
+                    // Its values now are its values at the slice's end: out at once with them.
+                    self.begin_with_final_values(track, serial, name, ts);
                     return Step::Done;
                 }
                 // Held until the slice ends: it shows the values the span had then.
@@ -339,25 +356,32 @@ impl Processor {
         span.fields_truncated = u32::try_from(truncated).unwrap_or(u32::MAX);
         span.values_final = tail.values_final;
         track.last_exit = Some((serial, end));
-        if tail.values_final && track.held.is_empty() {
-            // Its creation values are final and nothing is held before it: its begin goes out now with them.
-            let start = self.out.batch.fields.len() as u32;
-            self.out.batch.fields.extend_from_slice(span.creation_values());
+        if tail.values_final {
+            // Its creation values are final: its begin goes out with them now (as the general path's
+            // `begin_with_final_values`), straight into the batch when nothing is held before it.
+            if track.held.is_empty() {
+                let start = self.out.batch.fields.len() as u32;
+                self.out.batch.fields.extend_from_slice(span.creation_values());
+                self.spans.insert(serial, span);
+                self.out
+                    .push_event_with_fields_from(start, begin, track.id, EventKind::SliceBegin, name);
+                self.emit_bare(track, end, EventKind::SliceEnd, name, None);
+                return true;
+            }
+            let mut values = self.spare_field_vecs.pop().unwrap_or_default();
+            values.extend_from_slice(span.creation_values());
             self.spans.insert(serial, span);
-            self.out
-                .push_event_with_fields_from(start, begin, track.id, EventKind::SliceBegin, name);
+            self.emit(track, begin, EventKind::SliceBegin, name, values, None);
             self.emit_bare(track, end, EventKind::SliceEnd, name, None);
+            // As the general path does at a close with final values: what is held goes as far as it may.
+            self.release(track, false, end);
             return true;
         }
-        // Its begin waits for its values (released a pass after its end, which is known; at once with final
-        // values, once what is held before it goes).
+        // Its begin waits for its values (released a pass after its end, which is known).
         span.held_begins = 1;
         self.spans.insert(serial, span);
         super::slices::hold_span_begin(track, serial, name, begin, Some((end, self.pass)));
         self.emit_bare(track, end, EventKind::SliceEnd, name, None);
-        if tail.values_final {
-            self.release(track, false, end);
-        }
         true
     }
 
@@ -466,6 +490,21 @@ impl Processor {
     }
 }
 
+/// Records looked through after a span's enter for its close: an `#[instrument]` function's few events fit.
+const CLOSE_LOOKAHEAD: usize = 64;
+
+/// Whether span `serial`'s close is among the first [`CLOSE_LOOKAHEAD`] records of `ahead` (a ring's next
+/// records; kinds are tagged, so a data record never passes for a close) and is marked
+/// [`VALUES_FINAL`](crate::codec::VALUES_FINAL). Only the first close counts (a corrupt ring may close a span
+/// twice; the records between are processed before any later one).
+fn closes_with_final_values(ahead: &[Record], serial: u64) -> bool {
+    ahead
+        .iter()
+        .take(CLOSE_LOOKAHEAD)
+        .find(|r| r.kind() == Some(Kind::SpanClose) && r.word1 == serial)
+        .is_some_and(|close| close.aux() & crate::codec::VALUES_FINAL != 0)
+}
+
 fn field_name(names: &[NameId], index: u8) -> NameId {
     names.get(index as usize).copied().unwrap_or(NameId(0))
 }
@@ -480,5 +519,40 @@ fn creation_parent(track: &Track, parent: Parent) -> Option<u64> {
             OpenKind::Span(serial) => Some(serial),
             OpenKind::Scope(_) => None,
         }),
+    }
+}
+
+#[cfg(test)]
+mod lookahead_tests {
+    use super::*;
+    use crate::codec::{AT_LAST_EXIT, VALUES_FINAL};
+
+    #[test]
+    fn a_spans_first_close_within_the_window_says_whether_its_values_are_final() {
+        let close = |serial, aux| Record::head(Kind::SpanClose, aux, 0, serial);
+        let other = Record::timed(Kind::SpanEnter, 5, 8);
+        assert!(closes_with_final_values(
+            &[other, close(7, AT_LAST_EXIT | VALUES_FINAL)],
+            7
+        ));
+        assert!(closes_with_final_values(&[close(7, VALUES_FINAL)], 7));
+        assert!(!closes_with_final_values(&[close(7, AT_LAST_EXIT)], 7), "not marked");
+        assert!(
+            !closes_with_final_values(&[close(8, VALUES_FINAL)], 7),
+            "another span's"
+        );
+        assert!(
+            !closes_with_final_values(&[close(7, 0), close(7, VALUES_FINAL)], 7),
+            "only the first close counts"
+        );
+        // A data record whose words look like a marked close of the span is not a close.
+        let data = Record::data(1, (Kind::SpanClose as u64) << 12 | VALUES_FINAL, 7);
+        assert!(!closes_with_final_values(&[data], 7));
+        // Beyond the window: not looked at.
+        let mut far = vec![other; CLOSE_LOOKAHEAD];
+        far.push(close(7, VALUES_FINAL));
+        assert!(!closes_with_final_values(&far, 7));
+        far.remove(0);
+        assert!(closes_with_final_values(&far, 7));
     }
 }

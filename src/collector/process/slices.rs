@@ -42,6 +42,7 @@ impl Processor {
             let mut fields = fields;
             let event = self.out.push_event_owned(ts_ns, track.id, kind, name, &mut fields);
             event.flow_out = flow_out;
+            self.recycle_field_vec(fields);
             EventSlot::Batch(self.out.batch.events.len() - 1)
         } else {
             track.held.push_back(HeldEvent {
@@ -119,6 +120,36 @@ impl Processor {
             kind,
             name,
             begin_ns,
+            held,
+            released_values: None,
+            dropped_inside: 0,
+        });
+    }
+
+    /// Keeps an emptied field vector for the next event held behind a span begin (up to the pool's bounds).
+    fn recycle_field_vec(&mut self, fields: Vec<TraceField>) {
+        if fields.capacity() != 0
+            && fields.capacity() <= SPARE_FIELD_VEC_LEN
+            && self.spare_field_vecs.len() < SPARE_FIELD_VECS
+        {
+            debug_assert!(fields.is_empty());
+            self.spare_field_vecs.push(fields);
+        }
+    }
+
+    /// Opens a slice of span `serial` whose values are final (no `record` reached it: its close, ahead on the
+    /// ring, says so): its begin goes out now with them, emitted like a field-less span's, never held for them.
+    pub(super) fn begin_with_final_values(&mut self, track: &mut Track, serial: u64, name: NameId, ts_ns: u64) {
+        let mut values = self.spare_field_vecs.pop().unwrap_or_default();
+        if let Some(span) = self.spans.get(serial) {
+            span.values_at(ts_ns, &mut values);
+        }
+        let held = (!track.held.is_empty()).then(|| track.held_base + track.held.len() as u64);
+        self.emit(track, ts_ns, EventKind::SliceBegin, name, values, None);
+        track.open.push(OpenSlice {
+            kind: OpenKind::Span(serial),
+            name,
+            begin_ns: ts_ns,
             held,
             released_values: None,
             dropped_inside: 0,
@@ -336,11 +367,8 @@ impl Processor {
             if span_begin.is_some() {
                 // Emptied by the batch: kept for the next begin.
                 self.release_fields = event.fields;
-            } else if event.fields.capacity() != 0
-                && event.fields.capacity() <= SPARE_FIELD_VEC_LEN
-                && self.spare_field_vecs.len() < SPARE_FIELD_VECS
-            {
-                self.spare_field_vecs.push(event.fields);
+            } else {
+                self.recycle_field_vec(event.fields);
             }
         }
         for open in &mut track.open {
