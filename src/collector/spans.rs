@@ -164,13 +164,19 @@ impl SpanState {
     /// The span's values at `ts_ns`: its creation values with every update at or before `ts_ns` applied.
     pub(crate) fn values_at(&self, ts_ns: u64, out: &mut Vec<TraceField>) {
         out.clear();
+        self.append_values_at(ts_ns, out);
+    }
+
+    /// [`values_at`](Self::values_at) appended to what `out` holds (a batch's field arena).
+    pub(crate) fn append_values_at(&self, ts_ns: u64, out: &mut Vec<TraceField>) {
         let Some(values) = &self.values else { return };
+        let from = out.len();
         out.extend_from_slice(&values.base);
         for (ts, field) in &values.updates {
             if *ts > ts_ns {
                 break;
             }
-            set_field(out, 0, field.clone());
+            set_field(out, from, field.clone());
         }
     }
 

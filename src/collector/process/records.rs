@@ -357,24 +357,24 @@ impl Processor {
         span.values_final = tail.values_final;
         track.last_exit = Some((serial, end));
         if tail.values_final {
-            // Its creation values are final: its begin goes out with them now (as the general path's
-            // `begin_with_final_values`), straight into the batch when nothing is held before it.
+            // Its values are final: its begin goes out with them now, as the general path's does
+            // (`emit_final_begin`), which finds them in the span table: with nothing held, from the span at hand
+            // instead (the lookup was 4 % of `collector_steady_spans/with_field`).
             if track.held.is_empty() {
                 let start = self.out.batch.fields.len() as u32;
                 self.out.batch.fields.extend_from_slice(span.creation_values());
                 self.spans.insert(serial, span);
                 self.out
                     .push_event_with_fields_from(start, begin, track.id, EventKind::SliceBegin, name);
-                self.emit_bare(track, end, EventKind::SliceEnd, name, None);
-                return true;
+            } else {
+                self.spans.insert(serial, span);
+                self.emit_final_begin(track, serial, name, begin);
             }
-            let mut values = self.spare_field_vecs.pop().unwrap_or_default();
-            values.extend_from_slice(span.creation_values());
-            self.spans.insert(serial, span);
-            self.emit(track, begin, EventKind::SliceBegin, name, values, None);
             self.emit_bare(track, end, EventKind::SliceEnd, name, None);
             // As the general path does at a close with final values: what is held goes as far as it may.
-            self.release(track, false, end);
+            if !track.held.is_empty() {
+                self.release(track, false, end);
+            }
             return true;
         }
         // Its begin waits for its values (released a pass after its end, which is known).

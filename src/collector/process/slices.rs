@@ -114,16 +114,9 @@ impl Processor {
 
     /// [`begin_unheld`](Self::begin_unheld) of a slice (a poll) that began at `begin_ns`, reopened at `ts_ns`.
     fn begin_unheld_since(&mut self, track: &mut Track, kind: OpenKind, name: NameId, ts_ns: u64, begin_ns: u64) {
-        let held = (!track.held.is_empty()).then(|| track.held_base + track.held.len() as u64);
+        let held = next_held_seq(track);
         self.emit_bare(track, ts_ns, EventKind::SliceBegin, name, None);
-        track.open.push(OpenSlice {
-            kind,
-            name,
-            begin_ns,
-            held,
-            released_values: None,
-            dropped_inside: 0,
-        });
+        open_unheld(track, kind, name, begin_ns, held);
     }
 
     /// Keeps an emptied field vector for the next event held behind a span begin (up to the pool's bounds).
@@ -140,20 +133,30 @@ impl Processor {
     /// Opens a slice of span `serial` whose values are final (no `record` reached it: its close, ahead on the
     /// ring, says so): its begin goes out now with them, emitted like a field-less span's, never held for them.
     pub(super) fn begin_with_final_values(&mut self, track: &mut Track, serial: u64, name: NameId, ts_ns: u64) {
+        let held = self.emit_final_begin(track, serial, name, ts_ns);
+        open_unheld(track, OpenKind::Span(serial), name, ts_ns, held);
+    }
+
+    /// Emits the begin, at `ts_ns`, of a slice of span `serial` whose values are final, with its values then:
+    /// straight into the batch's field arena when nothing is held on the track, else behind what is held.
+    /// Returns the begin's place in the held queue, if it waits there.
+    pub(super) fn emit_final_begin(&mut self, track: &mut Track, serial: u64, name: NameId, ts_ns: u64) -> Option<u64> {
+        if track.held.is_empty() {
+            let start = self.out.batch.fields.len() as u32;
+            if let Some(span) = self.spans.get(serial) {
+                span.append_values_at(ts_ns, &mut self.out.batch.fields);
+            }
+            self.out
+                .push_event_with_fields_from(start, ts_ns, track.id, EventKind::SliceBegin, name);
+            return None;
+        }
+        let held = next_held_seq(track);
         let mut values = self.spare_field_vecs.pop().unwrap_or_default();
         if let Some(span) = self.spans.get(serial) {
             span.values_at(ts_ns, &mut values);
         }
-        let held = (!track.held.is_empty()).then(|| track.held_base + track.held.len() as u64);
         self.emit(track, ts_ns, EventKind::SliceBegin, name, values, None);
-        track.open.push(OpenSlice {
-            kind: OpenKind::Span(serial),
-            name,
-            begin_ns: ts_ns,
-            held,
-            released_values: None,
-            dropped_inside: 0,
-        });
+        held
     }
 
     /// Opens again a slice ended only to keep nesting (see [`close_slice`](Self::close_slice)); a span's poll
@@ -377,6 +380,24 @@ impl Processor {
             }
         }
     }
+}
+
+/// Where an event emitted on `track` now waits in its held queue (behind what is held), if anything is held.
+fn next_held_seq(track: &Track) -> Option<u64> {
+    (!track.held.is_empty()).then(|| track.held_base + track.held.len() as u64)
+}
+
+/// Pushes a slice of `kind` that began at `begin_ns` and whose begin was just emitted, not held for values
+/// (`held`: where that begin waits behind held events, if it does).
+fn open_unheld(track: &mut Track, kind: OpenKind, name: NameId, begin_ns: u64, held: Option<u64>) {
+    track.open.push(OpenSlice {
+        kind,
+        name,
+        begin_ns,
+        held,
+        released_values: None,
+        dropped_inside: 0,
+    });
 }
 
 /// The held event with sequence number `seq`, if still held.
