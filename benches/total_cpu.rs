@@ -197,11 +197,7 @@ static SCHED_BEFORE_SHUTDOWN: std::sync::Mutex<Vec<(String, i64)>> = std::sync::
 fn thread_sched() -> Vec<(String, i64)> {
     let mut out = Vec::new();
     let mut read = |label: &str, path: &std::path::Path| {
-        // CPU time in ns: the first field of `schedstat`.
-        let cpu = std::fs::read_to_string(path.with_file_name("schedstat"))
-            .ok()
-            .and_then(|t| t.split_whitespace().next()?.parse::<i64>().ok());
-        if let Some(cpu) = cpu {
+        if let Some(cpu) = path.parent().and_then(schedstat_cpu_ns) {
             out.push((format!("{label}.cpu_ms"), cpu / 1_000_000));
         }
         let text = std::fs::read_to_string(path).unwrap_or_default();
@@ -217,31 +213,39 @@ fn thread_sched() -> Vec<(String, i64)> {
     };
     read("recording", std::path::Path::new("/proc/thread-self/sched"));
     // The collector's threads (named `tickline-*`): one of each at a time.
-    if let Ok(tasks) = std::fs::read_dir("/proc/self/task") {
-        let mut tasks: Vec<_> = tasks.flatten().map(|t| t.path()).collect();
-        tasks.sort();
-        for task in tasks {
-            let comm = std::fs::read_to_string(task.join("comm")).unwrap_or_default();
-            if comm.starts_with("tickline-") {
-                read(comm.trim(), &task.join("sched"));
-            }
-        }
+    for (comm, task) in threads_named("tickline-") {
+        read(&comm, &task.join("sched"));
     }
     out
 }
 
+/// This process's threads whose names start with `prefix`: (name, `/proc/self/task/<tid>`), in tid order.
+fn threads_named(prefix: &str) -> Vec<(String, std::path::PathBuf)> {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return Vec::new();
+    };
+    let mut tasks: Vec<_> = tasks.flatten().map(|t| t.path()).collect();
+    tasks.sort();
+    tasks
+        .into_iter()
+        .filter_map(|task| {
+            let comm = std::fs::read_to_string(task.join("comm")).ok()?;
+            comm.starts_with(prefix).then(|| (comm.trim().to_owned(), task))
+        })
+        .collect()
+}
+
+/// A thread's CPU time in ns (`task` a `/proc` task directory): the first field of its `schedstat`.
+fn schedstat_cpu_ns(task: &std::path::Path) -> Option<i64> {
+    let stat = std::fs::read_to_string(task.join("schedstat")).ok()?;
+    stat.split_whitespace().next()?.parse().ok()
+}
+
 /// CPU time (ns) of this process's threads named `Tracy*`.
 fn tracy_threads_cpu() -> i64 {
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
-        return 0;
-    };
-    tasks
-        .flatten()
-        .filter(|t| std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.starts_with("Tracy")))
-        .filter_map(|t| {
-            let stat = std::fs::read_to_string(t.path().join("schedstat")).ok()?;
-            stat.split_whitespace().next()?.parse::<i64>().ok()
-        })
+    threads_named("Tracy")
+        .iter()
+        .filter_map(|(_, task)| schedstat_cpu_ns(task))
         .sum()
 }
 
