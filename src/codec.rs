@@ -80,6 +80,16 @@ pub(crate) const AT_LAST_EXIT: u64 = 1;
 /// `SpanClose` flag: no `record` reached the span after its creation (on any thread), so the values it was
 /// created with are its values at every moment: its slices need not wait for values recorded elsewhere.
 pub(crate) const VALUES_FINAL: u64 = 2;
+/// Every `SpanClose` flag: a close with any other `aux` bit is a framing error.
+const CLOSE_FLAGS: u64 = AT_LAST_EXIT | VALUES_FINAL;
+
+/// Whether `record` is a close of span `serial` that the decoder accepts as one (no unknown flag), so that
+/// looking ahead for a close never finds one the decoder would skip. Kinds are tagged: a data record never
+/// passes for a close.
+#[inline]
+pub(crate) fn is_close_of(record: &Record, serial: u64) -> bool {
+    record.kind() == Some(Kind::SpanClose) && record.word1 == serial && record.aux() & !CLOSE_FLAGS == 0
+}
 
 /// What a record means. Stored in the top 4 bits of word 0; 0 (zeroed memory) is no kind.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -562,9 +572,7 @@ impl<'a> Decoder<'a> {
     /// Whether the next record (not yet decoded) is the close of span `serial`.
     #[inline]
     pub(crate) fn next_closes(&self, serial: u64) -> bool {
-        self.records
-            .get(self.pos)
-            .is_some_and(|r| r.kind() == Some(Kind::SpanClose) && r.word1 == serial)
+        self.records.get(self.pos).is_some_and(|r| is_close_of(r, serial))
     }
 
     /// The next item and how many records it spans, or the framing error and how many records were skipped.
@@ -596,7 +604,7 @@ impl<'a> Decoder<'a> {
             let item = match kind {
                 Kind::SpanEnter if aux == 0 => Item::SpanEnter { ticks, serial: word1 },
                 Kind::SpanExit if aux == 0 => Item::SpanExit { ticks, serial: word1 },
-                Kind::SpanClose if aux & !(AT_LAST_EXIT | VALUES_FINAL) == 0 => Item::SpanClose {
+                Kind::SpanClose if aux & !CLOSE_FLAGS == 0 => Item::SpanClose {
                     ticks: (aux & AT_LAST_EXIT == 0).then_some(ticks),
                     serial: word1,
                     values_final: aux & VALUES_FINAL != 0,

@@ -494,14 +494,14 @@ impl Processor {
 const CLOSE_LOOKAHEAD: usize = 64;
 
 /// Whether span `serial`'s close is among the first [`CLOSE_LOOKAHEAD`] records of `ahead` (a ring's next
-/// records; kinds are tagged, so a data record never passes for a close) and is marked
-/// [`VALUES_FINAL`](crate::codec::VALUES_FINAL). Only the first close counts (a corrupt ring may close a span
-/// twice; the records between are processed before any later one).
+/// records) and is marked [`VALUES_FINAL`](crate::codec::VALUES_FINAL). Only the first close the decoder accepts
+/// counts ([`codec::is_close_of`](crate::codec::is_close_of)): a corrupt ring may close a span twice, and the
+/// records between are processed before any later one.
 fn closes_with_final_values(ahead: &[Record], serial: u64) -> bool {
     ahead
         .iter()
         .take(CLOSE_LOOKAHEAD)
-        .find(|r| r.kind() == Some(Kind::SpanClose) && r.word1 == serial)
+        .find(|r| crate::codec::is_close_of(r, serial))
         .is_some_and(|close| close.aux() & crate::codec::VALUES_FINAL != 0)
 }
 
@@ -545,6 +545,9 @@ mod lookahead_tests {
             !closes_with_final_values(&[close(7, 0), close(7, VALUES_FINAL)], 7),
             "only the first close counts"
         );
+        // A close with a flag the decoder does not know is a framing error, not a close: the next one counts.
+        assert!(!closes_with_final_values(&[close(7, 4 | VALUES_FINAL), close(7, 0)], 7));
+        assert!(closes_with_final_values(&[close(7, 4), close(7, VALUES_FINAL)], 7));
         // A data record whose words look like a marked close of the span is not a close.
         let data = Record::data(1, (Kind::SpanClose as u64) << 12 | VALUES_FINAL, 7);
         assert!(!closes_with_final_values(&[data], 7));
