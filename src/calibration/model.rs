@@ -378,7 +378,10 @@ impl ClockCalibration {
     }
 
     /// Converts reference ns to source ticks (masked to the valid bits), the inverse of
-    /// [`to_reference_ns`](Self::to_reference_ns) to within one tick.
+    /// [`to_reference_ns`](Self::to_reference_ns) to within one tick where a tick lasts at least a nanosecond.
+    /// A shorter tick (a GHz counter) is finer than the whole nanoseconds `to_reference_ns` rounds to, so a
+    /// round trip ticks -> ns -> ticks is then exact to within half a nanosecond's ticks, plus one: 2 ticks
+    /// at 0.3125 ns per tick.
     pub fn from_reference_ns(&self, ns: u64) -> u64 {
         let delta_ns = ns as i128 - self.anchor_ns as i128;
         let delta_ns = delta_ns.clamp(i64::MIN as i128, i64::MAX as i128) as i64;
@@ -517,6 +520,27 @@ mod tests {
         }
         // After the wrap, later ticks map to later ns.
         assert!(cal.to_reference_ns(5) > cal.to_reference_ns(d.mask()));
+    }
+
+    #[test]
+    fn a_round_trip_is_as_close_as_from_reference_ns_says_for_ticks_shorter_than_a_nanosecond() {
+        for period in [0.3125, 0.5, 1.0 / 3.0, 1.0, 83.33] {
+            let d = domain(64, period);
+            let cal = ClockCalibration::from_anchor(d, 123_456_789, 10_000_000_000, period).unwrap();
+            // Half a nanosecond's ticks, plus one; one tick where a tick lasts a nanosecond or more.
+            let bound = if period < 1.0 {
+                (0.5 / period).floor() as i64 + 1
+            } else {
+                1
+            };
+            let mut worst = 0;
+            for k in 0..20_000u64 {
+                let ticks = 123_456_789 + k * 7_919;
+                let back = cal.from_reference_ns(cal.to_reference_ns(ticks));
+                worst = worst.max(d.delta_ticks(back, ticks).abs());
+            }
+            assert!(worst <= bound, "period {period}: off by {worst} ticks, bound {bound}");
+        }
     }
 
     #[test]

@@ -262,7 +262,7 @@
 //! ## Submitting
 //!
 //! When the device offers no calibrated-timestamps extension the backend calibrates by submitting a probe to the
-//! queue from tickline's collector thread (see [the Vulkan backend](super#calibration)); Vulkan wants submits
+//! queue from tickline's collector thread (see [the Vulkan backend](super::vulkan#calibration)); Vulkan wants submits
 //! externally synchronised, so every `hal::Queue::submit` (and `present`) to the queue happens under
 //! [`WgpuGpu::lock_queue`], or through [`WgpuGpu::submit`].
 
