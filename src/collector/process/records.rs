@@ -4,7 +4,7 @@
 
 use super::{OpenKind, Processor, Step, Track};
 use crate::codec::{
-    decode_fields, restore_ticks, Item, Kind, LeafSpan, LeafTail, Parent, Payload, RawValue, Record, META_INDEX,
+    decode_fields, restore_ticks, Item, LeafSpan, LeafTail, Parent, Payload, RawValue, Record, META_INDEX,
 };
 use crate::collector::spans::{set_field, Poll, SpanState, SpanValues};
 use crate::collector::AsyncTasks;
@@ -525,7 +525,7 @@ fn creation_parent(track: &Track, parent: Parent) -> Option<u64> {
 #[cfg(test)]
 mod lookahead_tests {
     use super::*;
-    use crate::codec::{AT_LAST_EXIT, VALUES_FINAL};
+    use crate::codec::{Kind, AT_LAST_EXIT, VALUES_FINAL};
 
     #[test]
     fn a_spans_first_close_within_the_window_says_whether_its_values_are_final() {
