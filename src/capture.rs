@@ -62,6 +62,9 @@ pub struct CaptureSummary {
     pub records: u64,
     /// Records the rings dropped while recording (drop mode, ring full).
     pub dropped_records: u64,
+    /// Slices the rings dropped whole while recording (their records are among `dropped_records`; see
+    /// [`TimelineStats::dropped_slices`]). Captures written before this count was recorded read 0.
+    pub dropped_slices: u64,
     /// CPU calibration bursts, and the CPU clock's drift and error bound over the whole capture.
     pub cpu_calibration_bursts: u64,
     /// The CPU clock's rate error against CLOCK_MONOTONIC over the whole capture, in ppm.
@@ -255,22 +258,32 @@ fn run(path: &Path, exporter: Box<dyn Exporter>) -> Result<CaptureSummary, Captu
     processor.set_cpu_clock(CpuTime::Complete { history: cpu });
     let mut records = 0u64;
     let mut dropped = std::collections::HashMap::new();
+    let mut slices_dropped = std::collections::HashMap::new();
     for frame in open(path)? {
-        if let Frame::Input(input) = frame {
-            if let Input::Chunk(chunk) = &input {
-                records += chunk.records.len() as u64;
-                dropped.insert(chunk.ring, chunk.dropped_total);
+        match frame {
+            Frame::Input(input) => {
+                if let Input::Chunk(chunk) = &input {
+                    records += chunk.records.len() as u64;
+                    dropped.insert(chunk.ring, chunk.dropped_total);
+                }
+                processor.input(input);
             }
-            processor.input(input);
+            Frame::SlicesDropped { ring, total } => {
+                slices_dropped.insert(ring, total);
+            }
+            _ => {}
         }
     }
     let (tx, rx) = crossbeam_channel::bounded(1);
     processor.input(Input::Shutdown(tx));
     let result = rx.recv().unwrap_or(Ok(()));
     summary.dropped_records = dropped.values().sum();
+    summary.dropped_slices = slices_dropped.values().sum();
     let mut s = stats.snapshot();
-    s.records = records;
+    // As live: the program's records, not the markers its rings put where they dropped some.
+    s.records = records.saturating_sub(stats.gap_markers.load(std::sync::atomic::Ordering::Relaxed));
     s.dropped_records = summary.dropped_records;
+    s.dropped_slices = summary.dropped_slices;
     s.threads = summary.threads;
     summary.stats = s;
     let (slices, instants) = *counts.lock().unwrap_or_else(|e| e.into_inner());

@@ -45,6 +45,7 @@
 //! | 16 | host | machine id u64, machine id source u8 (0 boot id, 1 override, 2 host name), boot id str, host name str |
 //! | 18 | GPU reset | device u16: the backend reported a reset of the device clock |
 //! | 17 | host clocks | BOOTTIME, MONOTONIC, MONOTONIC_RAW, REALTIME ns u64 each, bracket ns u64: read together (at the start, with each write-out, at the end) |
+//! | 19 | slices dropped | ring u32, dropped slices total u64: after a chunk whose ring's count of slices dropped whole changed |
 //!
 //! The records inside chunks are the ring format of [`crate::codec`]. A reader stops at the first frame that
 //! is cut short or fails its check, so a file cut at any byte (a killed process) converts up to its last
@@ -90,6 +91,7 @@ mod frame {
     pub(super) const HOST: u8 = 16;
     pub(super) const HOST_CLOCKS: u8 = 17;
     pub(super) const GPU_RESET: u8 = 18;
+    pub(super) const SLICES_DROPPED: u8 = 19;
 }
 
 /// A frame's check (see the module docs): each part's 8-byte little-endian words (its last, short one
@@ -139,6 +141,8 @@ pub(crate) struct CaptureWriter {
     buf: Vec<u8>,
     last_flush: Instant,
     failed: bool,
+    /// Each ring's count of slices dropped whole, as last written (a frame is written when it changes).
+    slices_dropped: Vec<(u32, u64)>,
 }
 
 fn put_str(buf: &mut Vec<u8>, s: &str) {
@@ -178,6 +182,26 @@ impl CaptureWriter {
             buf,
             last_flush: Instant::now(),
             failed: false,
+            slices_dropped: Vec::new(),
+        })
+    }
+
+    /// A ring's count of slices dropped whole, when it changed: a chunk frame carries only its dropped records.
+    fn write_slices_dropped(&mut self, ring: u32, total: u64) -> std::io::Result<()> {
+        let known = match self.slices_dropped.iter_mut().find(|(r, _)| *r == ring) {
+            Some((_, known)) => known,
+            None => {
+                self.slices_dropped.push((ring, 0));
+                &mut self.slices_dropped.last_mut().expect("just pushed").1
+            }
+        };
+        if *known == total {
+            return Ok(());
+        }
+        *known = total;
+        self.emit(frame::SLICES_DROPPED, |b| {
+            b.extend_from_slice(&ring.to_le_bytes());
+            b.extend_from_slice(&total.to_le_bytes());
         })
     }
 
@@ -290,18 +314,20 @@ impl CaptureWriter {
                     put_str(b, f);
                 }
             }),
-            Input::Chunk(chunk) => self.emit(frame::CHUNK, |b| {
-                b.extend_from_slice(&chunk.ring.to_le_bytes());
-                b.extend_from_slice(&chunk.now_ticks.to_le_bytes());
-                b.extend_from_slice(&chunk.dropped_total.to_le_bytes());
-                b.extend_from_slice(&(chunk.records.len() as u32).to_le_bytes());
-                let start = b.len();
-                b.resize(start + chunk.records.len() * 16, 0);
-                for (out, r) in b[start..].chunks_exact_mut(16).zip(&chunk.records) {
-                    out[..8].copy_from_slice(&r.word0.to_le_bytes());
-                    out[8..].copy_from_slice(&r.word1.to_le_bytes());
-                }
-            }),
+            Input::Chunk(chunk) => self
+                .emit(frame::CHUNK, |b| {
+                    b.extend_from_slice(&chunk.ring.to_le_bytes());
+                    b.extend_from_slice(&chunk.now_ticks.to_le_bytes());
+                    b.extend_from_slice(&chunk.dropped_total.to_le_bytes());
+                    b.extend_from_slice(&(chunk.records.len() as u32).to_le_bytes());
+                    let start = b.len();
+                    b.resize(start + chunk.records.len() * 16, 0);
+                    for (out, r) in b[start..].chunks_exact_mut(16).zip(&chunk.records) {
+                        out[..8].copy_from_slice(&r.word0.to_le_bytes());
+                        out[8..].copy_from_slice(&r.word1.to_le_bytes());
+                    }
+                })
+                .and_then(|()| self.write_slices_dropped(chunk.ring, chunk.dropped_slices_total)),
             Input::ThreadEnd { ring } => self.emit(frame::THREAD_END, |b| b.extend_from_slice(&ring.to_le_bytes())),
             Input::CpuCalibration(samples) => self.emit(frame::CPU_CALIBRATION, |b| put_samples(b, samples)),
             Input::CpuClockNote { fallback, doubt, text } => self.emit(frame::CPU_CLOCK_NOTE, |b| {
@@ -524,6 +550,11 @@ pub(crate) enum Frame {
     Host(crate::HostInfo),
     HostClocks(crate::ClockReadings),
     Input(Input),
+    /// A ring's count of slices dropped whole, so far.
+    SlicesDropped {
+        ring: u32,
+        total: u64,
+    },
     End,
 }
 
@@ -717,6 +748,8 @@ impl<R: Read> CaptureReader<R> {
                     ring,
                     now_ticks,
                     dropped_total,
+                    // In a frame of its own (type 19).
+                    dropped_slices_total: 0,
                     records,
                 }))
             }
@@ -809,6 +842,10 @@ impl<R: Read> CaptureReader<R> {
                 realtime_ns: p.u64()?,
                 bracket_ns: p.u64()?,
             }),
+            frame::SLICES_DROPPED => Frame::SlicesDropped {
+                ring: p.u32()?,
+                total: p.u64()?,
+            },
             frame::END => Frame::End,
             // A frame type this version does not know: skipped.
             _ => return Some(None),
@@ -901,10 +938,19 @@ mod tests {
                 ring: 1,
                 now_ticks: 1234,
                 dropped_total: 5,
+                dropped_slices_total: 2,
                 records: vec![
                     Record::timed(Kind::SpanEnter, 9, 1),
                     Record::timed(Kind::SpanExit, 10, 1),
                 ],
+            }),
+            // The same count of dropped slices: no frame of its own this time.
+            Input::Chunk(Chunk {
+                ring: 1,
+                now_ticks: 1240,
+                dropped_total: 5,
+                dropped_slices_total: 2,
+                records: vec![Record::timed(Kind::Instant, 11, 3)],
             }),
             Input::CpuCalibration(vec![sample(1), sample(2)]),
             Input::CpuClockNote {
@@ -1014,10 +1060,27 @@ mod tests {
             .iter()
             .map(|f| match f {
                 Frame::Input(input) => format!("{input:?}"),
+                Frame::SlicesDropped { ring, total } => format!("ring {ring}: {total} slices dropped"),
                 other => panic!("{other:?}"),
             })
             .collect();
-        let written: Vec<String> = inputs().iter().map(|i| format!("{i:?}")).collect();
+        // A chunk's count of dropped slices comes back in a frame of its own, when it changed.
+        let mut last_slices = 0;
+        let written: Vec<String> = inputs()
+            .into_iter()
+            .flat_map(|input| match input {
+                Input::Chunk(mut chunk) => {
+                    let total = std::mem::take(&mut chunk.dropped_slices_total);
+                    let mut out = vec![format!("{:?}", Input::Chunk(chunk.clone()))];
+                    if total != last_slices {
+                        out.push(format!("ring {}: {total} slices dropped", chunk.ring));
+                        last_slices = total;
+                    }
+                    out
+                }
+                other => vec![format!("{other:?}")],
+            })
+            .collect();
         assert_eq!(read, written);
         assert!(matches!(frames.last(), Some(Frame::End)));
     }

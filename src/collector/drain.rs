@@ -421,6 +421,7 @@ fn drain_ring(ring: &mut LiveRing, pool: &ChunkPool, source: TickSource, out: &m
         ring: ring.ring,
         now_ticks,
         dropped_total: ring.dropped_base.0 + ring.consumer.dropped_records(),
+        dropped_slices_total: ring.dropped_base.1 + ring.consumer.dropped_units(),
         records,
     }));
     taken

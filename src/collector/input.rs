@@ -92,6 +92,9 @@ pub(crate) struct Chunk {
     pub(crate) now_ticks: u64,
     /// The ring's drop counter after the drain (a running total).
     pub(crate) dropped_total: u64,
+    /// The ring's count of slices dropped whole after the drain (a running total; see
+    /// [`TimelineStats::dropped_slices`](crate::TimelineStats::dropped_slices)).
+    pub(crate) dropped_slices_total: u64,
     pub(crate) records: Vec<Record>,
 }
 

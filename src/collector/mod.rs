@@ -388,6 +388,7 @@ pub mod bench_support {
                 ring: 1,
                 now_ticks: chunk.now_ticks,
                 dropped_total: 0,
+                dropped_slices_total: 0,
                 records: chunk.records,
             }));
             let drain_ns = cal.to_reference_ns(chunk.now_ticks);
@@ -407,6 +408,7 @@ pub mod bench_support {
                 ring: 1,
                 now_ticks: self.now_ticks,
                 dropped_total: 0,
+                dropped_slices_total: 0,
                 records: self.records.clone(),
             }));
         }

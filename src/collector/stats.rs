@@ -9,7 +9,8 @@ use std::sync::Mutex;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct TimelineStats {
-    /// Records taken from the rings.
+    /// Records taken from the rings: the program's own (a ring that dropped records also puts a marker
+    /// where they went missing, which is not counted here).
     pub records: u64,
     /// Records dropped because a ring was full (drop mode). A slice is never half-dropped: a begin that could
     /// not leave room for its end is dropped with its end.
@@ -86,14 +87,18 @@ macro_rules! shared_stats {
         #[derive(Default)]
         pub(crate) struct SharedStats {
             $(pub(crate) $field: AtomicU64,)*
+            /// Gap markers processed: records the drain took (`records`) that the program did not make.
+            pub(crate) gap_markers: AtomicU64,
             pub(crate) first_export_error: Mutex<Option<(std::io::ErrorKind, String)>>,
         }
 
         impl SharedStats {
             pub(crate) fn snapshot(&self) -> TimelineStats {
-                TimelineStats {
+                let mut stats = TimelineStats {
                     $($field: self.$field.load(Ordering::Relaxed),)*
-                }
+                };
+                stats.records = stats.records.saturating_sub(self.gap_markers.load(Ordering::Relaxed));
+                stats
             }
         }
     };

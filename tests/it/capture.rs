@@ -305,3 +305,55 @@ fn a_capture_only_timeline_converts_nothing_while_running_and_everything_later()
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn a_converted_capture_accounts_for_every_record_and_slice_the_rings_dropped() {
+    let _x = exclusive();
+    const SPANS: u64 = 50_000;
+    let dir = std::env::temp_dir().join(format!("tickline-capture-drops-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("drops.tickline");
+    let live = MemoryExporter::default();
+    // A tiny ring and a drain that runs only when flushed: most slices are dropped whole.
+    let timeline = Timeline::builder()
+        .ring_capacity(64)
+        .raw_capture(&path)
+        .exporter(live.clone())
+        .start()
+        .unwrap();
+    timeline.pause_drain(true);
+    let subscriber = tracing_subscriber::registry().with(timeline.layer());
+    tracing::subscriber::with_default(subscriber, || {
+        for i in 0..SPANS {
+            let _s = tracing::info_span!("work").entered();
+            if i % 5_000 == 0 {
+                timeline.flush().unwrap();
+            }
+        }
+    });
+    let stats = timeline.shutdown().unwrap();
+    assert!(stats.dropped_slices > 0, "the ring must overflow: {stats:?}");
+    let live_slices = live.snapshot().slices().iter().filter(|s| s.name == "work").count() as u64;
+    assert_eq!(live_slices + stats.dropped_slices, SPANS, "{stats:?}");
+
+    let converted = MemoryExporter::default();
+    let summary = tickline::capture::convert(&path, converted.clone()).unwrap();
+    let slices = converted
+        .snapshot()
+        .slices()
+        .iter()
+        .filter(|s| s.name == "work")
+        .count() as u64;
+    assert_eq!(slices, live_slices);
+    assert_eq!(
+        (summary.dropped_slices, summary.stats.dropped_slices),
+        (stats.dropped_slices, stats.dropped_slices),
+        "{summary:?}"
+    );
+    assert_eq!(
+        (summary.stats.records, summary.stats.dropped_records),
+        (stats.records, stats.dropped_records),
+        "{summary:?}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

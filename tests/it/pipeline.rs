@@ -138,6 +138,9 @@ fn drop_mode_accounts_for_every_record() {
     // A slice is exported or dropped whole (enter and exit), never half.
     assert_eq!(stats.dropped_records, 2 * stats.dropped_slices, "{stats:?}");
     assert_eq!(begins + stats.dropped_slices, ITERATIONS, "{stats:?}");
+    // Every record the thread made was taken or dropped: the span's creation, its enters and exits, its close
+    // (the markers the ring put where it dropped records are not the program's).
+    assert_eq!(stats.records + stats.dropped_records, 2 * ITERATIONS + 2, "{stats:?}");
     assert_eq!(s.ends.values().sum::<u64>(), begins);
     assert_eq!(stats.truncated_slices, 0);
     assert_eq!(s.negative_depth, 0);

@@ -308,6 +308,7 @@ struct Counts {
     unknown_callsites: u64,
     framing_errors: u64,
     monotonic_clamps: u64,
+    gap_markers: u64,
 }
 
 /// Where processed chunk memory goes back to (live only).
@@ -902,6 +903,7 @@ impl Processor {
         s.unknown_spans.store(c.unknown_spans, Ordering::Relaxed);
         s.unknown_callsites.store(c.unknown_callsites, Ordering::Relaxed);
         s.framing_errors.store(c.framing_errors, Ordering::Relaxed);
+        s.gap_markers.store(c.gap_markers, Ordering::Relaxed);
         s.monotonic_clamps
             .store(c.monotonic_clamps + self.out.monotonic_clamps, Ordering::Relaxed);
         let g = self.gpu.stats;

@@ -205,6 +205,7 @@ impl Processor {
                 self.gpu.begin(key, name, values, ts, flow);
             }
             Item::Gap { ticks, dropped } => {
+                self.counts.gap_markers += 1;
                 let ts = self.ticks_to_ns(track, ticks, now_ticks);
                 for slice in &mut track.open {
                     slice.dropped_inside = slice.dropped_inside.saturating_add(dropped);

@@ -83,6 +83,7 @@ fn chunk(p: &mut Processor, ring: u32, records: Vec<Record>) {
         ring,
         now_ticks: 1_000_000,
         dropped_total: 0,
+        dropped_slices_total: 0,
         records,
     }));
 }
@@ -579,7 +580,7 @@ proptest! {
             codec::encode_event(&mut group, v, KNOWN, codec::Parent::Contextual, &[0, codec::TAG_U64, 1, 0, 0, 0, 0, 0, 0, 0]);
             all.extend_from_slice(&group);
         }
-        p.input(Input::Chunk(Chunk { ring: 1, now_ticks: 2_000_000, dropped_total: 0, records: all }));
+        p.input(Input::Chunk(Chunk { ring: 1, now_ticks: 2_000_000, dropped_total: 0, dropped_slices_total: 0, records: all }));
         p.input(Input::PassEnd { drain_ns: 2_000_000, drain_ticks: 2_000_000, buffered_bytes: 0, rings_drained: true });
         let (tx, rx) = crossbeam_channel::bounded(1);
         p.input(Input::Shutdown(tx));
@@ -812,6 +813,7 @@ fn process_steps(
             ring: r,
             now_ticks: 1 << 40,
             dropped_total: 0,
+            dropped_slices_total: 0,
             records,
         }));
         if *pass_after {
