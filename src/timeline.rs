@@ -373,18 +373,10 @@ impl Timeline {
     fn error(&self, e: RequestError) -> TicklineError {
         match e {
             RequestError::Gone => TicklineError::CollectorGone,
-            RequestError::Export => {
-                let first = self
-                    .stats
-                    .first_export_error
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .clone();
-                match first {
-                    Some((kind, message)) => TicklineError::Export(ExportError::Io(std::io::Error::new(kind, message))),
-                    None => TicklineError::CollectorGone,
-                }
-            }
+            RequestError::Export => match self.stats.first_export_error() {
+                Some(first) => TicklineError::Export(first.to_export_error()),
+                None => TicklineError::CollectorGone,
+            },
         }
     }
 

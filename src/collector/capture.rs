@@ -280,10 +280,10 @@ impl CaptureWriter {
     fn fail(&mut self, stats: &SharedStats, e: std::io::Error) {
         self.failed = true;
         stats.export_failures.fetch_add(1, Ordering::Relaxed);
-        let mut first = stats.first_export_error.lock().unwrap_or_else(|e| e.into_inner());
-        if first.is_none() {
-            *first = Some((e.kind(), format!("writing raw capture {}: {e}", self.path.display())));
-        }
+        stats.note_export_failure(super::stats::FirstExportError::Io(
+            e.kind(),
+            format!("writing raw capture {}: {e}", self.path.display()),
+        ));
     }
 
     /// Writes one input (inputs that are not part of the log, flush and shutdown, are not written).

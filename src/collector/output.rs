@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 
-use super::stats::SharedStats;
+use super::stats::{FirstExportError, SharedStats};
 use crate::export::{
     Batch, EventKind, ExportError, Exporter, FieldValue, NameId, RecordingOrigin, TraceEvent, TraceField,
     TrackDescriptor, TrackId, TrackKind,
@@ -337,14 +337,7 @@ impl Output {
 fn record_failure(stats: &SharedStats, slot: &mut ExporterSlot, e: ExportError) {
     slot.failed = true;
     stats.export_failures.fetch_add(1, Ordering::Relaxed);
-    let mut first = stats.first_export_error.lock().unwrap_or_else(|e| e.into_inner());
-    if first.is_none() {
-        let kind = match &e {
-            ExportError::Io(io) => io.kind(),
-            _ => std::io::ErrorKind::Other,
-        };
-        *first = Some((kind, e.to_string()));
-    }
+    stats.note_export_failure(FirstExportError::from_export_error(&e));
 }
 
 #[cfg(test)]

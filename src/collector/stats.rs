@@ -66,16 +66,53 @@ pub struct TimelineStats {
     pub async_polls: u64,
 }
 
+/// The first export failure, kept to be handed back to the application as the error it was (an exporter's
+/// own `ExportError::Other` stays `Other`; an I/O error keeps its kind and message, with no prefix twice).
+#[derive(Clone, Debug)]
+pub(crate) enum FirstExportError {
+    Io(std::io::ErrorKind, String),
+    Other(String),
+}
+
+impl FirstExportError {
+    pub(crate) fn from_export_error(e: &crate::export::ExportError) -> Self {
+        match e {
+            crate::export::ExportError::Io(io) => FirstExportError::Io(io.kind(), io.to_string()),
+            crate::export::ExportError::Other(message) => FirstExportError::Other(message.clone()),
+        }
+    }
+
+    pub(crate) fn to_export_error(&self) -> crate::export::ExportError {
+        match self {
+            FirstExportError::Io(kind, message) => {
+                crate::export::ExportError::Io(std::io::Error::new(*kind, message.clone()))
+            }
+            FirstExportError::Other(message) => crate::export::ExportError::Other(message.clone()),
+        }
+    }
+}
+
 impl SharedStats {
-    /// The first export failure, in words, if any.
-    pub(crate) fn first_export_failure(&self) -> Result<(), String> {
-        match self
-            .first_export_error
+    /// Keeps `e` if it is the first export failure.
+    pub(crate) fn note_export_failure(&self, e: FirstExportError) {
+        let mut first = self.first_export_error.lock().unwrap_or_else(|e| e.into_inner());
+        if first.is_none() {
+            *first = Some(e);
+        }
+    }
+
+    /// The first export failure, if any.
+    pub(crate) fn first_export_error(&self) -> Option<FirstExportError> {
+        self.first_export_error
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-        {
-            Some((_, message)) => Err(message.clone()),
+            .clone()
+    }
+
+    /// The first export failure, in words, if any.
+    pub(crate) fn first_export_failure(&self) -> Result<(), String> {
+        match self.first_export_error() {
+            Some(e) => Err(e.to_export_error().to_string()),
             None => Ok(()),
         }
     }
@@ -89,7 +126,7 @@ macro_rules! shared_stats {
             $(pub(crate) $field: AtomicU64,)*
             /// Gap markers processed: records the drain took (`records`) that the program did not make.
             pub(crate) gap_markers: AtomicU64,
-            pub(crate) first_export_error: Mutex<Option<(std::io::ErrorKind, String)>>,
+            first_export_error: Mutex<Option<FirstExportError>>,
         }
 
         impl SharedStats {

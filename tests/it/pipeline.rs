@@ -396,9 +396,45 @@ fn an_exporter_failure_is_reported_and_the_others_keep_going() {
         let _s = tickline::scope!("still recorded");
     }
     let err = timeline.flush().unwrap_err();
-    assert!(err.to_string().contains("disk full"), "{err}");
+    // The exporter's error as it was: an I/O error of its kind, its message once.
+    match &err {
+        tickline::TicklineError::Export(ExportError::Io(io)) => {
+            assert_eq!(io.kind(), std::io::ErrorKind::StorageFull);
+            assert_eq!(io.to_string(), "disk full");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(err.to_string().matches("export I/O error").count(), 1, "{err}");
     assert_eq!(memory.snapshot().slice_count("still recorded"), 1);
     assert_eq!(timeline.stats().export_failures, 1);
+}
+
+#[test]
+fn an_exporters_own_failure_comes_back_as_its_own_error() {
+    let _x = exclusive();
+    struct Refusing;
+    impl Exporter for Refusing {
+        fn export(&mut self, _: &Batch) -> Result<(), ExportError> {
+            Err(ExportError::Other("the viewer went away".into()))
+        }
+        fn flush(&mut self) -> Result<(), ExportError> {
+            Ok(())
+        }
+    }
+    let timeline = Timeline::builder().exporter(Refusing).start().unwrap();
+    {
+        let _s = tickline::scope!("work");
+    }
+    let err = timeline.flush().unwrap_err();
+    assert!(
+        matches!(&err, tickline::TicklineError::Export(ExportError::Other(m)) if m == "the viewer went away"),
+        "{err:?}"
+    );
+    let err = timeline.shutdown().unwrap_err();
+    assert!(
+        matches!(&err, tickline::TicklineError::Export(ExportError::Other(_))),
+        "{err:?}"
+    );
 }
 
 #[test]
