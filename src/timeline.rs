@@ -103,20 +103,35 @@ impl TimelineBuilder {
         self
     }
 
-    /// Records per thread ring (rounded up to a power of two, at least 64), fixed: a full ring drops records
-    /// (drop mode) or waits (lossless mode). Each record is 16 bytes. Without this call rings start at 64 Ki
-    /// records and grow, when one fills, up to [`max_ring_capacity`](Self::max_ring_capacity).
+    /// Records per thread ring (rounded up to a power of two, at least 64 and at most
+    /// [`MAX_RING_CAPACITY`](Self::MAX_RING_CAPACITY)), fixed: a full ring drops records (drop mode) or waits
+    /// (lossless mode). Each record is 16 bytes. Without this call rings start at 64 Ki records and grow,
+    /// when one fills, up to [`max_ring_capacity`](Self::max_ring_capacity).
+    ///
+    /// ```
+    /// use tickline::{Timeline, TimelineBuilder};
+    /// // Clamped: a thread's ring is allocated on its first record, where no error could be returned.
+    /// let builder = Timeline::builder().ring_capacity(usize::MAX);
+    /// let max = TimelineBuilder::MAX_RING_CAPACITY;
+    /// assert!(format!("{builder:?}").contains(&format!("ring_capacity: {max}")));
+    /// ```
     pub fn ring_capacity(mut self, records: usize) -> Self {
-        self.ring_capacity = records.max(64);
+        self.ring_capacity = records.clamp(64, Self::MAX_RING_CAPACITY);
         self.max_ring_capacity = self.ring_capacity;
         self
     }
 
-    /// How large a thread's ring may grow, in records (default 1 Mi = 16 MiB), when it fills in drop mode:
-    /// it moves on to a ring four times as large instead of dropping, up to this. Records are dropped (whole
-    /// slices, counted) only when a ring this large is full.
+    /// The largest ring, in records: 2^26, 1 GiB per thread. Larger capacities are clamped to it (a ring is
+    /// allocated on its thread's first record, on the hot path, which has no way to report an allocation
+    /// that cannot succeed).
+    pub const MAX_RING_CAPACITY: usize = 1 << 26;
+
+    /// How large a thread's ring may grow, in records (default 1 Mi = 16 MiB; at most
+    /// [`MAX_RING_CAPACITY`](Self::MAX_RING_CAPACITY)), when it fills in drop mode: it moves on to a ring four
+    /// times as large instead of dropping, up to this. Records are dropped (whole slices, counted) only when a
+    /// ring this large is full.
     pub fn max_ring_capacity(mut self, records: usize) -> Self {
-        self.max_ring_capacity = records.max(self.ring_capacity);
+        self.max_ring_capacity = records.clamp(self.ring_capacity, Self::MAX_RING_CAPACITY);
         self
     }
 
