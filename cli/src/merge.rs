@@ -123,6 +123,8 @@ pub enum MergeError {
     Write(PathBuf, std::io::Error),
     /// `--reference` names no input.
     BadReference(PathBuf),
+    /// The output is one of the inputs (under another spelling, a symlink or a hard link included).
+    OutputIsInput(crate::output::OutputIsInput),
 }
 
 impl std::fmt::Display for MergeError {
@@ -167,6 +169,7 @@ impl std::fmt::Display for MergeError {
             }
             MergeError::Write(p, e) => write!(f, "cannot write {}: {e}", p.display()),
             MergeError::BadReference(p) => write!(f, "--reference {} is not one of the inputs", p.display()),
+            MergeError::OutputIsInput(e) => write!(f, "{e}"),
         }
     }
 }
@@ -437,6 +440,9 @@ impl ExchangeLink {
 
 /// Merges the traces of `options.inputs` into `options.output`.
 pub fn merge(options: &MergeOptions) -> Result<MergeReport, MergeError> {
+    // Before anything is read or written: the merged trace would replace that input.
+    crate::output::check_not_input(&options.output, options.inputs.iter().map(PathBuf::as_path))
+        .map_err(MergeError::OutputIsInput)?;
     let mut traces = Vec::with_capacity(options.inputs.len());
     for path in &options.inputs {
         let t = TraceFile::read(path, &options.flow_out, &options.flow_in).map_err(MergeError::Read)?;
@@ -1082,8 +1088,14 @@ fn write_output(options: &MergeOptions, c: &Context<'_>) -> Result<usize, MergeE
     Ok(packets)
 }
 
+/// Through a temporary file renamed over `path`: a failed write leaves an existing output as it was.
 fn write_file(path: &Path, data: &[u8]) -> Result<(), MergeError> {
-    std::fs::write(path, data).map_err(|e| MergeError::Write(path.to_owned(), e))
+    let write = || {
+        let mut file = crate::output::OutputFile::create(path)?;
+        std::io::Write::write_all(file.file(), data)?;
+        file.commit()
+    };
+    write().map_err(|e| MergeError::Write(path.to_owned(), e))
 }
 
 #[cfg(test)]

@@ -192,3 +192,122 @@ fn convert_and_stats_say_clearly_what_is_wrong() {
     assert!(text.contains("cut short"), "{text}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `tickline` run in `dir`, so that paths can be given relative to it.
+fn tickline_in(dir: &std::path::Path, args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_tickline"))
+        .current_dir(dir)
+        .args(args)
+        .output()
+        .expect("tickline runs")
+}
+
+fn scratch(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("tickline-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The temporary files an atomic write left behind in `dir` (none, whether it succeeded or not).
+fn leftovers(dir: &std::path::Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".tmp-"))
+        .collect()
+}
+
+/// The output checked by file identity, not by spelling: each of these named the capture itself, which
+/// creating the output truncated before it was read (the capture lost, and the command failed).
+#[test]
+fn convert_refuses_an_output_that_is_its_capture_under_any_spelling() {
+    let dir = scratch("same-file");
+    let capture = dir.join("run.tickline");
+    record_capture(&capture);
+    let bytes = std::fs::read(&capture).unwrap();
+    std::os::unix::fs::symlink("run.tickline", dir.join("link.tickline")).unwrap();
+    std::fs::hard_link(&capture, dir.join("hard.tickline")).unwrap();
+    let absolute = capture.to_str().unwrap();
+    let cases: [&[&str]; 5] = [
+        &["convert", "run.tickline", "-o", "./run.tickline"],
+        &["convert", "run.tickline", "-o", absolute],
+        &["convert", absolute, "-o", "link.tickline"],
+        &["convert", "link.tickline", "-o", "hard.tickline"],
+        &["convert", "run.tickline", "-o", "run.tickline"],
+    ];
+    for args in cases {
+        let out = tickline_in(&dir, args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            std::fs::read(&capture).unwrap() == bytes,
+            "{args:?}: the capture changed: {err}"
+        );
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(
+            err.contains("the same file") && err.contains(args[1]),
+            "{args:?}: {err}"
+        );
+        assert!(std::fs::symlink_metadata(dir.join("link.tickline"))
+            .unwrap()
+            .is_symlink());
+    }
+    assert!(leftovers(&dir).is_empty(), "{:?}", leftovers(&dir));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A failed conversion leaves an existing output as it was (it was truncated before the capture was read),
+/// and a successful one replaces it whole, atomically: a reader that had the old output open still reads
+/// all of it (it read a truncated, then growing file).
+#[test]
+fn convert_replaces_an_existing_output_only_when_it_succeeds() {
+    let dir = scratch("replace");
+    let capture = dir.join("run.tickline");
+    record_capture(&capture);
+    let output = dir.join("keep.pftrace");
+    let old = b"an earlier trace, not to be lost".repeat(1000);
+    std::fs::write(&output, &old).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&output, std::fs::Permissions::from_mode(0o640)).unwrap();
+
+    // A capture whose header is right but whose version is not: it fails after the output was created.
+    let bad = dir.join("bad.tickline");
+    std::fs::write(&bad, b"TICKLINE\0\0\0\0\x03\0\0\0junk").unwrap();
+    let short = dir.join("short.tickline");
+    std::fs::write(&short, b"TICKLINE").unwrap();
+    for input in [&bad, &short] {
+        let out = tickline(&["convert", input.to_str().unwrap(), "-o", output.to_str().unwrap()]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{input:?}: {err}");
+        assert!(err.contains(input.to_str().unwrap()), "{err}");
+        assert!(std::fs::read(&output).unwrap() == old, "{input:?}: the output changed");
+        assert!(leftovers(&dir).is_empty(), "{:?}", leftovers(&dir));
+    }
+
+    // Through a symlink, which stays one: its target is replaced.
+    let link = dir.join("link.pftrace");
+    std::os::unix::fs::symlink("keep.pftrace", &link).unwrap();
+    let mut reader = std::fs::File::open(&output).unwrap();
+    let out = tickline(&["convert", capture.to_str().unwrap(), "-o", link.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let mut before = Vec::new();
+    std::io::Read::read_to_end(&mut reader, &mut before).unwrap();
+    assert!(
+        before == old,
+        "the old output was overwritten in place ({} bytes)",
+        before.len()
+    );
+    assert!(std::fs::symlink_metadata(&link).unwrap().is_symlink());
+    let stats = tickline_cli::stats::read(&output).expect("the new trace loads");
+    assert_eq!(stats.slices_by_name.get("job"), Some(&50));
+    let mode = std::fs::metadata(&output).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o640, "the output keeps its mode");
+    assert!(leftovers(&dir).is_empty(), "{:?}", leftovers(&dir));
+
+    // Outputs that cannot be replaced by a rename keep their meaningful errors.
+    let out = tickline(&["convert", capture.to_str().unwrap(), "-o", "/dev/full"]);
+    assert_eq!(out.status.code(), Some(1));
+    let out = tickline(&["convert", capture.to_str().unwrap(), "-o", "/dev/null"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -368,3 +368,59 @@ fn traces_that_would_merge_wrongly_are_clear_errors() {
     assert!(text.contains("REALTIME"), "{text}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// An output that is one of the inputs under another spelling (relative, absolute, a symlink, a hard link)
+/// is refused before anything is written: the merge read its inputs, then replaced that one with the result.
+#[test]
+fn merge_refuses_an_output_that_is_one_of_its_inputs() {
+    let dir = scratch("same-file");
+    let (x, z) = (dir.join("x.pftrace"), dir.join("z.pftrace"));
+    small_trace(&x, "one", "offset_ns=0");
+    small_trace(&z, "two", "offset_ns=0");
+    let (x_bytes, z_bytes) = (std::fs::read(&x).unwrap(), std::fs::read(&z).unwrap());
+    std::os::unix::fs::symlink("z.pftrace", dir.join("link.pftrace")).unwrap();
+    std::fs::hard_link(&x, dir.join("hard.pftrace")).unwrap();
+    let absolute = x.to_str().unwrap();
+    let cases: [&[&str]; 4] = [
+        &["merge", "x.pftrace", "z.pftrace", "-o", "./x.pftrace"],
+        &["merge", "z.pftrace", "x.pftrace", "-o", absolute],
+        &["merge", "x.pftrace", "z.pftrace", "-o", "link.pftrace"],
+        &["merge", "z.pftrace", "x.pftrace", "-o", "hard.pftrace"],
+    ];
+    for args in cases {
+        let out = Command::new(env!("CARGO_BIN_EXE_tickline"))
+            .current_dir(&dir)
+            .args(args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(std::fs::read(&x).unwrap() == x_bytes, "{args:?}: x changed: {err}");
+        assert!(std::fs::read(&z).unwrap() == z_bytes, "{args:?}: z changed: {err}");
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains("the same file"), "{args:?}: {err}");
+    }
+    // A failed merge leaves an existing output as it was; a successful one replaces it, leaving no temporary.
+    let output = dir.join("out.pftrace");
+    std::fs::write(&output, b"an earlier merge").unwrap();
+    let junk = dir.join("junk.pftrace");
+    std::fs::write(&junk, b"hello, not a protobuf").unwrap();
+    let out = tickline_cmd(&[
+        "merge",
+        absolute,
+        junk.to_str().unwrap(),
+        "-o",
+        output.to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    assert_eq!(std::fs::read(&output).unwrap(), b"an earlier merge");
+    let out = tickline_cmd(&["merge", absolute, z.to_str().unwrap(), "-o", output.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(std::fs::read(&output).unwrap() != b"an earlier merge");
+    let names: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".tmp-"))
+        .collect();
+    assert!(names.is_empty(), "{names:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
