@@ -28,7 +28,8 @@
 //! contradict the axis), and per process a counter track `tickline alignment uncertainty` (ns, conservative
 //! over each 100 ms step) whose description says how its machine was aligned. Spans and events carrying a
 //! `tickline.flow_out` field are linked by Perfetto flows to those carrying `tickline.flow_in` with the same
-//! value, in any process.
+//! value, in any process (each receiver to its one sender; the flow an exporter already drew within its own
+//! trace is replaced, not drawn twice).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -891,6 +892,29 @@ fn match_flows(traces: &[TraceFile]) -> Flows {
     flows
 }
 
+/// A track event's bytes without the flow ids its exporter linked from flow fields within its own trace
+/// ([`tickline_perfetto::is_field_flow_id`]): the merge links every sender and receiver itself, so keeping
+/// them would draw a flow twice. tickline's own flows (CPU to GPU, task polls) stay.
+fn without_field_flows(event: &[u8], trace_uuid: Option<u128>) -> Vec<u8> {
+    let Some(uuid) = trace_uuid.map(TraceUuid) else {
+        return event.to_vec();
+    };
+    let mut out = Vec::with_capacity(event.len() + 40);
+    for field in wire::fields(event) {
+        let Ok((n, v, raw)) = field else {
+            // Unreadable: left as it was (the trace was read whole before, so this does not happen).
+            return event.to_vec();
+        };
+        let field_flow = matches!(n, 47 | 48)
+            && v.as_u64()
+                .is_some_and(|id| tickline_perfetto::is_field_flow_id(uuid, id));
+        if !field_flow {
+            out.extend_from_slice(raw);
+        }
+    }
+    out
+}
+
 fn mix(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
@@ -1002,7 +1026,7 @@ fn write_output(options: &MergeOptions, c: &Context<'_>) -> Result<usize, MergeE
                     }
                     packet::TRACK_EVENT => match flows.at.get(&(ti, pi)) {
                         Some((outs, ins)) => {
-                            let mut event = v.as_bytes().unwrap_or_default().to_vec();
+                            let mut event = without_field_flows(v.as_bytes().unwrap_or_default(), t.trace_uuid);
                             // Unpacked, as the exporter writes them: Perfetto drops packed flow ids.
                             for &id in outs {
                                 put_fixed64(&mut event, 47, id);

@@ -424,3 +424,51 @@ fn merge_refuses_an_output_that_is_one_of_its_inputs() {
     assert!(names.is_empty(), "{names:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A trace of a timeline in this process claiming `machine`, with spans carrying flow fields: each
+/// `(name, field, key)` one span, in order.
+fn flow_trace(path: &Path, machine: &str, spans: &[(&str, &str, &str)]) {
+    let exporter = tickline_perfetto::PerfettoExporter::create(path)
+        .unwrap()
+        .machine_id(tickline::sync::MachineId::from_name(machine));
+    let timeline = tickline::Timeline::builder().exporter(exporter).start().unwrap();
+    let subscriber = tracing_subscriber::registry().with(timeline.layer());
+    tracing::subscriber::with_default(subscriber, || {
+        for &(name, field, key) in spans {
+            match field {
+                "out" => drop(info_span!("flow", span = name, "tickline.flow_out" = key).entered()),
+                _ => drop(info_span!("flow", span = name, "tickline.flow_in" = key).entered()),
+            }
+        }
+    });
+    timeline.shutdown().unwrap();
+}
+
+#[test]
+fn merge_links_every_receiver_once_where_a_trace_already_linked_one() {
+    let dir = scratch("field-flows");
+    let (a, b) = (dir.join("a.pftrace"), dir.join("b.pftrace"));
+    // Trace a links its sender to its own receiver; trace b holds a second receiver of the same key.
+    flow_trace(&a, "one", &[("send", "out", "req-1"), ("here", "in", "req-1")]);
+    flow_trace(&b, "two", &[("there", "in", "req-1")]);
+    let merged = dir.join("merged.pftrace");
+    let out = tickline_cmd(&[
+        "merge",
+        a.to_str().unwrap(),
+        b.to_str().unwrap(),
+        "-o",
+        merged.to_str().unwrap(),
+    ]);
+    let report = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{report}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(report.contains("2 cross-process flows"), "{report}");
+    let Some(script) = checker() else { return };
+    for (trace, flows) in [(&a, "1 flows"), (&merged, "2 flows")] {
+        let out = Command::new("python3").arg(&script).arg(trace).output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+        // Merged: one flow per receiver, and not the one trace a drew itself on top.
+        assert!(stdout.contains(flows), "{}: {stdout}", trace.display());
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -42,6 +42,34 @@
 //! an empty batch when idle), so a killed process loses at most about its last 0.6 s; a file cut at any byte
 //! still loads up to its last whole packet.
 //!
+//! # Flows between spans
+//!
+//! A span or event with a [`FLOW_OUT_FIELD`] field (`tickline.flow_out = ID`, an integer or a string) starts a
+//! flow that ends at the next span or event written with a [`FLOW_IN_FIELD`] field (`tickline.flow_in = ID`)
+//! of the same value: one sender, one receiver per ID in a trace (a later receiver of the same ID, or one
+//! whose sender is not in the trace, is left unlinked). `tickline merge` links the senders and receivers of
+//! every trace it merges, each receiver to its sender, across processes and machines.
+//!
+//! ```
+//! use tracing_subscriber::layer::SubscriberExt;
+//! # let path = std::env::temp_dir().join(format!("tickline-flow-doc-{}.pftrace", std::process::id()));
+//! let timeline = tickline::Timeline::builder()
+//!     .exporter(tickline_perfetto::PerfettoExporter::create(&path).unwrap())
+//!     .start()
+//!     .unwrap();
+//! let subscriber = tracing_subscriber::registry().with(timeline.layer());
+//! tracing::subscriber::with_default(subscriber, || {
+//!     let request_id = 7;
+//!     {
+//!         let _send = tracing::info_span!("enqueue", "tickline.flow_out" = request_id).entered();
+//!     }
+//!     // Later, maybe on another thread: Perfetto draws an arrow from "enqueue" to "handle".
+//!     let _handle = tracing::info_span!("handle", "tickline.flow_in" = request_id).entered();
+//! });
+//! timeline.shutdown().unwrap();
+//! # std::fs::remove_file(&path).ok();
+//! ```
+//!
 //! # Caveats
 //!
 //! Perfetto's importer silently drops a packed `flow_ids`, so flow ids are written unpacked. Track uuids and
@@ -66,6 +94,158 @@ use tickline::{
         ClockExchange, ClockReadings, ExchangeSample, HostInfo, MachineId, MachineIdSource, SimulatedClock, TraceUuid,
     },
 };
+
+/// A span or event field that starts a flow: `info_span!("send", "tickline.flow_out" = id)`. It is linked to
+/// the span or event whose [`FLOW_IN_FIELD`] has the same value (an integer or a string), in this trace by
+/// this exporter and across traces by `tickline merge`.
+pub const FLOW_OUT_FIELD: &str = "tickline.flow_out";
+/// A span or event field that ends the flow whose [`FLOW_OUT_FIELD`] has the same value.
+pub const FLOW_IN_FIELD: &str = "tickline.flow_in";
+/// Bit 63 of an unsalted flow id: set for flows asked for by [`FLOW_OUT_FIELD`] / [`FLOW_IN_FIELD`], clear
+/// for tickline's own (CPU to GPU, task polls), which count up from 1.
+const FIELD_FLOW_BIT: u64 = 1 << 63;
+/// Field flows kept open for a receiver in this trace: a receiver after this many later senders is left to
+/// `tickline merge`.
+const FIELD_FLOWS_KEPT: usize = 1 << 16;
+
+/// The unsalted flow id of a flow field's value `key` (its decimal digits for an integer): the same in every
+/// trace, a 63-bit FNV-1a hash with [`FIELD_FLOW_BIT`] set.
+fn field_flow_id(key: &str) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in key.bytes() {
+        hash = (hash ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    hash | FIELD_FLOW_BIT
+}
+
+/// Whether `flow_id`, as written in the trace whose UUID is `trace_uuid`, is a flow this exporter linked from
+/// [`FLOW_OUT_FIELD`] / [`FLOW_IN_FIELD`] fields rather than one of tickline's own (`tickline merge` replaces
+/// those with flows of its own, which link every receiver across traces).
+///
+/// ```
+/// use tickline::sync::TraceUuid;
+/// let uuid = TraceUuid(0x1234_5678_9abc_def0_1234_5678_9abc_def0);
+/// let salt = u64::from(uuid.salt32()) << 32;
+/// assert!(!tickline_perfetto::is_field_flow_id(uuid, salt ^ 7)); // tickline's own flow 7
+/// ```
+pub fn is_field_flow_id(trace_uuid: TraceUuid, flow_id: u64) -> bool {
+    let salt = u64::from(trace_uuid.salt32()) << 32;
+    (flow_id ^ salt) & FIELD_FLOW_BIT != 0
+}
+
+/// Flows asked for by [`FLOW_OUT_FIELD`] / [`FLOW_IN_FIELD`] fields, linked as the exporter writes events.
+/// Perfetto links flow ends by id after sorting by time, so within a batch (whose tracks are not written in
+/// time order) a receiver may be written before its sender.
+#[derive(Default)]
+struct FieldFlows {
+    /// The interned ids of the two field names, once the timeline used them.
+    names: (Option<tickline::export::NameId>, Option<tickline::export::NameId>),
+    /// Started and not ended yet (unsalted ids), and the order they started in, to forget the oldest beyond
+    /// [`FIELD_FLOWS_KEPT`] (a sender whose receiver is in another process never ends here).
+    open: std::collections::HashSet<u64>,
+    started: std::collections::VecDeque<u64>,
+    /// Senders in the batch being written, not written yet.
+    batch_senders: std::collections::HashSet<u64>,
+    /// Ended by a receiver written before its sender, in the batch being written.
+    ended_early: std::collections::HashSet<u64>,
+    /// A field's value as its key (reused).
+    key: String,
+}
+
+impl FieldFlows {
+    fn note_names(&mut self, names: &[(tickline::export::NameId, String)]) {
+        for (id, name) in names {
+            if name == FLOW_OUT_FIELD {
+                self.names.0 = Some(*id);
+            } else if name == FLOW_IN_FIELD {
+                self.names.1 = Some(*id);
+            }
+        }
+    }
+
+    #[inline]
+    fn in_use(&self) -> bool {
+        self.names != (None, None)
+    }
+
+    /// The flow id of `field` if it is a flow field with a usable value (an integer or a string), and
+    /// whether it is a sender's.
+    fn flow_field(&mut self, field: &TraceField) -> Option<(u64, bool)> {
+        use std::fmt::Write as _;
+        let is_out = Some(field.name) == self.names.0;
+        if !is_out && Some(field.name) != self.names.1 {
+            return None;
+        }
+        self.key.clear();
+        let key = match &field.value {
+            FieldValue::U64(v) => {
+                let _ = write!(self.key, "{v}");
+                self.key.as_str()
+            }
+            FieldValue::I64(v) => {
+                let _ = write!(self.key, "{v}");
+                self.key.as_str()
+            }
+            FieldValue::Str(s) => s.as_str(),
+            FieldValue::Bool(_) | FieldValue::F64(_) => return None,
+        };
+        Some((field_flow_id(key), is_out))
+    }
+
+    /// Notes the senders of `batch` before any of its events is written.
+    fn start_batch(&mut self, batch: &Batch) {
+        self.batch_senders.clear();
+        self.ended_early.clear();
+        if self.names.0.is_none() {
+            return;
+        }
+        for event in &batch.events {
+            if matches!(event.kind, EventKind::SliceBegin | EventKind::Instant) && !event.fields.is_empty() {
+                for field in batch.fields_of(event) {
+                    if let Some((id, true)) = self.flow_field(field) {
+                        self.batch_senders.insert(id);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The flows (unsalted ids: started here, ended here) that an event with `fields` takes part in.
+    fn flows_of(&mut self, fields: &[TraceField]) -> (Option<u64>, Option<u64>) {
+        let mut flows = (None, None);
+        for field in fields {
+            match self.flow_field(field) {
+                Some((id, true)) => {
+                    self.batch_senders.remove(&id);
+                    if self.ended_early.remove(&id) {
+                        // Its receiver was written first, in this batch.
+                        flows.0 = Some(id);
+                    } else if self.open.insert(id) {
+                        if self.started.len() == FIELD_FLOWS_KEPT {
+                            if let Some(oldest) = self.started.pop_front() {
+                                self.open.remove(&oldest);
+                            }
+                        }
+                        self.started.push_back(id);
+                        flows.0 = Some(id);
+                    }
+                    // Else a second sender of an open flow: Perfetto would chain it on from the first.
+                }
+                Some((id, false)) => {
+                    // Its sender written before, or still to be written in this batch; else its sender is not in
+                    // this trace (or this receiver is not the first): unlinked.
+                    let linked =
+                        self.open.remove(&id) || (self.batch_senders.contains(&id) && self.ended_early.insert(id));
+                    if linked {
+                        flows.1 = Some(id);
+                    }
+                }
+                None => {}
+            }
+        }
+        flows
+    }
+}
 
 /// The one packet sequence this writer emits.
 const SEQUENCE_ID: u64 = 1;
@@ -243,6 +423,8 @@ pub struct PerfettoExporter<W: Write + Send = File> {
     /// Converting a capture: the recording's clock readings not written yet, oldest first. The exporter
     /// then never reads this process's clocks (they say nothing about when the capture was recorded).
     replay: Option<std::collections::VecDeque<ClockReadings>>,
+    /// Flows asked for by span and event fields.
+    field_flows: FieldFlows,
 }
 
 impl<W: Write + Send> std::fmt::Debug for PerfettoExporter<W> {
@@ -506,6 +688,7 @@ impl<W: Write + Send> PerfettoExporter<W> {
             exchange_tracks: Vec::new(),
             last_clock_ts: 0,
             pending_snapshots: Vec::new(),
+            field_flows: FieldFlows::default(),
             recorded_pid: std::process::id(),
             recorded_process: tickline::sync::process_name(),
             replay: None,
@@ -993,6 +1176,7 @@ impl<W: Write + Send> PerfettoExporter<W> {
         if names.is_empty() {
             return;
         }
+        self.field_flows.note_names(names);
         self.body.clear();
         for table in [field::interned::EVENT_NAMES, field::interned::DEBUG_ANNOTATION_NAMES] {
             for (id, name) in names {
@@ -1116,15 +1300,28 @@ impl<W: Write + Send> PerfettoExporter<W> {
             return self.write_plain_event::<SIM>(event);
         }
         let fields = batch.fields_of(event);
+        if self.field_flows.in_use() && matches!(event.kind, EventKind::SliceBegin | EventKind::Instant) {
+            let flows = self.field_flows.flows_of(fields);
+            if flows != (None, None) {
+                return self.write_large_event::<SIM>(fields, event, flows);
+            }
+        }
         if small_packet_bound(fields) <= SMALL_PACKET_BOUND {
             return self.write_small_event::<SIM>(event, fields);
         }
-        self.write_large_event::<SIM>(fields, event);
+        self.write_large_event::<SIM>(fields, event, (None, None));
     }
 
     /// An event whose packet may be 128 bytes or more: encoded field by field into the output buffer, each length
     /// prefix widened in place where its body turned out longer than 127 bytes.
-    fn write_large_event<const SIM: bool>(&mut self, fields: &[TraceField], event: &TraceEvent) {
+    ///
+    /// `field_flows`: flows asked for by the event's fields (unsalted ids: out, in), besides its own.
+    fn write_large_event<const SIM: bool>(
+        &mut self,
+        fields: &[TraceField],
+        event: &TraceEvent,
+        field_flows: (Option<u64>, Option<u64>),
+    ) {
         // Encoded straight into the output buffer: `Trace.packet { timestamp, track_event { .. }, sequence id,
         // flags }`. Both length prefixes get one byte up front, the common case (a packet under 128 bytes);
         // a longer one is widened in place after the fact.
@@ -1176,6 +1373,12 @@ impl<W: Write + Send> PerfettoExporter<W> {
             put_fixed64_field(buf, field::event::FLOW_IDS, self.uuid_salt ^ flow);
         }
         if let Some(flow) = event.flow_in {
+            put_fixed64_field(buf, field::event::TERMINATING_FLOW_IDS, self.uuid_salt ^ flow);
+        }
+        if let Some(flow) = field_flows.0 {
+            put_fixed64_field(buf, field::event::FLOW_IDS, self.uuid_salt ^ flow);
+        }
+        if let Some(flow) = field_flows.1 {
             put_fixed64_field(buf, field::event::TERMINATING_FLOW_IDS, self.uuid_salt ^ flow);
         }
         patch_length(buf, event_body);
@@ -1248,6 +1451,9 @@ impl<W: Write + Send> Exporter for PerfettoExporter<W> {
             self.write_track(track);
         }
         self.write_interned(&batch.new_names);
+        if self.field_flows.in_use() {
+            self.field_flows.start_batch(batch);
+        }
         if self.simulate.is_some() {
             self.write_events::<true>(batch)?;
         } else {
@@ -1364,7 +1570,7 @@ mod tests {
                         exporter.write_small_event::<false>(&event, &fields);
                         let small = exporter.buf.clone();
                         exporter.buf.clear();
-                        exporter.write_large_event::<false>(&fields, &event);
+                        exporter.write_large_event::<false>(&fields, &event, (None, None));
                         assert_eq!(small, exporter.buf, "{event:?} {fields:?}");
                         assert!(small.len() <= bound, "{} > {bound}", small.len());
                         checked += 1;

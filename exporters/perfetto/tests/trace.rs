@@ -659,3 +659,106 @@ fn a_real_trace_cut_at_any_byte_loads_up_to_its_last_whole_packet() {
         assert!(String::from_utf8_lossy(&out.stderr).contains("cut short"));
     }
 }
+
+/// The track events of a trace with their interned names resolved: (name, flow ids, terminating flow ids).
+fn named_flows(bytes: &[u8]) -> Vec<(String, Vec<u64>, Vec<u64>)> {
+    let mut names = std::collections::HashMap::new();
+    let mut events = Vec::new();
+    for &(s, e) in &frames(bytes) {
+        for (number, _, body) in fields_of(&bytes[s..e]) {
+            match number {
+                // TracePacket.interned_data: event_names (2), each EventName { iid 1, name 2 }.
+                12 => {
+                    for (n, _, entry) in fields_of(&body) {
+                        if n == 2 {
+                            let entry = fields_of(&entry);
+                            let iid = entry.iter().find(|f| f.0 == 1).map(|f| f.1).unwrap_or(0);
+                            let name = entry.iter().find(|f| f.0 == 2).map(|f| f.2.clone()).unwrap_or_default();
+                            names.insert(iid, String::from_utf8(name).unwrap());
+                        }
+                    }
+                }
+                // TracePacket.track_event: name_iid 10, flow_ids 47, terminating_flow_ids 48.
+                11 => {
+                    let event = fields_of(&body);
+                    let Some(iid) = event.iter().find(|f| f.0 == 10).map(|f| f.1) else {
+                        continue;
+                    };
+                    let ids = |n: u32| event.iter().filter(|f| f.0 == n).map(|f| f.1).collect::<Vec<_>>();
+                    events.push((names.get(&iid).cloned().unwrap_or_default(), ids(47), ids(48)));
+                }
+                _ => {}
+            }
+        }
+    }
+    events
+}
+
+#[test]
+fn flow_fields_link_a_sender_to_its_receiver_within_the_trace() {
+    use tracing_subscriber::layer::SubscriberExt;
+    let _one_at_a_time = exclusive();
+    let path = std::env::temp_dir().join(format!("tickline-perfetto-{}-field-flows.pftrace", std::process::id()));
+    let exporter = PerfettoExporter::create(&path).unwrap();
+    let uuid = exporter.trace_uuid();
+    let timeline = tickline::Timeline::builder().exporter(exporter).start().unwrap();
+    let subscriber = tracing_subscriber::registry().with(timeline.layer());
+    let dispatch = tracing::Dispatch::new(subscriber);
+    tracing::dispatcher::with_default(&dispatch, || {
+        {
+            let _s = tracing::info_span!("send request", "tickline.flow_out" = 7u64).entered();
+            tracing::info!("tickline.flow_out" = "job-9", "queued");
+        }
+        // A sender whose receiver is in another process: its flow starts here and ends nowhere in this trace.
+        let _s = tracing::info_span!("send elsewhere", "tickline.flow_out" = 100u64).entered();
+    });
+    // The receivers on another thread (another track: within a batch, written before or after the senders).
+    std::thread::spawn({
+        let dispatch = dispatch.clone();
+        move || {
+            tracing::dispatcher::with_default(&dispatch, || {
+                let _h = tracing::info_span!("handle request", "tickline.flow_in" = 7u64).entered();
+                drop(tracing::info_span!("handle again", "tickline.flow_in" = 7u64).entered());
+                drop(tracing::info_span!("run job", "tickline.flow_in" = "job-9").entered());
+                drop(tracing::info_span!("no sender here", "tickline.flow_in" = 99u64).entered());
+            })
+        }
+    })
+    .join()
+    .unwrap();
+    timeline.shutdown().unwrap();
+    let bytes = std::fs::read(&path).unwrap();
+    let events = named_flows(&bytes);
+    let of = |name: &str| {
+        events
+            .iter()
+            .find(|e| e.0 == name || (name == "queued" && e.0.starts_with("event ")))
+            .unwrap_or_else(|| panic!("{name} not in {events:?}"))
+            .clone()
+    };
+    let (_, request_out, _) = of("send request");
+    let (_, _, request_in) = of("handle request");
+    assert_eq!(request_out.len(), 1, "{events:?}");
+    assert_eq!(request_in, request_out, "the receiver ends the sender's flow");
+    assert!(tickline_perfetto::is_field_flow_id(uuid, request_out[0]));
+    // The `info!` event (named after its call site; its message is a field).
+    let (_, job_out, _) = of("queued");
+    let (_, _, job_in) = of("run job");
+    assert_eq!(
+        (job_out.len(), job_in.clone()),
+        (1, job_out.clone()),
+        "an event sends, by string"
+    );
+    assert_ne!(job_out, request_out);
+    // One receiver per flow; none without a sender in the trace.
+    assert_eq!(of("handle again").2, Vec::<u64>::new());
+    assert_eq!(of("no sender here").2, Vec::<u64>::new());
+    assert_eq!(of("send elsewhere").1.len(), 1);
+    // Perfetto's bindings read it; the dangling field flow is not an error.
+    if let Some(out) = run_checker(&bytes, "field-flows", &[]) {
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+        assert!(stdout.contains("3 flows"), "{stdout}");
+    }
+    let _ = std::fs::remove_file(&path);
+}
