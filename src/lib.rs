@@ -125,10 +125,13 @@
 //!   wrote it and then reused. Commands recorded but never submitted leave their scope lost after
 //!   [`gpu::GpuCalibrationConfig::lost_after`] (counted; its flow has no GPU end, its pair is retired). A
 //!   command buffer submitted several times rewrites the same pair: record scopes per submission.
-//! - **Span ids.** Records carry `tracing`'s span ids, which the registry reuses after a span closes; the
-//!   collector resolves them within a couple of drain passes, so an id reused with the same value inside one
-//!   pass (about a millisecond) could attach the wrong name. Track ids in exported traces are unique per
-//!   timeline.
+//! - **Span ids.** `tracing`'s registry reuses a span's id once it closes; tickline gives every span a serial
+//!   of its own instead (see [`TicklineLayer`]), so a slice always carries its own span's name and fields.
+//!   Track ids in exported traces are unique per timeline.
+//! - **Exits out of stack order.** `tracing` lets a thread exit a span before one it entered later
+//!   (`let a = s1.entered(); let b = s2.entered(); drop(a);`). A thread track must nest, so the inner slice
+//!   is cut where the outer one ends, marked `tickline.split`, and goes on at once in a second slice of the
+//!   same name until its own exit: one enter, two slices.
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
 #![doc(test(attr(deny(warnings))))]

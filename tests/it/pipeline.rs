@@ -438,6 +438,47 @@ fn an_exporters_own_failure_comes_back_as_its_own_error() {
 }
 
 #[test]
+fn an_exit_out_of_stack_order_splits_the_inner_slice_and_marks_the_cut() {
+    let _x = exclusive();
+    let memory = MemoryExporter::default();
+    let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
+    let subscriber = tracing_subscriber::registry().with(timeline.layer());
+    tracing::subscriber::with_default(subscriber, || {
+        let outer = tracing::info_span!("outer span").entered();
+        let inner = tracing::info_span!("inner span", k = 1).entered();
+        drop(outer);
+        drop(inner);
+    });
+    {
+        let outer = tickline::scope!("outer scope");
+        let inner = tickline::scope!("inner scope");
+        drop(outer);
+        drop(inner);
+    }
+    timeline.shutdown().unwrap();
+    let slices = memory.snapshot().slices();
+    for (outer, inner) in [("outer span", "inner span"), ("outer scope", "inner scope")] {
+        let outer: Vec<_> = slices.iter().filter(|s| s.name == outer).collect();
+        let mut parts: Vec<_> = slices.iter().filter(|s| s.name == inner).collect();
+        parts.sort_by_key(|s| s.begin_ns);
+        assert_eq!((outer.len(), parts.len()), (1, 2), "{slices:?}");
+        let (outer, cut, rest) = (outer[0], parts[0], parts[1]);
+        let split = |s: &tickline::export::RecordedSlice| s.field("tickline.split").cloned();
+        // Cut where the outer slice ends, inside it, and marked; going on at once, at the top, unmarked.
+        assert_eq!(
+            (cut.depth, cut.end_ns, split(cut)),
+            (1, outer.end_ns, Some(FieldValue::Bool(true)))
+        );
+        assert_eq!((rest.depth, rest.begin_ns, split(rest)), (0, outer.end_ns, None));
+        assert!(rest.end_ns >= rest.begin_ns);
+        if inner == "inner span" {
+            assert_eq!(cut.field("k"), Some(&FieldValue::I64(1)));
+            assert_eq!(rest.field("k"), Some(&FieldValue::I64(1)));
+        }
+    }
+}
+
+#[test]
 fn open_slices_are_closed_at_shutdown_and_the_memory_exporter_is_finished() {
     let _x = exclusive();
     let memory = MemoryExporter::default();

@@ -192,12 +192,16 @@ impl Processor {
     /// `split`: the slice ends only to keep nesting and opens again at once (its poll goes on).
     fn end_slice(&mut self, track: &mut Track, slice: OpenSlice, ts_ns: u64, truncated: bool, split: bool) {
         // Most slices carry nothing on their end: no field vector is built or moved for them.
-        let end_fields =
-            if truncated || slice.dropped_inside > 0 || slice.held.is_some() || slice.released_values.is_some() {
-                self.end_fields(track, &slice, ts_ns, truncated)
-            } else {
-                Vec::new()
-            };
+        let end_fields = if truncated
+            || split
+            || slice.dropped_inside > 0
+            || slice.held.is_some()
+            || slice.released_values.is_some()
+        {
+            self.end_fields(track, &slice, ts_ns, truncated, split)
+        } else {
+            Vec::new()
+        };
         let mut flow = None;
         let mut speculative = false;
         if let OpenKind::Span(serial) = slice.kind {
@@ -261,16 +265,30 @@ impl Processor {
         }
     }
 
-    /// What goes on `slice`'s end at `ts_ns`: its markers (`truncated`, records dropped inside it) and, for a
-    /// span slice released before it ended, the values that changed since. While its begin is still held,
-    /// the markers go on the begin instead (which then also learns when the slice ended), and nothing on the
-    /// end.
+    /// What goes on `slice`'s end at `ts_ns`: its markers (`truncated`, `split`, records dropped inside it)
+    /// and, for a span slice released before it ended, the values that changed since. While its begin is still
+    /// held, the markers go on the begin instead (which then also learns when the slice ended), and nothing on
+    /// the end.
     #[inline(never)]
-    fn end_fields(&mut self, track: &mut Track, slice: &OpenSlice, ts_ns: u64, truncated: bool) -> Vec<TraceField> {
+    fn end_fields(
+        &mut self,
+        track: &mut Track,
+        slice: &OpenSlice,
+        ts_ns: u64,
+        truncated: bool,
+        split: bool,
+    ) -> Vec<TraceField> {
         let mut markers = Vec::new();
         if truncated {
             markers.push(TraceField {
                 name: self.names.truncated,
+                value: FieldValue::Bool(true),
+            });
+        }
+        if split {
+            // Cut to keep the track nested: it goes on in the next slice of its name.
+            markers.push(TraceField {
+                name: self.names.split,
                 value: FieldValue::Bool(true),
             });
         }
