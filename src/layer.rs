@@ -39,7 +39,7 @@ use crate::span_table::SpanTable;
 /// an enter appear on that enter's slice (values recorded on another thread count by their timestamp). A
 /// span's or event's fields are limited to [`MAX_PAYLOAD_BYTES`](crate::MAX_PAYLOAD_BYTES) bytes in all
 /// (less in a ring smaller than 8 Ki records) and each string or `Debug` value to
-/// [`MAX_FIELD_BYTES`](crate::MAX_FIELD_BYTES) bytes; a value beyond that is cut (ending in "…"), a field
+/// [`MAX_FIELD_BYTES`](crate::MAX_FIELD_BYTES) bytes; a value beyond that is cut (and "…" appended), a field
 /// beyond that is left out, and the slice or event carries `tickline.fields_truncated` = how many.
 ///
 /// ```

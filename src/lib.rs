@@ -201,6 +201,6 @@ pub use sync::{
 /// Most bytes of fields one span, `record` or event carries (a ring smaller than 8 Ki records allows less);
 /// fields beyond are left out and counted (`tickline.fields_truncated`).
 pub const MAX_PAYLOAD_BYTES: usize = codec::MAX_PAYLOAD_BYTES;
-/// Most bytes of one string or `Debug` field value; a longer value is cut, ends in "…" and is counted
-/// (`tickline.fields_truncated`).
+/// Most bytes of one string or `Debug` field value kept; a longer value keeps at most this many (cut at a
+/// character boundary), then "…" (3 bytes more), and is counted (`tickline.fields_truncated`).
 pub const MAX_FIELD_BYTES: usize = codec::MAX_STR;

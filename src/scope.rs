@@ -5,6 +5,10 @@
 //! thread's ring. They record into the most recently started [`crate::Timeline`] that is still running (when
 //! that one stops, the one started before it, if still running, takes over), and cost one atomic load when
 //! none is.
+//!
+//! A name is a constant `&'static str` (a literal or a `const`): it lives in the call site's `static`, read once
+//! when the call site registers. A name known only at run time is a `tracing` span's field:
+//! `info_span!("decode", file = %path)`.
 
 use std::marker::PhantomData;
 
@@ -112,6 +116,10 @@ pub fn record_counter_value(callsite: &'static NativeCallsite, value: f64) {
 
 /// Opens a named CPU slice on this thread until the returned guard drops.
 ///
+/// The name is a constant `&'static str` (a literal or a `const`), as for [`instant!`](macro@crate::instant)
+/// and [`counter!`](macro@crate::counter): it lives in the call site's `static`. A name known only at run
+/// time belongs in a `tracing` span's field: `info_span!("decode", file = %path)`.
+///
 /// ```
 /// let timeline = tickline::Timeline::builder().start().unwrap();
 /// {
@@ -128,7 +136,7 @@ macro_rules! scope {
     }};
 }
 
-/// Records a named instant event on this thread.
+/// Records a named instant event on this thread (the name: a constant `&'static str`).
 ///
 /// ```
 /// let timeline = tickline::Timeline::builder().start().unwrap();
@@ -170,7 +178,8 @@ macro_rules! frame_mark {
     }};
 }
 
-/// Sets the named counter track to a value (anything that converts to `f64` with `as`).
+/// Sets the named counter track (the name: a constant `&'static str`) to a value (anything that converts to
+/// `f64` with `as`).
 ///
 /// ```
 /// let timeline = tickline::Timeline::builder().start().unwrap();

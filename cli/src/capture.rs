@@ -111,8 +111,8 @@ pub fn summary_text(s: &CaptureSummary) -> String {
     let _ = writeln!(t, "threads:       {} ({} call sites)", s.threads, s.callsites);
     let _ = writeln!(
         t,
-        "records:       {} kept, {} dropped while recording",
-        s.records, s.dropped_records
+        "records:       {} kept, {} dropped while recording ({} slices dropped whole)",
+        s.records, s.dropped_records, s.dropped_slices
     );
     let _ = writeln!(
         t,
@@ -187,6 +187,7 @@ pub fn summary_json(s: &CaptureSummary) -> serde_json::Value {
         "callsites": s.callsites,
         "records": s.records,
         "dropped_records": s.dropped_records,
+        "dropped_slices": s.dropped_slices,
         "slices": s.slices,
         "instants": s.instants,
         "truncated_slices": s.stats.truncated_slices,

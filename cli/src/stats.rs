@@ -116,6 +116,13 @@ const CPU_CLOCK_EVENT: &str = "tickline: CPU clock";
 /// last whole packet (and says so); a packet the schema cannot decode is an error naming it.
 pub fn read(path: &Path) -> Result<TraceStats, String> {
     let data = std::fs::read(path).map_err(|e| format!("{}: cannot read: {e}", path.display()))?;
+    if data.is_empty() {
+        // Framed, an empty file is a trace of no packets; as a file to look at, it is no trace at all.
+        return Err(format!(
+            "{}: the file is empty: neither a trace nor a raw capture",
+            path.display()
+        ));
+    }
     let framing = wire::framing(&data).map_err(|e| format!("{}: {e}", path.display()))?;
     let mut s = TraceStats {
         bytes: data.len() as u64,

@@ -71,6 +71,17 @@ fn bad_arguments_are_a_clear_error() {
     }
 }
 
+#[test]
+fn stats_of_an_empty_file_is_a_clear_error() {
+    let path = std::env::temp_dir().join(format!("tickline-cli-empty-{}.tickline", std::process::id()));
+    std::fs::write(&path, b"").unwrap();
+    let out = tickline(&["stats", path.to_str().unwrap()]);
+    let _ = std::fs::remove_file(&path);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("the file is empty"), "{err}");
+}
+
 /// A raw capture recorded here: spans with fields, native scopes and an event, on two threads.
 fn record_capture(path: &std::path::Path) {
     use tracing_subscriber::layer::SubscriberExt;
@@ -116,6 +127,7 @@ fn a_raw_capture_is_summarised_and_converted_with_its_recording_process_identity
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
     assert_eq!(v["slices"], 125, "{v}");
     assert_eq!(v["dropped_records"], 0, "{v}");
+    assert_eq!(v["dropped_slices"], 0, "{v}");
     assert_eq!(v["complete"], true, "{v}");
     assert!(v["cpu_clock"]["decision"].is_string(), "{v}");
 

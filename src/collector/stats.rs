@@ -25,7 +25,9 @@ pub struct TimelineStats {
     /// Spans and events whose fields were cut or left out at a payload limit (marked
     /// `tickline.fields_truncated`).
     pub fields_truncated: u64,
-    /// Events handed to the exporters.
+    /// Converted events handed to the exporters: every slice's begin and end, instants (`tracing` events
+    /// among them), counter values, tickline's own (its counters and markers) included. Not a count of
+    /// `tracing` events.
     pub events: u64,
     /// Thread rings registered so far.
     pub threads: u64,

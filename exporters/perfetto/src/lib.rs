@@ -658,6 +658,36 @@ fn patch_length(buf: &mut Vec<u8>, body_start: usize) {
 impl<W: Write + Send> PerfettoExporter<W> {
     /// A writer of a Perfetto trace to `writer` (a file, a `Vec<u8>`, a socket), with a fresh [`TraceUuid`]
     /// and this machine's [`HostInfo`].
+    ///
+    /// Given to a timeline, the exporter (and its writer) belongs to the timeline: [`into_inner`](Self::into_inner)
+    /// serves an exporter driven by hand. To read a timeline's trace back from memory, give it a writer you keep
+    /// a handle to:
+    ///
+    /// ```
+    /// use std::sync::{Arc, Mutex};
+    ///
+    /// #[derive(Clone, Default)]
+    /// struct SharedBytes(Arc<Mutex<Vec<u8>>>);
+    ///
+    /// impl std::io::Write for SharedBytes {
+    ///     fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+    ///         self.0.lock().unwrap().extend_from_slice(bytes);
+    ///         Ok(bytes.len())
+    ///     }
+    ///     fn flush(&mut self) -> std::io::Result<()> {
+    ///         Ok(())
+    ///     }
+    /// }
+    ///
+    /// let trace = SharedBytes::default();
+    /// let exporter = tickline_perfetto::PerfettoExporter::new(trace.clone());
+    /// let timeline = tickline::Timeline::builder().exporter(exporter).start().unwrap();
+    /// {
+    ///     let _s = tickline::scope!("work");
+    /// }
+    /// timeline.shutdown().unwrap();
+    /// assert!(!trace.0.lock().unwrap().is_empty());
+    /// ```
     pub fn new(writer: W) -> Self {
         let trace_uuid = TraceUuid::new_random();
         let now = Instant::now();
