@@ -2,6 +2,7 @@
 //! converted timestamps mapped onto Tracy's CPU axis, re-anchored before every upload.
 
 use std::collections::HashMap;
+use std::sync::Mutex;
 
 use tickline::{
     clock::TickSource,
@@ -161,6 +162,18 @@ fn anchor(context: &GpuContext, axis: &Axis, stats: &mut TracyStats) {
     }
 }
 
+/// GPU contexts of exporters that ended, with their lane's name and whether it is a Vulkan one. Tracy allows 255
+/// contexts per process and cannot delete one, so a later exporter's lane of the same name and kind takes its
+/// context over (a context is named once, when made). Only contexts with no zone left open are kept: a lane
+/// uploads a subtree of zones whole.
+static SPARE_CONTEXTS: Mutex<Vec<(String, bool, GpuContext)>> = Mutex::new(Vec::new());
+
+fn spare_context(name: &str, vulkan: bool) -> Option<GpuContext> {
+    let mut spare = SPARE_CONTEXTS.lock().unwrap_or_else(|e| e.into_inner());
+    let at = spare.iter().position(|(n, v, _)| n == name && *v == vulkan)?;
+    Some(spare.swap_remove(at).2)
+}
+
 /// Every GPU lane of the timeline.
 #[derive(Default)]
 pub(crate) struct GpuZones {
@@ -168,6 +181,18 @@ pub(crate) struct GpuZones {
     axis: Option<Axis>,
     /// Subtrees completed in this batch, with their lane and first timestamp.
     ready: Vec<(u64, TrackId, Vec<Item>)>,
+}
+
+impl Drop for GpuZones {
+    /// The lanes' contexts go to [`SPARE_CONTEXTS`] for a later exporter's lanes of the same names.
+    fn drop(&mut self) {
+        let mut spare = SPARE_CONTEXTS.lock().unwrap_or_else(|e| e.into_inner());
+        for lane in self.lanes.values_mut() {
+            if let Some(context) = lane.context.take() {
+                spare.push((std::mem::take(&mut lane.name), lane.vulkan, context));
+            }
+        }
+    }
 }
 
 impl GpuZones {
@@ -259,7 +284,11 @@ impl GpuZones {
                 } else {
                     GpuContextType::Invalid
                 };
-                match client.clone().new_gpu_context(Some(&lane.name), ty, axis.now().0, 1.0) {
+                // An ended exporter's context of this name first (re-anchored below, as every upload is).
+                let context = spare_context(&lane.name, lane.vulkan)
+                    .map(Ok)
+                    .unwrap_or_else(|| client.clone().new_gpu_context(Some(&lane.name), ty, axis.now().0, 1.0));
+                match context {
                     Ok(context) => {
                         lane.context = Some(context);
                         stats.gpu_contexts += 1;

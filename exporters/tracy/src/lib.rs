@@ -100,7 +100,10 @@
 //! - A GPU slice uploaded more than 1.5 s after it ended is not shown (Tracy would read it as a counter
 //!   wrap): keep [`tickline::TimelineBuilder::gpu_latency_bound`] under a second for live sessions.
 //! - Tracy holds at most 255 GPU contexts per process (shared with any `tracy_client::GpuContext` the app
-//!   makes).
+//!   makes) and cannot delete one. A lane's context outlives its exporter: a later exporter's lane of the same
+//!   name and kind takes it over, so a process that starts and stops timelines (a test suite) does not run
+//!   out. Beyond 255 lanes of different names, further lanes' zones are counted
+//!   ([`TracyStats::gpu_zones_without_context`]), not shown.
 //! - Events are Tracy messages; instants are literal messages (their name).
 //! - Async tasks (see [`tickline::AsyncTasks`]) are not shown as tasks: each poll is a zone on the worker
 //!   thread that ran it, as with any span, but no lifetime slice and no task track. Tracy's only way to show
@@ -138,7 +141,8 @@ use live::TracyLive;
 pub struct TracyStats {
     /// GPU zones uploaded.
     pub gpu_zones: u64,
-    /// Tracy GPU contexts created (one per GPU lane that had a zone).
+    /// Tracy GPU contexts this exporter's GPU lanes took (one per lane that had a zone): made, or taken over
+    /// from an earlier exporter's lane of the same name (see the crate caveats).
     pub gpu_contexts: u64,
     /// GPU zones dropped because no profiler was connected when their outermost slice began (on-demand mode).
     pub gpu_zones_not_captured: u64,
