@@ -289,6 +289,12 @@ fn run(path: &Path, exporter: Box<dyn Exporter>) -> Result<CaptureSummary, Captu
     let (slices, instants) = *counts.lock().unwrap_or_else(|e| e.into_inner());
     summary.slices = slices;
     summary.instants = instants;
-    result.map_err(|e| CaptureError::Export(ExportError::Other(e)))?;
+    if let Err(message) = result {
+        // The exporter's own error, as it was (an I/O error keeps its kind).
+        let error = stats
+            .first_export_error()
+            .map_or(ExportError::Other(message), |first| first.to_export_error());
+        return Err(CaptureError::Export(error));
+    }
     Ok(summary)
 }

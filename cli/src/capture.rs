@@ -2,7 +2,7 @@
 //! ([`tickline::capture`]).
 
 use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use tickline::capture::{CaptureError, CaptureSummary};
 
@@ -39,13 +39,11 @@ pub fn convert(input: &Path, output: &Path) -> Result<CaptureSummary, String> {
     // Written beside the output and renamed over it only on success: a corrupt capture or a failed write
     // leaves an existing output as it was.
     let mut file = OutputFile::create(output).map_err(|e| cannot_create(output, &e))?;
-    let writer = NamedWriter {
-        file: file.file().try_clone().map_err(|e| cannot_create(output, &e))?,
-        name: output.to_owned(),
-    };
+    let writer = file.file().try_clone().map_err(|e| cannot_create(output, &e))?;
+    // Its errors name the output, not the temporary file it writes.
+    let exporter = tickline_perfetto::PerfettoExporter::new(writer).output_name(output);
     // `convert` finishes the exporter (its last packets written) and drops it before it returns.
-    let summary = tickline::capture::convert(input, tickline_perfetto::PerfettoExporter::new(writer))
-        .map_err(|e| describe(input, &e))?;
+    let summary = tickline::capture::convert(input, exporter).map_err(|e| describe(input, &e))?;
     file.commit()
         .map_err(|e| format!("cannot write trace file {}: {e}", output.display()))?;
     Ok(summary)
@@ -53,28 +51,6 @@ pub fn convert(input: &Path, output: &Path) -> Result<CaptureSummary, String> {
 
 fn cannot_create(output: &Path, e: &std::io::Error) -> String {
     format!("cannot create trace file {}: {e}", output.display())
-}
-
-/// The exporter's writer, whose errors name the output: given a writer rather than a path, the exporter
-/// calls it "the trace writer", and the file it writes is a temporary the user never named.
-struct NamedWriter {
-    file: std::fs::File,
-    name: PathBuf,
-}
-
-impl NamedWriter {
-    fn named(&self, e: std::io::Error) -> std::io::Error {
-        std::io::Error::new(e.kind(), format!("{}: {e}", self.name.display()))
-    }
-}
-
-impl std::io::Write for NamedWriter {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.file.write(buf).map_err(|e| self.named(e))
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        self.file.flush().map_err(|e| self.named(e))
-    }
 }
 
 /// `tickline stats FILE.tickline`: what the capture holds, read and converted into nothing.

@@ -319,6 +319,10 @@ fn convert_replaces_an_existing_output_only_when_it_succeeds() {
     // Outputs that cannot be replaced by a rename keep their meaningful errors.
     let out = tickline(&["convert", capture.to_str().unwrap(), "-o", "/dev/full"]);
     assert_eq!(out.status.code(), Some(1));
+    // Said once, naming the file the user named.
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("writing Perfetto trace to /dev/full: "), "{err}");
+    assert_eq!(err.matches("export").count(), 1, "{err}");
     let out = tickline(&["convert", capture.to_str().unwrap(), "-o", "/dev/null"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     std::fs::remove_dir_all(&dir).ok();

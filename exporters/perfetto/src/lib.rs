@@ -768,6 +768,18 @@ impl<W: Write + Send> PerfettoExporter<W> {
         self
     }
 
+    /// Names the file the writer writes in this exporter's error messages ([`create`](PerfettoExporter::create)
+    /// does it; for a writer opened some other way, such as a temporary file renamed over `path` once complete).
+    ///
+    /// ```
+    /// let exporter = tickline_perfetto::PerfettoExporter::new(std::io::sink()).output_name("run.pftrace");
+    /// # drop(exporter);
+    /// ```
+    pub fn output_name(mut self, path: impl Into<PathBuf>) -> Self {
+        self.path = Some(path.into());
+        self
+    }
+
     /// This trace's UUID (also in its `TraceUuid` packet).
     pub fn trace_uuid(&self) -> TraceUuid {
         self.trace_uuid
