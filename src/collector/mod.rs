@@ -64,7 +64,10 @@ pub enum AsyncTasks {
     /// A span becomes a task once it is entered a second time or entered on more than one thread: what a
     /// future that is polled, awaits and is polled again looks like. A span entered once on one thread (an
     /// ordinary synchronous scope) is shown exactly as with `Never`. The first poll's flow is drawn only once
-    /// the span is known to be a task, so a span that turns out to be synchronous gets no flow.
+    /// the span is known to be a task, so a span that turns out to be synchronous gets no flow, nor does one
+    /// cut short by its thread's end or the timeline's. One exception: a first poll still undecided when a
+    /// [`flush`](crate::Timeline::flush) or the 200 ms hold limit sends it out keeps its flow's start, in case
+    /// the span is a task; if it is not, nothing ends that flow (Perfetto draws nothing for it).
     #[default]
     Auto,
     /// Every span gets a task track, from its creation.

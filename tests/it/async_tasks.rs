@@ -373,6 +373,50 @@ fn auto_leaves_synchronous_spans_as_they_were() {
     assert_eq!(views[0], views[1]);
 }
 
+/// Spans left open when their thread ends or the timeline stops: entered once, none is a task, so none has a
+/// flow (a flow with one end is not a flow). Tasks still open get their flows, both ends.
+#[test]
+fn spans_open_at_the_end_have_no_flow_with_one_end() {
+    let _x = exclusive();
+    let memory = MemoryExporter::default();
+    let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
+    let dispatch = tracing::Dispatch::new(tracing_subscriber::registry().with(timeline.layer()));
+    // A thread that ends with a span entered.
+    std::thread::spawn({
+        let dispatch = dispatch.clone();
+        move || {
+            tracing::dispatcher::with_default(&dispatch, || {
+                std::mem::forget(tracing::info_span!("entered when its thread ended").entered());
+            })
+        }
+    })
+    .join()
+    .unwrap();
+    let (entered, polled_once, task) = tracing::dispatcher::with_default(&dispatch, || {
+        let polled_once = tracing::info_span!("polled once, open at the end");
+        drop(polled_once.enter());
+        let task = tracing::info_span!("polled twice, open at the end");
+        drop(task.enter());
+        drop(tickline::scope!("between the polls"));
+        drop(task.enter());
+        (tracing::info_span!("entered at the end").entered(), polled_once, task)
+    });
+    // (No flush before: a flush sends an undecided first poll out with its flow, in case it is a task.)
+    timeline.shutdown().unwrap();
+    drop((entered, polled_once, task));
+    let trace = memory.snapshot();
+    let outs: Vec<u64> = trace.events.iter().filter_map(|e| e.flow_out).collect();
+    let ins: Vec<u64> = trace.events.iter().filter_map(|e| e.flow_in).collect();
+    for flow in &outs {
+        assert!(ins.contains(flow), "flow {flow} has no end: {:?}", trace.events);
+    }
+    for flow in &ins {
+        assert!(outs.contains(flow), "flow {flow} has no start");
+    }
+    // The task's two polls, each with its flow.
+    assert_eq!(outs.len(), 2, "{outs:?}");
+}
+
 /// `Always`: every span is a task, from its creation, even one entered once; `Never`: none, even one
 /// re-entered on two threads.
 #[test]

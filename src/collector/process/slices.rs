@@ -216,11 +216,13 @@ impl Processor {
                     (
                         span.task.is_some(),
                         // Closed by the ring's next record: synchronous, decided now (no flow to take back).
+                        // Cut short (its thread ended, or the timeline): no second poll will come to answer it.
                         mode == AsyncTasks::Auto
                             && span.task.is_none()
                             && !span.is_closed()
                             && span.enters == 1
-                            && !self.exit_before_close,
+                            && !self.exit_before_close
+                            && !truncated,
                     )
                 } else {
                     (false, false)
