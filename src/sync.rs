@@ -740,7 +740,19 @@ impl ClockExchange {
         stream.set_nodelay(true)?;
         stream.set_read_timeout(Some(Duration::from_secs(5)))?;
         write_hello(&mut stream, config.machine_id)?;
-        let (peer, host) = read_hello(&mut stream)?;
+        let (peer, host) = read_hello(&mut stream).map_err(|e| match e.kind() {
+            // The read timeout: a listener that accepted but never answered (not a clock exchange).
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!(
+                    "no answer within 5 s from {}: not a tickline clock exchange (ClockExchange::listen)?",
+                    stream
+                        .peer_addr()
+                        .map_or_else(|_| "the peer".to_owned(), |a| a.to_string())
+                ),
+            ),
+            _ => e,
+        })?;
         let shared = Arc::new(ExchangeShared::new(config, stream.local_addr().ok()));
         shared
             .peers
@@ -764,7 +776,10 @@ impl ClockExchange {
                     if last.elapsed() >= bg.shared.config.interval {
                         last = Instant::now();
                         if let Err(e) = bg.sync_now() {
-                            bg.shared.note_error(format!("clock exchange burst failed: {e}"));
+                            // After a shutdown the burst fails by design: no error to report.
+                            if !bg.shared.stop.load(Ordering::Relaxed) {
+                                bg.shared.note_error(format!("clock exchange burst failed: {e}"));
+                            }
                             break;
                         }
                     }
@@ -780,8 +795,15 @@ impl ClockExchange {
     }
 
     /// Runs one burst now (client side; a listening side returns at once). Call it before a trace ends so
-    /// its last moments are bracketed by samples on both sides.
+    /// its last moments are bracketed by samples on both sides. After [`shutdown`](Self::shutdown): an error
+    /// (`NotConnected`).
     pub fn sync_now(&self) -> io::Result<()> {
+        if self.shared.stop.load(Ordering::Relaxed) {
+            return Err(io::Error::new(
+                io::ErrorKind::NotConnected,
+                "the clock exchange was shut down",
+            ));
+        }
         let mut guard = self.shared.client.lock().unwrap_or_else(|e| e.into_inner());
         let Some(conn) = guard.as_mut() else {
             return Ok(());
@@ -968,6 +990,11 @@ fn serve_peer(mut stream: TcpStream, shared: &ExchangeShared) -> io::Result<()> 
         .push((peer, host));
     let config = &shared.config;
     loop {
+        // Between messages too: a peer that keeps sending (bursts closer than the read timeout) never lets a
+        // read time out.
+        if shared.stop.load(Ordering::Relaxed) {
+            return Ok(());
+        }
         let mut kind = [0u8; 1];
         match stream.read_exact(&mut kind) {
             Ok(()) => {}
@@ -1075,6 +1102,60 @@ mod tests {
         assert_ne!(u.salt32(), 0);
         assert_eq!(MachineId::from_name("a"), MachineId::from_name("a"));
         assert_ne!(HostInfo::current().host_name, "");
+    }
+
+    #[test]
+    fn a_listener_that_never_answers_and_a_burst_after_shutdown_are_clear_errors() {
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = silent.local_addr().unwrap();
+        let holder = std::thread::spawn(move || {
+            let accepted = silent.accept();
+            std::thread::sleep(Duration::from_secs(6));
+            drop(accepted);
+        });
+        let Err(err) = ClockExchange::connect(addr) else {
+            panic!("nothing answered, yet it connected")
+        };
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut, "{err}");
+        assert!(err.to_string().contains("not a tickline clock exchange"), "{err}");
+        holder.join().unwrap();
+
+        let server = ClockExchange::listen("127.0.0.1:0").unwrap();
+        let client = ClockExchange::connect(server.local_addr().unwrap()).unwrap();
+        client.sync_now().unwrap();
+        client.shutdown();
+        let err = client.sync_now().unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::NotConnected, "{err}");
+        server.shutdown();
+        assert_eq!(server.sync_now().unwrap_err().kind(), io::ErrorKind::NotConnected);
+    }
+
+    /// A server whose client sends bursts every 10 ms (never 200 ms without a message) stops promptly.
+    #[test]
+    fn a_server_stops_while_its_client_keeps_sending() {
+        let server = ClockExchange::listen("127.0.0.1:0").unwrap();
+        let client = ClockExchange::connect_with(
+            server.local_addr().unwrap(),
+            ClockExchangeConfig {
+                interval: Duration::from_millis(10),
+                ..ClockExchangeConfig::default()
+            },
+        )
+        .unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        let (done, stopped) = std::sync::mpsc::channel();
+        let stopping = std::thread::spawn(move || {
+            server.shutdown();
+            let _ = done.send(());
+        });
+        let result = stopped.recv_timeout(Duration::from_secs(2));
+        // Unblocks a server still waiting (the client's end closes the connection).
+        client.shutdown();
+        stopping.join().unwrap();
+        assert!(
+            result.is_ok(),
+            "the server did not stop within 2 s while its client kept sending"
+        );
     }
 
     /// Loopback, with the server's clock 2.5 ms ahead and running 300 ppm fast through the hook: every
