@@ -367,8 +367,10 @@ pub struct RecordedSlice {
     /// A flow that ends at its begin (a GPU slice's flow from the CPU; an async task's poll, from its slice
     /// on the thread that polled it).
     pub flow_in: Option<u64>,
-    /// A flow that starts at it (on its begin or its end): a CPU slice that submitted GPU work, a poll of an
-    /// async task on a thread track.
+    /// A flow that starts at it (on its begin or its end): a poll of an async task on a thread track. The flow
+    /// to a GPU slice starts at an instant, not a slice: a [`RecordedEvent`] named after the GPU scope, on the
+    /// thread that recorded it, where the scope began. (`tickline.flow_out` fields stay fields here: the
+    /// Perfetto exporter and `tickline merge` turn them into flows.)
     pub flow_out: Option<u64>,
 }
 
