@@ -345,7 +345,9 @@ impl Timeline {
         self.source
     }
 
-    /// Why the TSC is not used, when it is not.
+    /// Why the TSC was found unusable, when tickline fell back from it to `CLOCK_MONOTONIC`. `None` when the
+    /// TSC is in use, and when [`TimelineBuilder::tick_source`] chose the source (see
+    /// [`tick_source_decision`](Self::tick_source_decision)).
     pub fn tsc_fallback_reason(&self) -> Option<&str> {
         self.tsc_fallback_reason.as_deref()
     }

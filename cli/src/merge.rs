@@ -205,8 +205,10 @@ pub struct MergeReport {
     pub machines: Vec<MachineReport>,
     /// Packets written.
     pub packets: usize,
-    /// Cross-process flows made from flow fields.
+    /// Flows made from flow fields, one per receiver.
     pub flows: usize,
+    /// Those of them between two traces (two processes).
+    pub cross_process_flows: usize,
     /// Flow ids with no match (or more than one sender).
     pub unmatched_flow_ids: Vec<String>,
     /// Inputs whose last packet was cut short (dropped).
@@ -220,11 +222,12 @@ impl std::fmt::Display for MergeReport {
         let traces: usize = self.machines.iter().map(|m| m.traces.len()).sum();
         writeln!(
             f,
-            "merged {traces} traces from {} machines into {}: {} packets, {} cross-process flows",
+            "merged {traces} traces from {} machines into {}: {} packets, {} flows ({} across processes)",
             self.machines.len(),
             self.output.display(),
             self.packets,
-            self.flows
+            self.flows,
+            self.cross_process_flows
         )?;
         for (i, m) in self.machines.iter().enumerate() {
             let role = if i == 0 {
@@ -584,6 +587,7 @@ pub fn merge(options: &MergeOptions) -> Result<MergeReport, MergeError> {
         machines: reports,
         packets,
         flows: flows.flows,
+        cross_process_flows: flows.cross_process,
         unmatched_flow_ids: flows.unmatched,
         cut_inputs: traces
             .iter()
@@ -850,6 +854,8 @@ struct Flows {
     /// (trace, packet) -> (flow ids out, flow ids in).
     at: HashMap<(usize, usize), (Vec<u64>, Vec<u64>)>,
     flows: usize,
+    /// Flows whose ends are in two traces.
+    cross_process: usize,
     unmatched: Vec<String>,
 }
 
@@ -871,6 +877,7 @@ fn match_flows(traces: &[TraceFile]) -> Flows {
     let mut flows = Flows {
         at: HashMap::new(),
         flows: 0,
+        cross_process: 0,
         unmatched: Vec::new(),
     };
     for (key, (outs, ins)) in by_key {
@@ -887,6 +894,7 @@ fn match_flows(traces: &[TraceFile]) -> Flows {
             flows.at.entry(outs[0]).or_default().0.push(id);
             flows.at.entry(end).or_default().1.push(id);
             flows.flows += 1;
+            flows.cross_process += usize::from(outs[0].0 != end.0);
         }
     }
     flows
