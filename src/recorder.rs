@@ -493,6 +493,20 @@ impl Target for Arc<Shared> {
 /// The timeline native macros (`scope!`, `instant!`, `counter!`) record into.
 pub(crate) struct Current;
 
+/// The timeline a native scope began in, for its end: a timeline started since then is `Current` but never
+/// saw the begin. Never registers a ring (the begin's is there, or the timeline has stopped).
+pub(crate) struct Began(pub(crate) u64);
+
+impl Target for Began {
+    #[inline(always)]
+    fn id(&self) -> u64 {
+        self.0
+    }
+    fn shared(&self) -> Option<Arc<Shared>> {
+        None
+    }
+}
+
 impl Target for Current {
     #[inline(always)]
     fn id(&self) -> u64 {
@@ -867,7 +881,9 @@ fn register_native(ring: &LocalRing, callsite: &'static NativeCallsite) {
 
 /// Records a native scope's begin; true when it is in the ring (its end must then be recorded).
 #[inline(always)]
-pub(crate) fn scope_begin(target: &impl Target, callsite: &'static NativeCallsite) -> bool {
+/// Records a native scope's begin; returns whether it went in, and the timeline whose ring took it (0: none),
+/// where its end must go ([`Began`]).
+pub(crate) fn scope_begin(target: &impl Target, callsite: &'static NativeCallsite) -> (bool, u64) {
     with_ring(target, |ring| {
         let key = registered(ring, callsite);
         let record = Record::timed(Kind::ScopeBegin, ring.now(), key);
@@ -875,9 +891,9 @@ pub(crate) fn scope_begin(target: &impl Target, callsite: &'static NativeCallsit
         if !pushed {
             ring.producer.count_dropped_unit();
         }
-        pushed
+        (pushed, ring.timeline)
     })
-    .unwrap_or(false)
+    .unwrap_or((false, 0))
 }
 
 /// Records a native scope's end (`recorded`: whether its begin went in; if not, the end is dropped too).
@@ -1127,7 +1143,7 @@ mod tests {
         // Nest until begins are refused: every begin that went in keeps the room of its end.
         let mut recorded = Vec::new();
         for depth in 0..20u64 {
-            recorded.push(scope_begin(&a, site(depth)));
+            recorded.push(scope_begin(&a, site(depth)).0);
         }
         for depth in (0..20u64).rev() {
             scope_end(&a, site(depth), recorded[depth as usize]);

@@ -41,6 +41,9 @@ pub struct ScopeGuard {
     /// Whether the begin went into the ring (in drop mode a full ring refuses it, and then the end is
     /// dropped too: the slice is lost whole, and counted).
     recorded: bool,
+    /// The timeline whose ring took the begin (0: none), so the end goes there even if another timeline
+    /// started since.
+    timeline: u64,
     /// The live sink that saw the begin, so the end goes to the same one.
     live: Option<&'static dyn LiveSink>,
     /// `!Send` and `!Sync`.
@@ -52,6 +55,7 @@ impl std::fmt::Debug for ScopeGuard {
         f.debug_struct("ScopeGuard")
             .field("callsite", &self.callsite)
             .field("recorded", &self.recorded)
+            .field("timeline", &self.timeline)
             .field("live_sink", &self.live.is_some())
             .finish()
     }
@@ -62,7 +66,7 @@ impl ScopeGuard {
     #[doc(hidden)]
     #[inline(always)]
     pub fn enter(callsite: &'static NativeCallsite) -> Self {
-        let recorded = recorder::scope_begin(&Current, callsite);
+        let (recorded, timeline) = recorder::scope_begin(&Current, callsite);
         let live = live::current();
         if let Some(sink) = live {
             sink.scope_begin(callsite);
@@ -70,6 +74,7 @@ impl ScopeGuard {
         ScopeGuard {
             callsite,
             recorded,
+            timeline,
             live,
             _not_send: PhantomData,
         }
@@ -82,7 +87,7 @@ impl Drop for ScopeGuard {
         if let Some(sink) = self.live {
             sink.scope_end(self.callsite);
         }
-        recorder::scope_end(&Current, self.callsite, self.recorded);
+        recorder::scope_end(&recorder::Began(self.timeline), self.callsite, self.recorded);
     }
 }
 

@@ -479,6 +479,36 @@ fn an_exit_out_of_stack_order_splits_the_inner_slice_and_marks_the_cut() {
 }
 
 #[test]
+fn a_scope_ends_in_the_timeline_it_began_in_when_a_newer_one_starts_meanwhile() {
+    let _x = exclusive();
+    let (first, second) = (MemoryExporter::default(), MemoryExporter::default());
+    let a = Timeline::builder().exporter(first.clone()).start().unwrap();
+    let guard = tickline::scope!("spans both starts");
+    let b = Timeline::builder().exporter(second.clone()).start().unwrap();
+    drop(guard);
+    {
+        let _s = tickline::scope!("in the newer one");
+    }
+    let (b_stats, a_stats) = (b.shutdown().unwrap(), a.shutdown().unwrap());
+    let slices = first.snapshot().slices();
+    let whole: Vec<_> = slices.iter().filter(|s| s.name == "spans both starts").collect();
+    assert_eq!(whole.len(), 1, "{slices:?}");
+    assert_eq!(
+        whole[0].field("tickline.truncated"),
+        None,
+        "it ended, in its own timeline"
+    );
+    assert_eq!(
+        (a_stats.truncated_slices, a_stats.unmatched_ends),
+        (0, 0),
+        "{a_stats:?}"
+    );
+    assert_eq!(b_stats.unmatched_ends, 0, "{b_stats:?}");
+    assert_eq!(second.snapshot().slice_count("in the newer one"), 1);
+    assert_eq!(second.snapshot().slice_count("spans both starts"), 0);
+}
+
+#[test]
 fn open_slices_are_closed_at_shutdown_and_the_memory_exporter_is_finished() {
     let _x = exclusive();
     let memory = MemoryExporter::default();
