@@ -65,8 +65,11 @@
 //!
 //! Record cheap raw ticks now; convert them later with the best calibration known then. The hot path reads
 //! the TSC and writes one 16-byte record into a ring only its own thread writes: no conversion, no
-//! allocation, no lock, no system call after the thread's first record. Everything else happens on the
-//! collector thread, which owns the calibration state.
+//! allocation, no lock, no system call after the thread's first record (and its first record with fields,
+//! which sizes its scratch space for the largest payload). One exception, in drop mode with the default
+//! growing rings: a ring that fills moves on to one four times as large, allocated by the recording thread
+//! then (see [`TimelineBuilder::max_ring_capacity`]; a fixed [`TimelineBuilder::ring_capacity`] never
+//! grows). Everything else happens on the collector thread, which owns the calibration state.
 //!
 //! Clocks are mapped to the reference by a [`CalibrationHistory`]: bursts of bracketed samples
 //! `(source ticks, reference ns, max deviation)`, the tightest kept, a robust fit over a sliding window, and

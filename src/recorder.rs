@@ -3,8 +3,10 @@
 //!
 //! After the first record a push is: a few loads and stores of plain thread-local `Cell`s (the cached timeline
 //! id and its ring, and the thread's record lock, which keeps a record made while another is being made
-//! from aliasing the ring), one compare of the timeline id, one ring push. No allocation, no lock shared
-//! with another thread, no system call.
+//! from aliasing the ring), one compare of the timeline id, one ring push. No allocation (the field scratch
+//! space is sized for the largest payload on the thread's first record with fields; a ring that grows is the
+//! one exception, see `LocalRing::grow`), no lock shared with another thread, no system call
+//! (`tests/no_alloc.rs` counts allocations).
 //!
 //! # Whole slices only
 //!
@@ -666,7 +668,9 @@ fn register(shared: &Arc<Shared>, rings: &mut Vec<OwnedRing>) -> Option<NonNull<
             spans_created: 0,
             owed_ends: 0,
             slack: half,
-            refused: Vec::new(),
+            // Begins refused while nested (drop mode, a full ring): room for a deep stack up front, so that
+            // refusing one does not allocate on the hot path.
+            refused: Vec::with_capacity(64),
             unreported_drops: 0,
             last_exit: (0, 0),
             half,
@@ -713,6 +717,9 @@ fn with_payload<R>(
                 return None;
             };
             let (bytes, group) = &mut *scratch;
+            if group.capacity() < SCRATCH_RECORDS {
+                size_scratch(bytes, group);
+            }
             let mut encoder = FieldEncoder::new(bytes, max_bytes);
             encode(&mut encoder);
             encoder.finish();
@@ -720,6 +727,19 @@ fn with_payload<R>(
         })
         .ok()
         .flatten()
+}
+
+/// Records in the largest record group: a head and every data record `aux` can count.
+const SCRATCH_RECORDS: usize = codec::MAX_DATA_RECORDS + 1;
+
+/// Sizes this thread's scratch space for the largest payload and record group, once (its first record with
+/// fields): grown on demand instead, a record with longer fields than any before would allocate on the hot
+/// path. 48 KiB + 64 KiB of address space per recording thread, touched only as far as payloads reach.
+#[cold]
+#[inline(never)]
+fn size_scratch(bytes: &mut Vec<u8>, group: &mut Vec<Record>) {
+    bytes.reserve_exact(MAX_PAYLOAD_BYTES.saturating_sub(bytes.len()));
+    group.reserve_exact(SCRATCH_RECORDS.saturating_sub(group.len()));
 }
 
 /// Records the creation of a span without field values and with the contextual parent (most spans), and

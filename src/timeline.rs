@@ -129,7 +129,9 @@ impl TimelineBuilder {
     /// How large a thread's ring may grow, in records (default 1 Mi = 16 MiB; at most
     /// [`MAX_RING_CAPACITY`](Self::MAX_RING_CAPACITY)), when it fills in drop mode: it moves on to a ring four
     /// times as large instead of dropping, up to this. Records are dropped (whole slices, counted) only when a
-    /// ring this large is full.
+    /// ring this large is full. The larger ring is allocated by the recording thread, at that moment: the one
+    /// allocation the hot path makes after warm-up. For none at all, fix the size with
+    /// [`ring_capacity`](Self::ring_capacity).
     pub fn max_ring_capacity(mut self, records: usize) -> Self {
         self.max_ring_capacity = records.clamp(self.ring_capacity, Self::MAX_RING_CAPACITY);
         self
