@@ -202,6 +202,10 @@ impl Drain {
     /// One pass: drain the rings, read the control channel, calibrate, poll GPUs, send it all in order.
     /// `force`: a flush or shutdown pass, which drains whatever the budget says and calibrates GPUs now.
     fn pass(&mut self, force: bool) -> Vec<Request> {
+        // The pass's time is read before any ring: a slice still open in a ring was still open then, so ending
+        // it there (a truncated slice, at shutdown or a killed capture's conversion) never stretches it. Read
+        // after the rings, the calibration burst and the GPU polls, it was up to a pass's length later.
+        let started = (self.source.read().0, monotonic_ns().0);
         let over_budget = !force && self.budget.used() >= self.config.chunk_budget_bytes;
         if over_budget {
             self.stats.budget_full_passes.fetch_add(1, Ordering::Relaxed);
@@ -303,14 +307,13 @@ impl Drain {
             self.tail.push(Input::CpuCalibration(samples));
         }
         self.gpu.poll(now_ns, force, &mut self.tail);
-        self.end_pass(!(over_budget || paused));
+        self.end_pass(!(over_budget || paused), started);
         requests
     }
 
-    /// Sends the pass's inputs in order and its end (`rings_drained`: see [`Input::PassEnd`]).
-    fn end_pass(&mut self, rings_drained: bool) {
-        let drain_ticks = self.source.read().0;
-        let drain_ns = monotonic_ns().0;
+    /// Sends the pass's inputs in order and its end (`rings_drained`: see [`Input::PassEnd`]), stamped with
+    /// `(drain_ticks, drain_ns)`, read when the pass started.
+    fn end_pass(&mut self, rings_drained: bool, (drain_ticks, drain_ns): (u64, u64)) {
         let registrations = std::mem::take(&mut self.registrations);
         let chunks = std::mem::take(&mut self.chunks);
         let tail = std::mem::take(&mut self.tail);
@@ -565,6 +568,39 @@ mod tests {
             "registrations first; a ring is drained from the pass after it registered"
         );
         assert_eq!(drain.stats.records.load(Ordering::Relaxed), group.len() as u64 + 1);
+    }
+
+    /// A pass is stamped with its start: before any ring is read, so a slice still open in a chunk was open
+    /// then, and ending it there (truncated) never stretches it.
+    #[test]
+    fn a_pass_is_stamped_before_it_reads_any_ring() {
+        let (shared, control) = shared();
+        let (mut drain, inputs) = drain_with(&shared, control, 1);
+        let (mut producer, consumer) = channel::<Record>(64);
+        drain.rings.push(LiveRing {
+            ring: 1,
+            consumer,
+            dropped_base: (0, 0),
+        });
+        assert!(producer.try_push_keeping(Record::timed(Kind::Instant, 1, 0x20), 0));
+        drain.pass(true);
+        let mut chunk_ticks = None;
+        let mut checked = false;
+        for input in inputs.try_iter() {
+            match input {
+                Input::Chunk(chunk) => chunk_ticks = Some(chunk.now_ticks),
+                Input::PassEnd { drain_ticks, .. } => {
+                    let read = chunk_ticks.expect("the ring was drained in this pass");
+                    assert!(
+                        drain_ticks <= read,
+                        "pass stamped at {drain_ticks}, ring read at {read}"
+                    );
+                    checked = true;
+                }
+                _ => {}
+            }
+        }
+        assert!(checked);
     }
 
     #[test]

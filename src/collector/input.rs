@@ -198,8 +198,9 @@ pub(crate) enum Input {
         text: String,
     },
     Gpu(GpuInput),
-    /// A drain pass ended at `drain_ns` (reference ns; `drain_ticks` in CPU ticks). `buffered_bytes`: chunk
-    /// memory in flight towards the processing stage at that moment. `rings_drained`: every ring was drained
+    /// A drain pass ended; `drain_ns` (reference ns; `drain_ticks` in CPU ticks) is when it started, before it
+    /// read any ring: every slice still open in its chunks was open then. `buffered_bytes`: chunk
+    /// memory in flight towards the processing stage at its end. `rings_drained`: every ring was drained
     /// to its end in this pass (false when the chunk budget was full or draining was paused). Only such
     /// passes count towards deciding that a record that should have come (a span's announcement, a GPU
     /// scope's begin) was dropped: the others could not have brought it.
