@@ -372,6 +372,8 @@ pub(crate) struct Processor {
     /// `"poll"`, for the task tracks' poll slices.
     task_names: Option<NameId>,
     tasks_written: u64,
+    /// Records the rings had dropped, in all, as far as the chunks processed so far say.
+    drops_seen: u64,
     /// Polls written on task tracks.
     polls_written: u64,
     /// The timeline is shutting down: a span polled once and still open is not a task.
@@ -456,6 +458,7 @@ impl Processor {
             written_order: VecDeque::new(),
             task_names: None,
             tasks_written: 0,
+            drops_seen: 0,
             polls_written: 0,
             ending: false,
             to_write: Vec::new(),
@@ -719,7 +722,10 @@ impl Processor {
         };
         let mut progress = false;
         'chunks: while let Some(chunk) = r.input.pending.pop_front() {
-            r.dropped_total = r.dropped_total.max(chunk.dropped_total);
+            if chunk.dropped_total > r.dropped_total {
+                self.drops_seen += chunk.dropped_total - r.dropped_total;
+                r.dropped_total = chunk.dropped_total;
+            }
             let mut decoder = Decoder::new(&chunk.records[r.input.cursor..]);
             let mut processed = 0;
             loop {

@@ -241,6 +241,7 @@ impl Processor {
                         flow: id,
                     };
                     if let Some(task) = &mut span.task {
+                        task.last_poll = (poll.end_ns, self.drops_seen);
                         task.polls.push(poll);
                         stream = task.polls.len() >= MAX_BUFFERED_POLLS;
                     } else if span.first_poll.end_ns == 0 {

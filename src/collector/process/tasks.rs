@@ -61,6 +61,7 @@ impl Processor {
                     begun: None,
                     lanes: vec![(t, 0)],
                     written: false,
+                    last_poll: (span.first_poll.end_ns, self.drops_seen),
                 }));
             }
             self.spans.closed_task(s);
@@ -114,7 +115,16 @@ impl Processor {
         }
         let closed = span.is_closed();
         let last_end = task.polls.iter().map(|p| p.end_ns).max().unwrap_or(0);
-        let end = if closed { span.closed_ns } else { end_ns }
+        // Still open at the end: ended then, unless records were dropped since its last poll (its close may have
+        // been one of them): then at its last poll, the last moment it is known to have lived. Marked truncated
+        // either way, and never past its real end.
+        let (last_poll_ns, drops_then) = task.last_poll;
+        let open_until = if self.drops_seen > drops_then {
+            last_poll_ns
+        } else {
+            end_ns
+        };
+        let end = if closed { span.closed_ns } else { open_until }
             .max(last_end)
             .max(span.created_ns);
         let begun = task.begun.is_some();
@@ -136,6 +146,7 @@ impl Processor {
             Vec::new()
         };
         if !closed {
+            self.counts.truncated_slices += 1;
             end_fields.push(TraceField {
                 name: self.names.truncated,
                 value: FieldValue::Bool(true),

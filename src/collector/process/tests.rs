@@ -532,6 +532,57 @@ fn a_first_poll_waits_for_its_span_to_close_or_be_entered_again() {
     }
 }
 
+/// A task still open at the end ends then, truncated; but if the rings dropped records after its last poll,
+/// its close may have been among them: it then ends at its last poll (never past its real end). Counted as
+/// truncated either way.
+#[test]
+fn an_open_task_whose_close_may_have_been_dropped_ends_at_its_last_poll() {
+    for dropped_after in [false, true] {
+        let memory = MemoryExporter::default();
+        let mut p = processor(&memory);
+        register_span_callsite(&mut p);
+        let serial = crate::recorder::span_serial(1, 1);
+        chunk(
+            &mut p,
+            1,
+            vec![
+                codec::span_new_bare(90, SPAN),
+                Record::timed(Kind::SpanEnter, 100, serial),
+                Record::timed(Kind::SpanExit, 110, serial),
+                Record::timed(Kind::SpanEnter, 300, serial),
+                Record::timed(Kind::SpanExit, 310, serial),
+            ],
+        );
+        pass(&mut p);
+        // Later records on the ring, some of them dropped (say, the task's close).
+        p.input(Input::Chunk(Chunk {
+            ring: 1,
+            now_ticks: 1_000_000,
+            dropped_total: if dropped_after { 3 } else { 0 },
+            dropped_slices_total: 0,
+            records: vec![Record::timed(Kind::Instant, 500, KNOWN)],
+        }));
+        pass(&mut p);
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        p.input(Input::Shutdown(tx));
+        rx.recv().unwrap().unwrap();
+        let trace = memory.snapshot();
+        let slices = trace.slices();
+        let lifetime = slices
+            .iter()
+            .find(|s| s.depth == 0 && !trace.is_thread_track(s.track))
+            .expect("the task's lifetime");
+        assert_eq!(lifetime.field("tickline.truncated"), Some(&FieldValue::Bool(true)));
+        let expected_end = if dropped_after { 310 } else { 1_000_000 };
+        assert_eq!(
+            (lifetime.begin_ns, lifetime.end_ns),
+            (90, expected_end),
+            "dropped after: {dropped_after}"
+        );
+        assert_eq!(p.stats.snapshot().truncated_slices, 1, "dropped after: {dropped_after}");
+    }
+}
+
 #[test]
 fn an_end_out_of_stack_order_keeps_every_track_nested() {
     let memory = MemoryExporter::default();
