@@ -49,6 +49,11 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static ALLOCATOR: Counting = Counting;
 
+/// One test at a time: native macros record into the most recently started timeline, so a second test's
+/// timeline starting meanwhile would move this thread's records to a new ring (an allocation), and each test
+/// reads the one global count.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Allocations on this thread while `f` runs.
 fn allocations_in(f: impl FnOnce()) -> u64 {
     let before = ALLOCATIONS.load(Ordering::Relaxed);
@@ -60,6 +65,7 @@ fn allocations_in(f: impl FnOnce()) -> u64 {
 
 #[test]
 fn recording_allocates_nothing_after_warm_up_even_as_fields_grow() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     // A fixed ring (a growing one allocates its successor when it fills: documented), large enough here.
     let timeline = Timeline::builder().ring_capacity(1 << 20).start().unwrap();
     let subscriber = tracing_subscriber::registry().with(timeline.layer());
@@ -90,6 +96,7 @@ fn recording_allocates_nothing_after_warm_up_even_as_fields_grow() {
 
 #[test]
 fn a_full_ring_refuses_and_drops_without_allocating() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     // Drop mode, a small fixed ring; then a collector that drains only when flushed: most begins are refused.
     let timeline = Timeline::builder().ring_capacity(256).start().unwrap();
     let subscriber = tracing_subscriber::registry().with(timeline.layer());
