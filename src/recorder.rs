@@ -792,7 +792,14 @@ pub(crate) fn span_record(
     encode: impl FnOnce(&mut FieldEncoder<'_>),
 ) {
     if serial & NOT_ANNOUNCED != 0 {
-        with_ring(target, |ring| ring.drop_records(1));
+        // The span's creation was dropped, so this goes too: counted as the records it would have been (its
+        // group), so that `records + dropped_records` stays what the program made. Rare (the ring was full).
+        with_payload(target, max_bytes, encode, |payload, group| {
+            with_ring(target, |ring| {
+                codec::encode_span_record(group, 0, serial, payload);
+                ring.drop_records(group.len());
+            })
+        });
         return;
     }
     with_payload(target, max_bytes, encode, |payload, group| {

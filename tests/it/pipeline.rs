@@ -371,6 +371,43 @@ fn native_scopes_instants_and_counters() {
     }
 }
 
+/// `records + dropped_records` is what the program made: the same workload in lossless mode (nothing
+/// dropped) and into a full ring, where a span's creation is dropped and so are the `record`s that follow it.
+#[test]
+fn records_and_dropped_records_add_up_to_what_the_program_made() {
+    let _x = exclusive();
+    let workload = || {
+        for i in 0..100u64 {
+            tracing::info!(i, "filler");
+        }
+        let long = "x".repeat(300);
+        let span = tracing::info_span!("s", k = 1u64, text = %long, v = tracing::field::Empty);
+        {
+            let _e = span.enter();
+            span.record("v", tracing::field::display(&long));
+        }
+        drop(span);
+    };
+    let run = |lossless: bool| {
+        let timeline = Timeline::builder()
+            .ring_capacity(64)
+            .lossless(lossless)
+            .start()
+            .unwrap();
+        if !lossless {
+            timeline.pause_drain(true);
+        }
+        let subscriber = tracing_subscriber::registry().with(timeline.layer());
+        tracing::subscriber::with_default(subscriber, workload);
+        timeline.pause_drain(false);
+        timeline.shutdown().unwrap()
+    };
+    let (all, full) = (run(true), run(false));
+    assert_eq!(all.dropped_records, 0, "{all:?}");
+    assert!(full.dropped_records > 0, "{full:?}");
+    assert_eq!(full.records + full.dropped_records, all.records, "{full:?}");
+}
+
 #[test]
 fn an_exporter_failure_is_reported_and_the_others_keep_going() {
     let _x = exclusive();
