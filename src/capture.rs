@@ -279,9 +279,9 @@ fn run(path: &Path, exporter: Box<dyn Exporter>) -> Result<CaptureSummary, Captu
     let result = rx.recv().unwrap_or(Ok(()));
     summary.dropped_records = dropped.values().sum();
     summary.dropped_slices = slices_dropped.values().sum();
+    // As live, the snapshot leaves out the markers the rings put where they dropped records.
+    stats.records.store(records, std::sync::atomic::Ordering::Relaxed);
     let mut s = stats.snapshot();
-    // As live: the program's records, not the markers its rings put where they dropped some.
-    s.records = records.saturating_sub(stats.gap_markers.load(std::sync::atomic::Ordering::Relaxed));
     s.dropped_records = summary.dropped_records;
     s.dropped_slices = summary.dropped_slices;
     s.threads = summary.threads;

@@ -488,6 +488,17 @@ mod tests {
     use crate::codec::{self, Kind};
     use crate::ring::channel;
 
+    /// A 64-record ring 1 the drain takes from its next pass on; its producer.
+    fn live_ring(drain: &mut Drain) -> crate::ring::Producer<Record> {
+        let (producer, consumer) = channel::<Record>(64);
+        drain.rings.push(LiveRing {
+            ring: 1,
+            consumer,
+            dropped_base: (0, 0),
+        });
+        producer
+    }
+
     fn drain_with(shared: &Arc<Shared>, control: Receiver<Control>, budget_bytes: u64) -> (Drain, Receiver<Input>) {
         let (tx, rx) = unbounded();
         let config = DrainConfig {
@@ -576,12 +587,7 @@ mod tests {
     fn a_pass_is_stamped_before_it_reads_any_ring() {
         let (shared, control) = shared();
         let (mut drain, inputs) = drain_with(&shared, control, 1);
-        let (mut producer, consumer) = channel::<Record>(64);
-        drain.rings.push(LiveRing {
-            ring: 1,
-            consumer,
-            dropped_base: (0, 0),
-        });
+        let mut producer = live_ring(&mut drain);
         assert!(producer.try_push_keeping(Record::timed(Kind::Instant, 1, 0x20), 0));
         drain.pass(true);
         let mut chunk_ticks = None;
@@ -607,12 +613,7 @@ mod tests {
     fn a_full_budget_or_a_pause_leaves_the_rings_alone_but_a_closed_ring_is_emptied() {
         let (shared, control) = shared();
         let (mut drain, inputs) = drain_with(&shared, control, 1);
-        let (mut producer, consumer) = channel::<Record>(64);
-        drain.rings.push(LiveRing {
-            ring: 1,
-            consumer,
-            dropped_base: (0, 0),
-        });
+        let mut producer = live_ring(&mut drain);
         drain.budget.add(1);
         assert!(producer.try_push_keeping(Record::timed(Kind::Instant, 1, 0x20), 0));
         drain.pass(false);

@@ -334,6 +334,19 @@ fn a_converted_capture_accounts_for_every_record_and_slice_the_rings_dropped() {
     let stats = timeline.shutdown().unwrap();
     assert!(stats.dropped_slices > 0, "the ring must overflow: {stats:?}");
     let live_slices = live.snapshot().slices().iter().filter(|s| s.name == "work").count() as u64;
+    // The trace's own dropped-records counter ends at the same total.
+    let trace = live.snapshot();
+    let counter = trace
+        .tracks
+        .iter()
+        .find(|t| matches!(&t.kind, TrackKind::Counter { name, .. } if name == "tickline dropped records"))
+        .map(|t| t.id)
+        .expect("the dropped-records counter track");
+    let last = trace.events_on(counter).filter_map(|e| match e.kind {
+        tickline::export::EventKind::Counter(v) => Some(v),
+        _ => None,
+    });
+    assert_eq!(last.last(), Some(stats.dropped_records as f64), "{stats:?}");
     assert_eq!(live_slices + stats.dropped_slices, SPANS, "{stats:?}");
 
     let converted = MemoryExporter::default();

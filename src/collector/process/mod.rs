@@ -357,8 +357,6 @@ pub(crate) struct Processor {
     reported_dropped: u64,
     reported_truncated: u64,
     reported_fit_ns: u64,
-    /// Dropped-record totals of rings that ended.
-    dropped_of_ended: u64,
     hold_limit_ns: u64,
     finished: bool,
     /// The newest CPU clock note not exported yet: `(fallback, doubt, text)`.
@@ -372,7 +370,8 @@ pub(crate) struct Processor {
     /// `"poll"`, for the task tracks' poll slices.
     task_names: Option<NameId>,
     tasks_written: u64,
-    /// Records the rings had dropped, in all, as far as the chunks processed so far say.
+    /// Records the rings had dropped, in all (rings that ended included), as far as the chunks processed so far
+    /// say: the dropped-records counter's value.
     drops_seen: u64,
     /// Polls written on task tracks.
     polls_written: u64,
@@ -449,7 +448,6 @@ impl Processor {
             reported_dropped: 0,
             reported_truncated: 0,
             reported_fit_ns: 0,
-            dropped_of_ended: 0,
             hold_limit_ns: HOLD_LIMIT_NS,
             finished: false,
             clock_note: None,
@@ -835,7 +833,6 @@ impl Processor {
             let end = r.track.last_ns;
             self.truncate_open(&mut r.track, end);
             self.release(&mut r.track, true, end);
-            self.dropped_of_ended += r.dropped_total;
             self.active.swap_remove(k);
         }
     }
@@ -870,13 +867,7 @@ impl Processor {
             };
             self.out.push_counter(self.tracks.cpu_clock, drain_ns, value, level);
         }
-        let dropped = self.dropped_of_ended
-            + self
-                .active
-                .iter()
-                .filter_map(|&r| self.rings[r as usize].as_ref())
-                .map(|r| r.dropped_total)
-                .sum::<u64>();
+        let dropped = self.drops_seen;
         if dropped != self.reported_dropped {
             self.reported_dropped = dropped;
             self.out
