@@ -14,8 +14,11 @@
 //! (a span enter, a scope begin) that goes into the ring reserves the slot of its end, and a begin that
 //! would not leave room for its own end and every end still owed is refused. A refused begin's end is then
 //! dropped too, so the pair is lost whole. Every dropped record is counted (the ring's drop counter), and
-//! the next record that fits is preceded by a `Gap` record saying how many went missing there, so the
-//! collector can show where the loss happened.
+//! the next record that goes in is preceded by a `Gap` record saying how many went missing there, so the
+//! collector can show where the loss happened and mark every slice open around it. The room an owed end
+//! keeps is two slots, its own and one for a `Gap` before it, so the gap always lands inside the slices the
+//! loss happened in; a record that is not an end and has no room for the gap before it is dropped too,
+//! rather than go in ahead of the gap.
 
 use std::cell::{Cell, RefCell};
 use std::ptr::{self, NonNull};
@@ -115,6 +118,14 @@ const MAX_RINGS: u32 = 1 << (63 - SERIAL_COUNTER_BITS);
 /// Set in `slack` while dropped records wait to be reported: more room than any ring has (a ring holds at
 /// most 2^47 records: half the address space of 16-byte records).
 const GAP_PENDING: usize = 1 << 48;
+
+/// Slots a drop-mode push leaves free for `owed` ends still to come: two each, the end's own and one for
+/// the `Gap` record that goes before it when records were dropped since the last one, so that a slice that
+/// lost records inside it always ends after its gap (and is marked).
+#[inline(always)]
+const fn kept_for(owed: usize) -> usize {
+    2 * owed
+}
 
 /// The serial of a span whose creation record was dropped: its slices are dropped whole too (the collector
 /// could not name them). Never in a record.
@@ -233,7 +244,7 @@ impl LocalRing {
     /// mode a push that does not fit is dropped and counted; in lossless mode it waits.
     #[inline(always)]
     fn push_one(&mut self, record: Record, owed_after: usize) -> bool {
-        if self.producer.try_push_keeping(record, owed_after + self.slack) {
+        if self.producer.try_push_keeping(record, kept_for(owed_after) + self.slack) {
             self.owed_ends = owed_after;
             return true;
         }
@@ -243,7 +254,7 @@ impl LocalRing {
     /// Pushes `records` (all or none), as [`push_one`](Self::push_one).
     #[inline(always)]
     fn push_group(&mut self, records: &[Record], owed_after: usize) -> bool {
-        if self.producer.try_push_all_keeping(records, owed_after + self.slack) {
+        if self.producer.try_push_all_keeping(records, kept_for(owed_after) + self.slack) {
             self.owed_ends = owed_after;
             return true;
         }
@@ -273,7 +284,7 @@ impl LocalRing {
     /// Pushes `records` if they fit with the owed ends' room kept (a lossless producer keeps none and
     /// waits); else drops and counts them.
     fn push_full(&mut self, records: &[Record], owed_after: usize) -> bool {
-        let keep = if self.lossless { 0 } else { owed_after };
+        let keep = if self.lossless { 0 } else { kept_for(owed_after) };
         if self.producer.try_push_all_keeping(records, keep) {
             self.owed_ends = owed_after;
             return true;
@@ -329,27 +340,52 @@ impl LocalRing {
         true
     }
 
-    /// Records went missing before this push: a `Gap` record first, where there is room for it. An end whose
-    /// reserved slot is all there is goes in without it (the gap is then reported at a later record, still
-    /// after the loss).
+    /// Records went missing before this push: a `Gap` record first, then `records`. In drop mode an end always
+    /// has room for both (its begin kept two slots, [`kept_for`]); anything else that has not is dropped too
+    /// (after trying to grow the ring), so that no record lands between a loss and its gap: a slice that
+    /// begins there would be marked as having lost records it never held, and one that ends there would not
+    /// be marked at all. A lossless ring drops only when its collector is gone; it waits for room as usual.
     fn push_after_gap(&mut self, records: &[Record], owed_after: usize) -> bool {
-        let keep = if self.lossless { 0 } else { owed_after };
-        if self.producer.free_slots() >= 1 + records.len() + keep {
-            // Stamped like the record it precedes (ticks must not go backwards along the ring).
-            let ticks = match records[0].low48() {
-                0 => self.now(),
-                ticks => ticks,
-            };
-            let gap = Record::timed(Kind::Gap, ticks, self.unreported_drops);
-            let pushed = self.producer.try_push_keeping(gap, records.len() + keep)
-                && self.producer.try_push_all_keeping(records, keep);
-            debug_assert!(pushed, "room was checked above and only this thread pushes");
-            self.unreported_drops = 0;
-            self.slack &= !GAP_PENDING;
-            self.owed_ends = owed_after;
-            return pushed;
+        if self.lossless {
+            if self.push_with_gap(records, 0) {
+                self.owed_ends = owed_after;
+                return true;
+            }
+            return self.push_full(records, owed_after);
         }
-        self.push_full(records, owed_after)
+        let keep = kept_for(owed_after);
+        if self.push_with_gap(records, keep) || (self.grow() && self.push_with_gap(records, keep)) {
+            self.owed_ends = owed_after;
+            return true;
+        }
+        if owed_after < self.owed_ends {
+            // An end always finds its two slots (see above); should that ever fail, it still goes in, since
+            // a slice must never lose its end while its begin is in the ring.
+            debug_assert!(false, "an end found no room for the gap before it");
+            return self.push_full(records, owed_after);
+        }
+        self.drop_records(records.len());
+        false
+    }
+
+    /// Pushes a `Gap` record for the drops not yet reported and then `records`, if both fit leaving `keep`
+    /// slots free; else pushes nothing.
+    fn push_with_gap(&mut self, records: &[Record], keep: usize) -> bool {
+        if self.producer.free_slots() < 1 + records.len() + keep {
+            return false;
+        }
+        // Stamped like the record it precedes (ticks must not go backwards along the ring).
+        let ticks = match records[0].low48() {
+            0 => self.now(),
+            ticks => ticks,
+        };
+        let gap = Record::timed(Kind::Gap, ticks, self.unreported_drops);
+        let pushed = self.producer.try_push_keeping(gap, records.len() + keep)
+            && self.producer.try_push_all_keeping(records, keep);
+        debug_assert!(pushed, "room was checked above and only this thread pushes");
+        self.unreported_drops = 0;
+        self.slack &= !GAP_PENDING;
+        pushed
     }
 
     #[cold]
@@ -1165,9 +1201,9 @@ mod tests {
     }
 
     #[test]
-    fn a_full_ring_loses_whole_slices_and_marks_the_gap() {
+    fn a_full_ring_loses_whole_slices_and_marks_the_gap_inside_the_slices_it_hit() {
         let (a, a_rx) = timeline(16);
-        // Nest until begins are refused: every begin that went in keeps the room of its end.
+        // Nest until begins are refused: every begin that went in keeps the room of its end and of a gap.
         let mut recorded = Vec::new();
         for depth in 0..20u64 {
             recorded.push(scope_begin(&a, site(depth)).0);
@@ -1185,11 +1221,66 @@ mod tests {
         assert!(begins > 0 && begins < 20);
         // Every record is accounted: what is in the ring and what was counted as dropped.
         assert_eq!(begins + ends + consumer.dropped_records() as usize, 40);
-        // The next record after the loss carries the gap.
+        // The gap comes before the first end, so every slice still in the ring is open around it.
+        assert!(
+            matches!(items[begins], Item::Gap { dropped, .. } if dropped == consumer.dropped_records()),
+            "{items:?}"
+        );
+        assert!(items[..begins].iter().all(|i| matches!(i, Item::ScopeBegin { .. })));
+        assert!(items[begins + 1..].iter().all(|i| matches!(i, Item::ScopeEnd { .. })));
+        // Nothing is left to report.
         instant(&a, site(7));
         let more = records(&mut consumer);
         let items: Vec<Item<'_>> = Decoder::new(&more).map(|i| i.unwrap()).collect();
-        assert!(matches!(items[0], Item::Gap { dropped, .. } if dropped == consumer.dropped_records()));
-        assert!(matches!(items[1], Item::Instant { callsite, .. } if index_of(callsite) == 7));
+        assert!(matches!(items[..], [Item::Instant { callsite, .. }] if index_of(callsite) == 7));
+    }
+
+    #[test]
+    fn records_dropped_inside_a_slice_are_reported_before_its_end_whatever_filled_the_ring() {
+        // A slice open while a full ring dropped events: the ring holds the slice's begin and as many events as
+        // fit; the gap must still come before the end, also when the ring was filled to the last free slot and
+        // the drops came in separate bursts with ends in between.
+        for capacity in [8usize, 16, 32] {
+            for fill in 0..capacity {
+                let (a, a_rx) = timeline(capacity);
+                let outer = scope_begin(&a, site(1)).0;
+                let inner = scope_begin(&a, site(2)).0;
+                for k in 0..fill as u64 {
+                    instant(&a, site(10 + k % 8));
+                }
+                // The first burst of drops (if the ring is full by now), an end, then another burst.
+                for k in 0..capacity as u64 {
+                    instant(&a, site(20 + k % 8));
+                }
+                scope_end(&a, site(2), inner);
+                for k in 0..capacity as u64 {
+                    instant(&a, site(30 + k % 8));
+                }
+                scope_end(&a, site(1), outer);
+                let mut consumer = new_ring(&a_rx);
+                let taken = records(&mut consumer);
+                let items: Vec<Item<'_>> = Decoder::new(&taken).map(|i| i.unwrap()).collect();
+                let dropped = consumer.dropped_records();
+                let reported: u64 = items
+                    .iter()
+                    .map(|i| match i {
+                        Item::Gap { dropped, .. } => *dropped,
+                        _ => 0,
+                    })
+                    .sum();
+                assert_eq!(reported, dropped, "capacity {capacity}, fill {fill}: {items:?}");
+                // Whatever was dropped was dropped while both scopes were open; no record lands between a
+                // loss and its gap, so the only things after the last gap are ends.
+                let last_gap = items.iter().rposition(|i| matches!(i, Item::Gap { .. }));
+                if let Some(last_gap) = last_gap {
+                    assert!(
+                        items[last_gap + 1..].iter().all(|i| matches!(i, Item::ScopeEnd { .. })),
+                        "capacity {capacity}, fill {fill}: {items:?}"
+                    );
+                }
+                let ends = items.iter().filter(|i| matches!(i, Item::ScopeEnd { .. })).count();
+                assert_eq!(ends, [outer, inner].iter().filter(|b| **b).count());
+            }
+        }
     }
 }

@@ -332,6 +332,22 @@ fn drop_mode_never_invents_or_stretches_a_slice_and_accounts_for_every_one() {
             assert!(p.begin_ns <= s.begin_ns && s.end_ns <= p.end_ns);
         }
     }
+    // An outer slice that lost one of its inner slices to the full ring says so.
+    let mut marked = 0;
+    for (k, s) in &by_k {
+        if truth[k].parent.is_some() {
+            continue;
+        }
+        let lost_inner = (1..=3).filter(|i| !by_k.contains_key(&(k + i))).count();
+        if lost_inner > 0 {
+            assert!(
+                matches!(s.field("tickline.dropped_inside"), Some(FieldValue::U64(n)) if *n >= 2 * lost_inner as u64),
+                "outer slice {k} lost {lost_inner} inner slices and does not say so: {s:?}"
+            );
+            marked += 1;
+        }
+    }
+    assert!(marked > 0, "some outer slice must have lost an inner one");
     assert!(stats.dropped_records > 0, "the ring must overflow: {stats:?}");
     // Every slice produced is exported whole, dropped whole (enter + exit), or truncated: exactly.
     let produced = truth.len() as u64;
