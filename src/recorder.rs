@@ -244,7 +244,10 @@ impl LocalRing {
     /// mode a push that does not fit is dropped and counted; in lossless mode it waits.
     #[inline(always)]
     fn push_one(&mut self, record: Record, owed_after: usize) -> bool {
-        if self.producer.try_push_keeping(record, kept_for(owed_after) + self.slack) {
+        if self
+            .producer
+            .try_push_keeping(record, kept_for(owed_after) + self.slack)
+        {
             self.owed_ends = owed_after;
             return true;
         }
@@ -254,7 +257,10 @@ impl LocalRing {
     /// Pushes `records` (all or none), as [`push_one`](Self::push_one).
     #[inline(always)]
     fn push_group(&mut self, records: &[Record], owed_after: usize) -> bool {
-        if self.producer.try_push_all_keeping(records, kept_for(owed_after) + self.slack) {
+        if self
+            .producer
+            .try_push_all_keeping(records, kept_for(owed_after) + self.slack)
+        {
             self.owed_ends = owed_after;
             return true;
         }

@@ -380,7 +380,9 @@ impl Timeline {
     }
 
     /// Drains everything recorded before this call, exports it and flushes the exporters. Slices still open
-    /// go out with the values their spans have now.
+    /// go out with the values their spans have now; values recorded later go on their ends. A slice that
+    /// ended while the flush ran (after this call) goes out up to its end, which follows with the next
+    /// export, so that it still shows values recorded on other threads before it ended.
     ///
     /// Fails if an exporter has failed since the start (the first failure is reported), or if the collector
     /// is gone.

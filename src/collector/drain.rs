@@ -179,6 +179,12 @@ impl Drain {
                         // Everything recorded before the flush was pushed before its message was sent, and
                         // the message was read after this pass's drain: drain once more to take it all.
                         self.pass(true);
+                        // And once again: a slice that ended before the flush was called is in that pass or
+                        // earlier, so values recorded on other threads before its end are all in this one
+                        // (they may have been pushed after their ring was read in the first). A slice that
+                        // ends only in this pass ended after the call: the processing stage sends out its
+                        // begin with the flush and keeps its end for the next pass.
+                        self.pass(true);
                         self.send(Input::Flush(reply));
                     }
                     Request::Shutdown(reply) => {

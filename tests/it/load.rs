@@ -207,6 +207,92 @@ fn a_value_recorded_at_the_end_of_a_span_is_on_every_slice_whatever_the_drain_ti
     }
 }
 
+/// A value recorded on another thread before a slice ends is on the slice, while another thread flushes as
+/// fast as it can (a flush sends out what it has: it must not send a slice that ended meanwhile without the
+/// value), and with the hold limit passed for every slice (its begin goes out first, the value on its end).
+#[test]
+fn a_value_recorded_on_another_thread_before_a_slice_ends_is_on_it_while_flushes_race() {
+    let _x = exclusive();
+    for slow in [false, true] {
+        let memory = MemoryExporter::default();
+        let timeline = Timeline::builder()
+            .lossless(true)
+            .poll_interval(Duration::from_millis(1))
+            .exporter(memory.clone())
+            .start()
+            .unwrap();
+        let dispatch = tracing::Dispatch::new(tracing_subscriber::registry().with(timeline.layer()));
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let flushes = std::sync::atomic::AtomicU64::new(0);
+        const SPANS: u64 = 3_000;
+        std::thread::scope(|scope| {
+            let flusher = scope.spawn(|| {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    timeline.flush().unwrap();
+                    flushes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            });
+            // The spans start once flushes come.
+            while flushes.load(std::sync::atomic::Ordering::Relaxed) == 0 {
+                std::thread::yield_now();
+            }
+            let before = flushes.load(std::sync::atomic::Ordering::Relaxed);
+            let (to_recorder, spans) = std::sync::mpsc::channel::<(u64, tracing::Span)>();
+            let (recorded, done) = std::sync::mpsc::channel::<()>();
+            let recorder_dispatch = dispatch.clone();
+            scope.spawn(move || {
+                tracing::dispatcher::with_default(&recorder_dispatch, || {
+                    for (id, span) in spans {
+                        span.record("status", id * 2);
+                        recorded.send(()).unwrap();
+                    }
+                });
+            });
+            tracing::dispatcher::with_default(&dispatch, || {
+                for id in 0..SPANS {
+                    let span = tracing::info_span!("request", id, status = tracing::field::Empty);
+                    let entered = span.enter();
+                    if slow && id % 500 == 0 {
+                        // Open past the hold limit: its begin goes out while it is open.
+                        std::thread::sleep(Duration::from_millis(250));
+                    }
+                    to_recorder.send((id, span.clone())).unwrap();
+                    // Recorded on the other thread before this slice ends.
+                    done.recv().unwrap();
+                    drop(entered);
+                }
+            });
+            drop(to_recorder);
+            let during = flushes.load(std::sync::atomic::Ordering::Relaxed) - before;
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            flusher.join().unwrap();
+            assert!(during > 0, "flushes must race the spans");
+        });
+        drop(dispatch);
+        timeline.shutdown().unwrap();
+        let slices: Vec<_> = memory
+            .snapshot()
+            .slices()
+            .into_iter()
+            .filter(|s| s.name == "request")
+            .collect();
+        assert_eq!(slices.len() as u64, SPANS);
+        let wrong: Vec<_> = slices
+            .iter()
+            .filter(|s| match s.field("id") {
+                Some(FieldValue::U64(id)) => s.field("status") != Some(&FieldValue::U64(id * 2)),
+                _ => true,
+            })
+            .collect();
+        assert!(
+            wrong.is_empty(),
+            "slow: {slow}: {} of {SPANS} slices without the value recorded before their end, e.g. {:?}",
+            wrong.len(),
+            wrong.first()
+        );
+    }
+}
+
 #[test]
 fn a_value_recorded_two_enters_later_is_not_on_the_first_slice() {
     let _x = exclusive();

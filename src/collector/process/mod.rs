@@ -17,7 +17,11 @@
 //! ended and one more drain pass has been processed (so values recorded on other threads before the end
 //! have arrived), then the span's values as of the end go on the begin and the held events go out. A slice
 //! still open after [`HOLD_LIMIT_NS`] (or a flush) is released with the values it has then; values changed
-//! later go on its end event. A span whose close says no `record` reached it (`codec::VALUES_FINAL`, which
+//! later go on its end event, which waits a pass after the end in the same way. Nothing cuts that pass short
+//! but the timeline's end: not the hold limit, not the end of the slice's thread (its track goes a pass
+//! later), not a flush. A flush drains twice; a slice that ended in the second pass ended after the flush
+//! was called, and its begin and what it holds go out with the flush, its end (with the values that came
+//! late) a pass later. A span whose close says no `record` reached it (`codec::VALUES_FINAL`, which
 //! the layer sets: most spans, `#[instrument]`'s included) has its creation values for good: its ended
 //! slices go out at its close, without the pass, and a slice whose enter sees that close a few records on in
 //! its chunk is not held at all (its begin goes out with the values, and what it contains straight after).
@@ -218,6 +222,34 @@ struct HeldSpan {
     serial: u64,
     /// `(end ns, pass its end was processed in)` once the slice ended.
     end: Option<(u64, u64)>,
+    /// Where the slice's end waits in the held queue, once it ended.
+    end_seq: Option<u64>,
+}
+
+/// A slice end whose begin a flush sent out before values recorded on other threads before the end could
+/// have come: it waits a pass, then carries the values that differ from what the begin showed.
+struct LateValues {
+    serial: u64,
+    end_ns: u64,
+    /// The pass its end was processed in.
+    end_pass: u64,
+    /// The values its begin went out with.
+    released: Vec<TraceField>,
+}
+
+/// How far [`Processor::release`] sends out a track's held events.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Release {
+    /// What the holds allow: span begins ended before this pass (or with final values), decided first polls.
+    Ready,
+    /// Also slices still open, with their values now (the hold limit passed). A slice that ended in this pass
+    /// still waits for it: one pass, however long it was open.
+    Open,
+    /// A flush: slices still open too, and a slice that ended in the flush's last drain pass (after the flush
+    /// was called: see `drain.rs`) up to its end, which waits a pass for values recorded elsewhere before it.
+    Flush,
+    /// Everything: nothing can come later.
+    All,
 }
 
 struct HeldEvent {
@@ -231,6 +263,8 @@ struct HeldEvent {
     /// span turns out to be an async task (entered again), and goes if it closes first. Undecided, it holds
     /// its track (up to the hold limit, after which the flow stays).
     undecided: Option<u64>,
+    /// A slice end waiting for values that came late (see [`LateValues`]).
+    late: Option<Box<LateValues>>,
 }
 
 /// A thread track's state.
@@ -263,6 +297,9 @@ struct RingInput {
     stalled_passes: u32,
     /// The thread exited and its ring was drained to the end.
     ended: bool,
+    /// The pass in which the ended ring was first found processed to its end, while its track still held
+    /// events (it goes in a later pass).
+    ended_in: Option<u64>,
 }
 
 struct Ring {
@@ -546,7 +583,7 @@ impl Processor {
                 rings_drained,
                 ..
             } => {
-                self.pass_end(drain_ns, false, rings_drained);
+                self.pass_end(drain_ns, rings_drained);
                 let value = self.out.value_name();
                 self.out
                     .push_counter(self.tracks.buffered, drain_ns, value, buffered_bytes as f64);
@@ -554,8 +591,11 @@ impl Processor {
             }
             Input::Flush(reply) => {
                 let drain_ns = self.last_drain_ns;
-                // The flush's own drain pass came just before (its `PassEnd`); nothing new was drained.
-                self.pass_end(drain_ns, true, false);
+                // The flush's own drain passes came just before (their `PassEnd`s); nothing new was drained, so
+                // this is no pass of its own: a slice that ended in the last of them ended after the flush was
+                // called, and values recorded elsewhere before its end may come in the next pass.
+                self.process_rings_again(drain_ns, true, false);
+                self.finish_pass(Release::Flush, false);
                 self.export(drain_ns, true);
                 let result = self.out.flush_exporters(&self.stats, false);
                 let _ = reply.send(result);
@@ -581,6 +621,7 @@ impl Processor {
                 cursor: 0,
                 stalled_passes: 0,
                 ended: false,
+                ended_in: None,
             },
             track: Track {
                 id: track,
@@ -647,15 +688,20 @@ impl Processor {
 
     /// Processes every ring as far as it can go, then releases holds, converts GPU slices and reports.
     /// `rings_drained`: see [`Input::PassEnd`].
-    fn pass_end(&mut self, drain_ns: u64, force: bool, rings_drained: bool) {
-        self.process_rings(drain_ns, force, rings_drained);
-        self.finish_pass(force, rings_drained);
+    fn pass_end(&mut self, drain_ns: u64, rings_drained: bool) {
+        self.process_rings(drain_ns, false, rings_drained);
+        self.finish_pass(Release::Ready, rings_drained);
     }
 
     /// Processes every ring as far as it can go (`force`: past records that name unknown spans). A stall
     /// counts towards giving up only in a pass that drained every ring (`rings_drained`).
     fn process_rings(&mut self, drain_ns: u64, force: bool, rings_drained: bool) {
         self.pass += 1;
+        self.process_rings_again(drain_ns, force, rings_drained);
+    }
+
+    /// [`process_rings`](Self::process_rings) within the current pass (no new drain pass came).
+    fn process_rings_again(&mut self, drain_ns: u64, force: bool, rings_drained: bool) {
         self.last_drain_ns = self.last_drain_ns.max(drain_ns);
         // Rings wait on each other (a span created on one, entered on another): go round until nothing moves.
         loop {
@@ -684,8 +730,9 @@ impl Processor {
         self.finish_ended_rings();
     }
 
-    /// Releases what the holds allow (`force`: everything), converts GPU slices, reports.
-    fn finish_pass(&mut self, force: bool, rings_drained: bool) {
+    /// Releases what the holds allow (`mode`: how much more), converts GPU slices, reports.
+    fn finish_pass(&mut self, mode: Release, rings_drained: bool) {
+        let force = mode != Release::Ready;
         let drain = self.last_drain_ns;
         for k in 0..self.active.len() {
             let ring = self.active[k];
@@ -696,7 +743,12 @@ impl Processor {
                     .front()
                     .is_some_and(|e| drain.saturating_sub(e.ts_ns) > self.hold_limit_ns)
                     || r.track.held.len() > HOLD_MAX_EVENTS;
-                self.release(&mut r.track, force || expired, drain);
+                let mode = if expired && mode == Release::Ready {
+                    Release::Open
+                } else {
+                    mode
+                };
+                self.release(&mut r.track, mode, drain);
                 self.rings[ring as usize] = Some(r);
             }
         }
@@ -832,7 +884,16 @@ impl Processor {
             let mut r = self.rings[ring as usize].take().expect("checked above");
             let end = r.track.last_ns;
             self.truncate_open(&mut r.track, end);
-            self.release(&mut r.track, true, end);
+            // A slice that ended in this pass waits for values recorded on other threads before its end, as
+            // on a live thread's track: the track goes a pass later (at once when the timeline ends).
+            let waits = !self.ending && !r.track.held.is_empty() && r.input.ended_in.is_none_or(|p| p >= self.pass);
+            if waits {
+                r.input.ended_in.get_or_insert(self.pass);
+                self.rings[ring as usize] = Some(r);
+                k += 1;
+                continue;
+            }
+            self.release(&mut r.track, Release::All, end);
             self.active.swap_remove(k);
         }
     }
@@ -947,7 +1008,7 @@ impl Processor {
             }
         }
         self.ending = true;
-        self.finish_pass(true, false);
+        self.finish_pass(Release::All, false);
         // Tasks still open (or closed too recently to have been written): written now, the open ones
         // truncated at the end.
         for serial in self.spans.unwritten_tasks() {

@@ -147,7 +147,7 @@ impl Processor {
                 self.release_decided(track, serial, ts);
                 if values_final && !track.held.is_empty() {
                     // Its held begins need not wait for the next pass: out now, with what follows them.
-                    self.release(track, false, ts);
+                    self.release(track, super::Release::Ready, ts);
                 }
             }
             Item::Event {
@@ -374,15 +374,16 @@ impl Processor {
             self.emit_bare(track, end, EventKind::SliceEnd, name, None);
             // As the general path does at a close with final values: what is held goes as far as it may.
             if !track.held.is_empty() {
-                self.release(track, false, end);
+                self.release(track, super::Release::Ready, end);
             }
             return true;
         }
         // Its begin waits for its values (released a pass after its end, which is known).
         span.held_begins = 1;
         self.spans.insert(serial, span);
-        super::slices::hold_span_begin(track, serial, name, begin, Some((end, self.pass)));
-        self.emit_bare(track, end, EventKind::SliceEnd, name, None);
+        let begin_seq = super::slices::hold_span_begin(track, serial, name, begin, Some((end, self.pass)));
+        let end_slot = self.emit_bare(track, end, EventKind::SliceEnd, name, None);
+        super::slices::note_end(track, begin_seq, end_slot);
         true
     }
 

@@ -8,7 +8,9 @@
 //! marked truncated (`truncate_open`). `end_slice` also records each poll for its span's task track (see
 //! `tasks.rs`).
 
-use super::{EventSlot, HeldEvent, HeldSpan, OpenKind, OpenSlice, Processor, Track, MAX_BUFFERED_POLLS};
+use super::{
+    EventSlot, HeldEvent, HeldSpan, LateValues, OpenKind, OpenSlice, Processor, Release, Track, MAX_BUFFERED_POLLS,
+};
 use crate::collector::spans::Poll;
 use crate::collector::AsyncTasks;
 use crate::export::{EventKind, FieldValue, NameId, TraceField};
@@ -53,6 +55,7 @@ impl Processor {
                 flow_out,
                 span: None,
                 undecided: None,
+                late: None,
             });
             EventSlot::Held(track.held_base + track.held.len() as u64 - 1)
         }
@@ -190,17 +193,29 @@ impl Processor {
     /// Emits `slice`'s end at `ts_ns` (`truncated`: the slice really ended later) with its markers: on its
     /// begin while that is held, else on the end.
     /// `split`: the slice ends only to keep nesting and opens again at once (its poll goes on).
-    fn end_slice(&mut self, track: &mut Track, slice: OpenSlice, ts_ns: u64, truncated: bool, split: bool) {
+    fn end_slice(&mut self, track: &mut Track, mut slice: OpenSlice, ts_ns: u64, truncated: bool, split: bool) {
         // Most slices carry nothing on their end: no field vector is built or moved for them.
-        let end_fields = if truncated
-            || split
-            || slice.dropped_inside > 0
-            || slice.held.is_some()
-            || slice.released_values.is_some()
-        {
+        let end_fields = if truncated || split || slice.dropped_inside > 0 || slice.held.is_some() {
             self.end_fields(track, &slice, ts_ns, truncated, split)
         } else {
             Vec::new()
+        };
+        // A span slice whose begin went out before it ended (the hold limit, a flush): the values that changed
+        // since go on its end, which waits a pass for those recorded on other threads before it.
+        let late = match (slice.kind, slice.released_values.take()) {
+            (OpenKind::Span(serial), Some(released)) => {
+                if let Some(span) = self.spans.get_mut(serial) {
+                    // Known until its end goes.
+                    span.held_begins += 1;
+                }
+                Some(Box::new(LateValues {
+                    serial,
+                    end_ns: ts_ns,
+                    end_pass: self.pass,
+                    released: *released,
+                }))
+            }
+            _ => None,
         };
         let mut flow = None;
         let mut speculative = false;
@@ -256,11 +271,27 @@ impl Processor {
                 self.write_task_polls(serial);
             }
         }
-        let slot = if end_fields.is_empty() {
+        let slot = if let Some(late) = late {
+            let seq = track.held_base + track.held.len() as u64;
+            track.held.push_back(HeldEvent {
+                ts_ns,
+                kind: EventKind::SliceEnd,
+                name: slice.name,
+                fields: end_fields,
+                flow_out: flow,
+                span: None,
+                undecided: None,
+                late: Some(late),
+            });
+            EventSlot::Held(seq)
+        } else if end_fields.is_empty() {
             self.emit_bare(track, ts_ns, EventKind::SliceEnd, slice.name, flow)
         } else {
             self.emit(track, ts_ns, EventKind::SliceEnd, slice.name, end_fields, flow)
         };
+        if let Some(begin) = slice.held {
+            note_end(track, begin, slot);
+        }
         if speculative {
             if let OpenKind::Span(serial) = slice.kind {
                 track.speculative = Some((serial, slot));
@@ -268,9 +299,8 @@ impl Processor {
         }
     }
 
-    /// What goes on `slice`'s end at `ts_ns`: its markers (`truncated`, `split`, records dropped inside it)
-    /// and, for a span slice released before it ended, the values that changed since. While its begin is still
-    /// held, the markers go on the begin instead (which then also learns when the slice ended), and nothing on
+    /// What goes on `slice`'s end at `ts_ns`: its markers (`truncated`, `split`, records dropped inside it).
+    /// While its begin is still held, the markers go on the begin instead (which then also learns when the slice ended), and nothing on
     /// the end.
     #[inline(never)]
     fn end_fields(
@@ -308,33 +338,20 @@ impl Processor {
             }
             return Vec::new();
         }
-        let mut end_fields = markers;
-        if let (OpenKind::Span(serial), Some(released)) = (slice.kind, &slice.released_values) {
-            // Released before it ended: the values that changed since go on its end.
-            if let Some(span) = self.spans.get(serial) {
-                let mut now = Vec::new();
-                span.values_at(ts_ns, &mut now);
-                for field in now {
-                    if !released.contains(&field) {
-                        end_fields.push(field);
-                    }
-                }
-            }
-        }
-        end_fields
+        markers
     }
 
     /// Sends out `track`'s held events up to the first span begin that must wait longer: still open, or
-    /// ended in this pass (values recorded on other threads before its end may come next pass). With
-    /// `force`, everything goes out; a span slice still open goes with its current values.
-    pub(super) fn release(&mut self, track: &mut Track, force: bool, now_ns: u64) {
+    /// ended in this pass (values recorded on other threads before its end may come next pass). `mode` says
+    /// how much further it goes (see [`Release`]); a span slice still open goes with its current values.
+    pub(super) fn release(&mut self, track: &mut Track, mode: Release, now_ns: u64) {
         while let Some(front) = track.held.front_mut() {
             if let Some(serial) = front.undecided {
                 let (task, closed) = self
                     .spans
                     .get(serial)
                     .map_or((false, true), |s| (s.task.is_some(), s.is_closed()));
-                if !task && !closed && !force {
+                if !task && !closed && mode == Release::Ready {
                     break;
                 }
                 front.undecided = None;
@@ -350,17 +367,34 @@ impl Processor {
                     }
                 }
             }
+            let late_waits = front.late.as_ref().is_some_and(|late| {
+                late.end_pass >= self.pass
+                    && mode != Release::All
+                    && !self.spans.get(late.serial).is_some_and(|s| s.values_final)
+            });
+            if late_waits {
+                // An end whose begin a flush sent out: values recorded before it may come next pass.
+                break;
+            }
+            // A flush sends this begin out before its slice's end, which waits for values that may come late.
+            let mut before_its_end = false;
             if let Some(span) = &front.span {
                 // Ended a pass ago (values recorded on other threads before the end have come), or ended
                 // with values that no `record` changed.
                 let ready = match span.end {
                     Some((_, end_pass)) => {
-                        end_pass < self.pass || force || self.spans.get(span.serial).is_some_and(|s| s.values_final)
+                        end_pass < self.pass
+                            || mode == Release::All
+                            || self.spans.get(span.serial).is_some_and(|s| s.values_final)
                     }
-                    None => force,
+                    None => mode != Release::Ready,
                 };
                 if !ready {
-                    break;
+                    let end_held = span.end_seq.is_some_and(|seq| seq > track.held_base);
+                    if mode != Release::Flush || !end_held {
+                        break;
+                    }
+                    before_its_end = true;
                 }
             }
             let mut event = track.held.pop_front().expect("front exists");
@@ -373,7 +407,9 @@ impl Processor {
                 let mut values = std::mem::take(&mut self.release_fields);
                 if let Some(state) = self.spans.get_mut(span.serial) {
                     state.values_at(at, &mut values);
-                    state.held_begins = state.held_begins.saturating_sub(1);
+                    if !before_its_end {
+                        state.held_begins = state.held_begins.saturating_sub(1);
+                    }
                 }
                 if span.end.is_none() {
                     // Released before it ended: remember what went out, for its end.
@@ -381,8 +417,22 @@ impl Processor {
                         open.released_values = Some(Box::new(values.clone()));
                     }
                 }
+                if let (true, Some((end_ns, end_pass)), Some(end_seq)) = (before_its_end, span.end, span.end_seq) {
+                    // Its end waits (the span stays known, `held_begins`, until it goes).
+                    if let Some(end) = held_at(track, end_seq) {
+                        end.late = Some(Box::new(LateValues {
+                            serial: span.serial,
+                            end_ns,
+                            end_pass,
+                            released: values.clone(),
+                        }));
+                    }
+                }
                 values.append(&mut event.fields);
                 event.fields = values;
+            }
+            if let Some(late) = event.late.take() {
+                self.add_late_values(&late, &mut event.fields);
             }
             let event_out = self
                 .out
@@ -399,6 +449,18 @@ impl Processor {
             if open.held.is_some_and(|seq| seq < track.held_base) {
                 open.held = None;
             }
+        }
+    }
+
+    /// The values span `late.serial` had at its slice's end that its begin did not show (recorded on other
+    /// threads and drained after a flush sent the begin out), onto the end's `fields`.
+    #[cold]
+    fn add_late_values(&mut self, late: &LateValues, fields: &mut Vec<TraceField>) {
+        if let Some(state) = self.spans.get_mut(late.serial) {
+            let mut at_end = Vec::new();
+            state.values_at(late.end_ns, &mut at_end);
+            fields.extend(at_end.into_iter().filter(|field| !late.released.contains(field)));
+            state.held_begins = state.held_begins.saturating_sub(1);
         }
     }
 }
@@ -419,6 +481,16 @@ fn open_unheld(track: &mut Track, kind: OpenKind, name: NameId, begin_ns: u64, h
         released_values: None,
         dropped_inside: 0,
     });
+}
+
+/// A held span begin (`begin`, a sequence number) learns where its slice's end went (`end`), so that a flush
+/// can send the begin out and keep the end (see [`Release::Flush`]).
+pub(super) fn note_end(track: &mut Track, begin: u64, end: EventSlot) {
+    if let EventSlot::Held(end_seq) = end {
+        if let Some(span) = held_at(track, begin).and_then(|b| b.span.as_mut()) {
+            span.end_seq = Some(end_seq);
+        }
+    }
 }
 
 /// The held event with sequence number `seq`, if still held.
@@ -443,8 +515,13 @@ pub(super) fn hold_span_begin(
         name,
         fields: Vec::new(),
         flow_out: None,
-        span: Some(HeldSpan { serial, end }),
+        span: Some(HeldSpan {
+            serial,
+            end,
+            end_seq: None,
+        }),
         undecided: None,
+        late: None,
     });
     seq
 }

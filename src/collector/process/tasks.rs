@@ -257,6 +257,7 @@ impl Processor {
             flow_out: event.flow_out,
             span: None,
             undecided: Some(serial),
+            late: None,
         });
         if let Some(span) = self.spans.get_mut(serial) {
             // Kept while the decision waits.
@@ -306,7 +307,7 @@ impl Processor {
                     // Left held, it would hold every later event on the track until the pass's end, and keep
                     // the track's leaf spans off their fast path for that long.
                     if seq == track.held_base {
-                        self.release(track, false, track.last_ns);
+                        self.release(track, super::Release::Ready, track.last_ns);
                     }
                 } else {
                     self.mark_undecided(track, serial, seq);
@@ -332,7 +333,7 @@ impl Processor {
     #[inline]
     pub(super) fn release_decided(&mut self, track: &mut Track, serial: u64, now_ns: u64) {
         if track.held.front().is_some_and(|e| e.undecided == Some(serial)) {
-            self.release(track, false, now_ns);
+            self.release(track, super::Release::Ready, now_ns);
         }
     }
 }

@@ -400,6 +400,9 @@ fn open_slices_of_an_exited_thread_end_at_its_last_record_marked_truncated() {
     );
     p.input(Input::ThreadEnd { ring: 1 });
     pass(&mut p);
+    // The span slice waits a pass for values recorded elsewhere before the thread ended, as on a live track.
+    assert_eq!(memory.snapshot().slice_count("job"), 0);
+    pass(&mut p);
     let slices = memory.snapshot().slices();
     assert_eq!(slices.len(), 2);
     for s in &slices {
@@ -468,6 +471,127 @@ fn a_span_closed_long_before_its_held_slice_goes_out_keeps_its_values() {
     let slices = memory.snapshot().slices();
     assert_eq!(slices.len(), 2);
     assert_eq!(slices[0].field("x"), Some(&FieldValue::U64(5)), "{slices:?}");
+}
+
+fn flush(p: &mut Processor) {
+    let (reply, answer) = crossbeam_channel::bounded(1);
+    p.input(Input::Flush(reply));
+    answer.recv().unwrap().unwrap();
+}
+
+/// A flush drains twice (`drain.rs`): a slice that ended before the flush was called is in the first of those
+/// passes or earlier, with every value recorded elsewhere before its end in the second. One that ends in the
+/// second ended after the call, maybe after another thread's ring was read with a value recorded before its
+/// end: its begin and what it holds go out with the flush, and its end waits a pass for the values that came
+/// late.
+#[test]
+fn a_flush_sends_out_what_came_before_it_and_no_slice_without_a_value_recorded_elsewhere() {
+    let memory = MemoryExporter::default();
+    let mut p = processor(&memory);
+    register_span_callsite(&mut p);
+    ring(&mut p, 2);
+    let (early, late) = (crate::recorder::span_serial(1, 1), crate::recorder::span_serial(1, 2));
+    let mut records = group(|g| codec::encode_span_new(g, 0, SPAN, codec::Parent::Contextual, &u64_field(1)));
+    records.push(Record::timed(Kind::SpanEnter, 100, early));
+    records.push(Record::timed(Kind::SpanExit, 150, early));
+    records.push(Record::timed(Kind::SpanClose, 151, early));
+    records.extend(group(|g| {
+        codec::encode_span_new(g, 0, SPAN, codec::Parent::Contextual, &u64_field(10))
+    }));
+    records.push(Record::timed(Kind::SpanEnter, 160, late));
+    records.push(Record::timed(Kind::Instant, 170, KNOWN));
+    chunk(&mut p, 1, records);
+    pass(&mut p);
+    // The flush's first drain pass: nothing new.
+    pass(&mut p);
+    // Its second: the late span ends, after ring 2 was read; ring 2 had its value 20 (recorded at 180) by then.
+    chunk(
+        &mut p,
+        1,
+        vec![
+            Record::timed(Kind::SpanExit, 200, late),
+            Record::timed(Kind::SpanClose, 201, late),
+        ],
+    );
+    pass(&mut p);
+    flush(&mut p);
+    let trace = memory.snapshot();
+    let slices = trace.slices();
+    assert_eq!(slices.len(), 1, "only the early slice is whole: {slices:?}");
+    assert_eq!(slices[0].field("x"), Some(&FieldValue::U64(1)));
+    let begins: Vec<_> = trace
+        .events
+        .iter()
+        .filter(|e| e.kind == EventKind::SliceBegin || e.kind == EventKind::Instant)
+        .map(|e| (e.ts_ns, e.kind))
+        .collect();
+    assert_eq!(
+        begins,
+        [
+            (100, EventKind::SliceBegin),
+            (160, EventKind::SliceBegin),
+            (170, EventKind::Instant)
+        ],
+        "what was recorded before the flush went out with it"
+    );
+    chunk(
+        &mut p,
+        2,
+        group(|g| codec::encode_span_record(g, 180, late, &u64_field(20))),
+    );
+    pass(&mut p);
+    let slices = memory.snapshot().slices();
+    assert_eq!(slices.len(), 2, "{slices:?}");
+    assert_eq!((slices[1].begin_ns, slices[1].end_ns), (160, 200));
+    assert_eq!(
+        slices[1].field("x"),
+        Some(&FieldValue::U64(20)),
+        "the value recorded before the slice's end: {slices:?}"
+    );
+}
+
+/// A slice that ended in this pass waits for it whatever else would send it out: a hold limit long past (a
+/// slice open longer than it) or its thread's end. Values recorded on other threads before its end come next.
+#[test]
+fn a_slice_ended_in_this_pass_waits_for_values_from_other_threads_however_long_it_was_open_and_if_its_thread_ended() {
+    for thread_ends in [false, true] {
+        let memory = MemoryExporter::default();
+        let mut p = processor(&memory);
+        // Every held begin is past the hold limit.
+        p.hold_limit_ns = 0;
+        register_span_callsite(&mut p);
+        ring(&mut p, 2);
+        let serial = crate::recorder::span_serial(1, 1);
+        let mut records = group(|g| codec::encode_span_new(g, 0, SPAN, codec::Parent::Contextual, &u64_field(1)));
+        records.push(Record::timed(Kind::SpanEnter, 100, serial));
+        chunk(&mut p, 1, records);
+        pass(&mut p);
+        chunk(
+            &mut p,
+            1,
+            vec![
+                Record::timed(Kind::SpanExit, 200, serial),
+                Record::timed(Kind::SpanClose, 201, serial),
+            ],
+        );
+        if thread_ends {
+            p.input(Input::ThreadEnd { ring: 1 });
+        }
+        pass(&mut p);
+        chunk(
+            &mut p,
+            2,
+            group(|g| codec::encode_span_record(g, 180, serial, &u64_field(2))),
+        );
+        pass(&mut p);
+        let slices = memory.snapshot().slices();
+        assert_eq!(slices.len(), 1, "thread ends: {thread_ends}: {slices:?}");
+        assert_eq!(
+            slices[0].field("x"),
+            Some(&FieldValue::U64(2)),
+            "thread ends: {thread_ends}: {slices:?}"
+        );
+    }
 }
 
 /// A span's first poll ends while it stays open; the next record (in a later pass) decides: its close
