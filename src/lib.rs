@@ -128,6 +128,14 @@
 //!   wrote it and then reused. Commands recorded but never submitted leave their scope lost after
 //!   [`gpu::GpuCalibrationConfig::lost_after`] (counted; its flow has no GPU end, its pair is retired). A
 //!   command buffer submitted several times rewrites the same pair: record scopes per submission.
+//! - **Losses in drop mode** (the default; [`TimelineBuilder::lossless`] waits instead). A ring that fills
+//!   (after growing as far as [`TimelineBuilder::max_ring_capacity`] allows) drops records, never half a
+//!   slice: a begin that would not leave room for its end is dropped with its end
+//!   ([`TimelineStats::dropped_slices`]). Every dropped record is counted ([`TimelineStats::dropped_records`],
+//!   and the `tickline dropped records` counter track); where records went missing, the thread's track has an
+//!   instant `tickline: records dropped` with their count (`records`), and every slice open around the loss
+//!   carries `tickline.dropped_inside` (records dropped while it was open). A slice is never stretched to
+//!   cover a loss.
 //! - **Span ids.** `tracing`'s registry reuses a span's id once it closes; tickline gives every span a serial
 //!   of its own instead (see [`TicklineLayer`]), so a slice always carries its own span's name and fields.
 //!   Track ids in exported traces are unique per timeline.

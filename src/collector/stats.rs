@@ -13,7 +13,9 @@ pub struct TimelineStats {
     /// where they went missing, which is not counted here).
     pub records: u64,
     /// Records dropped because a ring was full (drop mode). A slice is never half-dropped: a begin that could
-    /// not leave room for its end is dropped with its end.
+    /// not leave room for its end is dropped with its end. Where records went missing the trace has an instant
+    /// `tickline: records dropped` (field `records`: how many), and every slice open there carries
+    /// `tickline.dropped_inside`.
     pub dropped_records: u64,
     /// Slices lost whole to full rings: a begin refused because its end would not have had room (or its
     /// span's creation record was dropped), and its end with it. Their records are among
