@@ -203,7 +203,8 @@ pub(crate) enum Input {
     /// memory in flight towards the processing stage at its end. `rings_drained`: every ring was drained
     /// to its end in this pass (false when the chunk budget was full or draining was paused). Only such
     /// passes count towards deciding that a record that should have come (a span's announcement, a GPU
-    /// scope's begin) was dropped: the others could not have brought it.
+    /// scope's begin) was dropped, and towards what waits for other threads' records (a slice's values, a
+    /// closed span's late records): the others could not have brought them.
     PassEnd {
         drain_ns: u64,
         drain_ticks: u64,

@@ -377,7 +377,10 @@ pub(crate) struct Processor {
     spans: Spans,
     cpu: Option<CpuTime>,
     gpu: GpuCollector,
+    /// Drain passes that drained every ring so far (a pass that did not counts with the one before it).
     pass: u64,
+    /// The rings' records of the current pass are being processed (some rings' are not in yet).
+    mid_pass: bool,
     counts: Counts,
     names: OwnNames,
     tracks: OwnTracks,
@@ -471,6 +474,7 @@ impl Processor {
             cpu: None,
             gpu: GpuCollector::new(gpu),
             pass: 0,
+            mid_pass: false,
             counts: Counts::default(),
             names,
             tracks,
@@ -696,12 +700,23 @@ impl Processor {
     /// Processes every ring as far as it can go (`force`: past records that name unknown spans). A stall
     /// counts towards giving up only in a pass that drained every ring (`rings_drained`).
     fn process_rings(&mut self, drain_ns: u64, force: bool, rings_drained: bool) {
-        self.pass += 1;
+        // Only a pass that drained every ring brings what other threads recorded before the records processed
+        // in the passes before it: what waits for that (a slice's values, a closed span's late records, a
+        // task's polls) counts such passes alone.
+        if rings_drained {
+            self.pass += 1;
+        }
         self.process_rings_again(drain_ns, force, rings_drained);
     }
 
     /// [`process_rings`](Self::process_rings) within the current pass (no new drain pass came).
     fn process_rings_again(&mut self, drain_ns: u64, force: bool, rings_drained: bool) {
+        self.mid_pass = true;
+        self.process_pending(drain_ns, force, rings_drained);
+        self.mid_pass = false;
+    }
+
+    fn process_pending(&mut self, drain_ns: u64, force: bool, rings_drained: bool) {
         self.last_drain_ns = self.last_drain_ns.max(drain_ns);
         // Rings wait on each other (a span created on one, entered on another): go round until nothing moves.
         loop {

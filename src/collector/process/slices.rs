@@ -345,6 +345,14 @@ impl Processor {
     /// ended in this pass (values recorded on other threads before its end may come next pass). `mode` says
     /// how much further it goes (see [`Release`]); a span slice still open goes with its current values.
     pub(super) fn release(&mut self, track: &mut Track, mode: Release, now_ns: u64) {
+        // Ends processed before this pass have had a pass to bring other threads' records since, once this
+        // pass is processed whole: while it is being processed (a release at a close), only those before the
+        // pass before have.
+        let settled = if self.mid_pass {
+            self.pass.saturating_sub(1)
+        } else {
+            self.pass
+        };
         while let Some(front) = track.held.front_mut() {
             if let Some(serial) = front.undecided {
                 let (task, closed) = self
@@ -368,7 +376,7 @@ impl Processor {
                 }
             }
             let late_waits = front.late.as_ref().is_some_and(|late| {
-                late.end_pass >= self.pass
+                late.end_pass >= settled
                     && mode != Release::All
                     && !self.spans.get(late.serial).is_some_and(|s| s.values_final)
             });
@@ -383,7 +391,7 @@ impl Processor {
                 // with values that no `record` changed.
                 let ready = match span.end {
                     Some((_, end_pass)) => {
-                        end_pass < self.pass
+                        end_pass < settled
                             || mode == Release::All
                             || self.spans.get(span.serial).is_some_and(|s| s.values_final)
                     }

@@ -594,6 +594,92 @@ fn a_slice_ended_in_this_pass_waits_for_values_from_other_threads_however_long_i
     }
 }
 
+/// A pass that did not drain the live rings (the chunk budget was full, or the drain is paused) brings none
+/// of the values recorded elsewhere before a slice's end: a slice waits for a pass that did, and a closed
+/// span stays known until such passes have come.
+#[test]
+fn only_passes_that_drained_the_rings_count_for_what_waits_on_other_threads() {
+    let memory = MemoryExporter::default();
+    let mut p = processor(&memory);
+    register_span_callsite(&mut p);
+    let serial = crate::recorder::span_serial(1, 1);
+    let mut records = group(|g| codec::encode_span_new(g, 0, SPAN, codec::Parent::Contextual, &u64_field(1)));
+    records.push(Record::timed(Kind::SpanEnter, 100, serial));
+    records.push(Record::timed(Kind::SpanExit, 200, serial));
+    records.push(Record::timed(Kind::SpanClose, 201, serial));
+    chunk(&mut p, 1, records);
+    // Ring 2 registered in this pass (after its rings were read): its value, recorded at 180, comes later.
+    ring(&mut p, 2);
+    pass(&mut p);
+    let undrained = |p: &mut Processor| {
+        p.input(Input::PassEnd {
+            drain_ns: 1_000_000,
+            drain_ticks: 1_000_000,
+            buffered_bytes: 0,
+            rings_drained: false,
+        })
+    };
+    for _ in 0..10 {
+        undrained(&mut p);
+    }
+    assert_eq!(
+        memory.snapshot().slice_count("job"),
+        0,
+        "no pass has brought ring 2's records yet"
+    );
+    chunk(
+        &mut p,
+        2,
+        group(|g| codec::encode_span_record(g, 180, serial, &u64_field(2))),
+    );
+    pass(&mut p);
+    pass(&mut p);
+    let slices = memory.snapshot().slices();
+    assert_eq!(slices.len(), 1, "{slices:?}");
+    assert_eq!(slices[0].field("x"), Some(&FieldValue::U64(2)), "{slices:?}");
+    assert_eq!(p.stats.snapshot().unknown_spans, 0);
+}
+
+/// A close with final values releases what its track holds while the pass is being processed, before the
+/// other rings' records of the pass are in: a slice that ended in the pass before must still wait for them.
+#[test]
+fn a_release_while_a_pass_is_processed_waits_for_the_other_rings_records_of_that_pass() {
+    let memory = MemoryExporter::default();
+    let mut p = processor(&memory);
+    register_span_callsite(&mut p);
+    let (outer, next) = (crate::recorder::span_serial(1, 1), crate::recorder::span_serial(1, 2));
+    let mut records = group(|g| codec::encode_span_new(g, 0, SPAN, codec::Parent::Contextual, &u64_field(1)));
+    records.push(Record::timed(Kind::SpanEnter, 100, outer));
+    records.push(Record::timed(Kind::SpanExit, 200, outer));
+    records.push(Record::timed(Kind::SpanClose, 201, outer));
+    chunk(&mut p, 1, records);
+    // Registered after this pass read the rings: its records come in the next pass.
+    ring(&mut p, 2);
+    pass(&mut p);
+    // The next pass: ring 1 (processed first) closes a span with final values, which releases what its track
+    // holds; ring 2 brings the value recorded on the outer span at 180, before its end.
+    let mut records = group(|g| codec::encode_span_new(g, 0, SPAN, codec::Parent::Contextual, &u64_field(7)));
+    records.push(Record::timed(Kind::SpanEnter, 300, next));
+    records.push(Record::timed(Kind::SpanExit, 310, next));
+    records.push(Record::head(Kind::SpanClose, codec::VALUES_FINAL, 311, next));
+    chunk(&mut p, 1, records);
+    chunk(
+        &mut p,
+        2,
+        group(|g| codec::encode_span_record(g, 180, outer, &u64_field(2))),
+    );
+    pass(&mut p);
+    let slices = memory.snapshot().slices();
+    assert_eq!(slices.len(), 2, "{slices:?}");
+    assert_eq!(slices[0].begin_ns, 100);
+    assert_eq!(
+        slices[0].field("x"),
+        Some(&FieldValue::U64(2)),
+        "the value recorded before the slice's end: {slices:?}"
+    );
+    assert_eq!(slices[1].field("x"), Some(&FieldValue::U64(7)));
+}
+
 /// A span's first poll ends while it stays open; the next record (in a later pass) decides: its close
 /// (a synchronous span: no flow at all), or a second enter (a task: the first poll's flow reaches it).
 #[test]
