@@ -22,7 +22,9 @@ pub struct TimelineStats {
     /// `dropped_records`. Every slice a program makes is exported, counted here, or truncated.
     pub dropped_slices: u64,
     /// Slices the trace had to end before their real end (the thread exited with them open, or the timeline
-    /// shut down while they were open): ended at the last moment known, marked `tickline.truncated`.
+    /// shut down while they were open): ended at the last moment known, marked `tickline.truncated`. Async
+    /// task lifetimes cut short count here too (a task still open at the end, or one whose close may have
+    /// been dropped, which ends at its last poll), besides thread slices.
     pub truncated_slices: u64,
     /// Spans and events whose fields were cut or left out at a payload limit (marked
     /// `tickline.fields_truncated`).
