@@ -70,6 +70,10 @@ struct LiveRing {
     /// Records and slices dropped by the rings this one took over from (a ring grows by handing over to a
     /// larger one), so the totals the processing stage sees per ring number keep counting.
     dropped_base: (u64, u64),
+    /// The records-dropped total the last chunk of this ring number said (drops after a ring's last record
+    /// are sent in an empty chunk, so the processing stage can show them: a ring that drops and then stays
+    /// idle, or ends, writes no `Gap` record for them).
+    reported_dropped: u64,
 }
 
 /// The drain stage's state. Runs on its own thread; see the module docs.
@@ -255,6 +259,7 @@ impl Drain {
                         ring,
                         consumer,
                         dropped_base: (0, 0),
+                        reported_dropped: 0,
                     });
                 }
                 Control::TracingCallsite(meta) => {
@@ -282,7 +287,10 @@ impl Drain {
             );
             match self.rings.iter_mut().find(|r| r.ring == ring.ring) {
                 // The thread goes on in a larger ring.
-                Some(successor) => successor.dropped_base = dropped,
+                Some(successor) => {
+                    successor.dropped_base = dropped;
+                    successor.reported_dropped = ring.reported_dropped;
+                }
                 None => {
                     self.dropped_of_ended.0 += dropped.0;
                     self.dropped_of_ended.1 += dropped.1;
@@ -412,16 +420,21 @@ const GPU_SHUTDOWN_WAIT: Duration = Duration::from_secs(1);
 /// Moves everything in `ring` into a chunk; returns how many records. Whole groups only: producers publish a
 /// group with one store of the ring's tail, and a drain takes everything up to the tail it reads.
 fn drain_ring(ring: &mut LiveRing, pool: &ChunkPool, source: TickSource, out: &mut Vec<Input>) -> usize {
-    if ring.consumer.len() == 0 {
+    let news = |ring: &LiveRing| ring.dropped_base.0 + ring.consumer.dropped_records() != ring.reported_dropped;
+    if ring.consumer.len() == 0 && !news(ring) {
         return 0;
     }
     let mut records = pool.pop().unwrap_or_default();
     records.clear();
     ring.consumer.drain(usize::MAX, |run| records.extend_from_slice(run));
-    if records.is_empty() {
+    if records.is_empty() && !news(ring) {
         let _ = pool.push(records);
         return 0;
     }
+    // Read after the records: it counts every drop a `Gap` among them reports (a drop is counted before the
+    // record after it is pushed), and drops after the last of them.
+    let dropped_total = ring.dropped_base.0 + ring.consumer.dropped_records();
+    ring.reported_dropped = dropped_total;
     let taken = records.len();
     // Read after the copy: every record drained is older (up to cross-CPU skew, which
     // `restore_ticks` allows for).
@@ -429,7 +442,7 @@ fn drain_ring(ring: &mut LiveRing, pool: &ChunkPool, source: TickSource, out: &m
     out.push(Input::Chunk(Chunk {
         ring: ring.ring,
         now_ticks,
-        dropped_total: ring.dropped_base.0 + ring.consumer.dropped_records(),
+        dropped_total,
         dropped_slices_total: ring.dropped_base.1 + ring.consumer.dropped_units(),
         records,
     }));
@@ -465,6 +478,7 @@ pub fn drain_bench(capacity: usize, rounds: usize) -> (u64, std::time::Duration)
         ring: 1,
         consumer,
         dropped_base: (0, 0),
+        reported_dropped: 0,
     };
     let pool = ChunkPool::new(4);
     let mut out = Vec::new();
@@ -501,6 +515,7 @@ mod tests {
             ring: 1,
             consumer,
             dropped_base: (0, 0),
+            reported_dropped: 0,
         });
         producer
     }
@@ -654,6 +669,37 @@ mod tests {
             .expect("and ended");
         assert!(chunk < end);
         assert!(drain.rings.is_empty());
+    }
+
+    #[test]
+    fn drops_after_a_rings_last_record_come_in_an_empty_chunk() {
+        let (shared, control) = shared();
+        let (mut drain, inputs) = drain_with(&shared, control, u64::MAX);
+        let mut producer = live_ring(&mut drain);
+        assert!(producer.try_push_keeping(Record::timed(Kind::Instant, 1, 0x20), 0));
+        producer.count_drops(4);
+        let totals = |inputs: &Receiver<Input>| -> Vec<(usize, u64)> {
+            inputs
+                .try_iter()
+                .filter_map(|i| match i {
+                    Input::Chunk(c) => Some((c.records.len(), c.dropped_total)),
+                    _ => None,
+                })
+                .collect()
+        };
+        drain.pass(false);
+        assert_eq!(totals(&inputs), [(1, 4)]);
+        // Nothing new: no chunk.
+        drain.pass(false);
+        assert_eq!(totals(&inputs), []);
+        // Drops and no record after them (a thread that goes idle, or ends).
+        producer.count_drops(3);
+        drain.pass(false);
+        assert_eq!(totals(&inputs), [(0, 7)]);
+        producer.count_drops(1);
+        drop(producer);
+        drain.pass(false);
+        assert_eq!(totals(&inputs), [(0, 8)]);
     }
 
     #[test]

@@ -293,6 +293,72 @@ fn a_value_recorded_on_another_thread_before_a_slice_ends_is_on_it_while_flushes
     }
 }
 
+/// Records dropped with nothing recorded after them on their thread (it exits, or idles until shutdown) are
+/// shown too: the loss instants add up to `dropped_records`, and the span open around them says so.
+#[test]
+fn losses_at_the_end_of_a_threads_recording_are_shown() {
+    let _x = exclusive();
+    for thread_exits in [true, false] {
+        let memory = MemoryExporter::default();
+        let timeline = Timeline::builder()
+            .ring_capacity(64)
+            .max_ring_capacity(64)
+            .exporter(memory.clone())
+            .start()
+            .unwrap();
+        timeline.pause_drain(true);
+        let dispatch = tracing::Dispatch::new(tracing_subscriber::registry().with(timeline.layer()));
+        let (done, idle) = std::sync::mpsc::channel::<()>();
+        let (release, wait) = std::sync::mpsc::channel::<()>();
+        let worker = std::thread::spawn(move || {
+            tracing::dispatcher::with_default(&dispatch, || {
+                // Never exited: open when its thread exits or the timeline ends.
+                std::mem::forget(tracing::info_span!("work", n = 500u64).entered());
+                for _ in 0..500 {
+                    drop(tickline::scope!("step"));
+                }
+                done.send(()).unwrap();
+                if !thread_exits {
+                    // Idle, span open, until the timeline has shut down.
+                    let _ = wait.recv();
+                }
+            });
+        });
+        idle.recv().unwrap();
+        let mut worker = Some(worker);
+        if thread_exits {
+            worker.take().unwrap().join().unwrap();
+        }
+        timeline.pause_drain(false);
+        let stats = timeline.shutdown().unwrap();
+        drop(release);
+        if let Some(worker) = worker {
+            worker.join().unwrap();
+        }
+        let trace = memory.snapshot();
+        let shown: u64 = trace
+            .events
+            .iter()
+            .filter(|e| e.name == "tickline: records dropped")
+            .map(|e| match e.fields.iter().find(|(n, _)| n == "records") {
+                Some((_, FieldValue::U64(n))) => *n,
+                _ => 0,
+            })
+            .sum();
+        assert!(stats.dropped_records > 0);
+        assert_eq!(shown, stats.dropped_records, "thread exits: {thread_exits}");
+        let work: Vec<_> = trace.slices().into_iter().filter(|s| s.name == "work").collect();
+        assert_eq!(work.len(), 1);
+        assert_eq!(work[0].field("tickline.truncated"), Some(&FieldValue::Bool(true)));
+        assert_eq!(
+            work[0].field("tickline.dropped_inside"),
+            Some(&FieldValue::U64(stats.dropped_records)),
+            "thread exits: {thread_exits}: {:?}",
+            work[0]
+        );
+    }
+}
+
 #[test]
 fn a_value_recorded_two_enters_later_is_not_on_the_first_slice() {
     let _x = exclusive();

@@ -283,6 +283,9 @@ struct Track {
     last_ns: u64,
     /// The last exit: `(serial, ns)`, for a close right after it.
     last_exit: Option<(u64, u64)>,
+    /// Records dropped on this ring that the trace shows so far (its `Gap` records, and the drops after its
+    /// last record, shown when it ends).
+    losses_shown: u64,
     /// A span's first poll just ended with a flow in case the span is a task: `(serial, its end event)`.
     /// Taken off again if the next record is the span's close.
     speculative: Option<(u64, EventSlot)>,
@@ -381,6 +384,8 @@ pub(crate) struct Processor {
     pass: u64,
     /// The rings' records of the current pass are being processed (some rings' are not in yet).
     mid_pass: bool,
+    /// Polls cut short (`(span serial, poll begin ns)`) not written to their task's track yet.
+    truncated_polls: Vec<(u64, u64)>,
     counts: Counts,
     names: OwnNames,
     tracks: OwnTracks,
@@ -475,6 +480,7 @@ impl Processor {
             gpu: GpuCollector::new(gpu),
             pass: 0,
             mid_pass: false,
+            truncated_polls: Vec::new(),
             counts: Counts::default(),
             names,
             tracks,
@@ -635,6 +641,7 @@ impl Processor {
                 open: Vec::new(),
                 held: VecDeque::new(),
                 held_base: 0,
+                losses_shown: 0,
                 last_ns: 0,
                 last_exit: None,
                 speculative: None,
@@ -898,6 +905,7 @@ impl Processor {
             }
             let mut r = self.rings[ring as usize].take().expect("checked above");
             let end = r.track.last_ns;
+            self.show_last_losses(&mut r, end);
             self.truncate_open(&mut r.track, end);
             // A slice that ended in this pass waits for values recorded on other threads before its end, as
             // on a live thread's track: the track goes a pass later (at once when the timeline ends).
@@ -910,6 +918,15 @@ impl Processor {
             }
             self.release(&mut r.track, Release::All, end);
             self.active.swap_remove(k);
+        }
+    }
+
+    /// Records a ring dropped after its last record (no `Gap` record came after them: the thread recorded
+    /// nothing more, or ended): shown at `at`, the ring's last time, on the slices still open.
+    fn show_last_losses(&mut self, r: &mut Ring, at: u64) {
+        let unshown = r.dropped_total.saturating_sub(r.track.losses_shown);
+        if unshown > 0 {
+            self.mark_loss(&mut r.track, at, unshown);
         }
     }
 
@@ -1018,6 +1035,8 @@ impl Processor {
         for k in 0..self.active.len() {
             let ring = self.active[k];
             if let Some(mut r) = self.rings[ring as usize].take() {
+                let last = r.track.last_ns;
+                self.show_last_losses(&mut r, last);
                 self.truncate_open(&mut r.track, end);
                 self.rings[ring as usize] = Some(r);
             }

@@ -207,17 +207,24 @@ impl Processor {
             Item::Gap { ticks, dropped } => {
                 self.counts.gap_markers += 1;
                 let ts = self.ticks_to_ns(track, ticks, now_ticks);
-                for slice in &mut track.open {
-                    slice.dropped_inside = slice.dropped_inside.saturating_add(dropped);
-                }
-                let fields = vec![TraceField {
-                    name: self.names.records,
-                    value: FieldValue::U64(dropped),
-                }];
-                self.emit(track, ts, EventKind::Instant, self.names.gap, fields, None);
+                self.mark_loss(track, ts, dropped);
             }
         }
         Step::Done
+    }
+
+    /// Shows `dropped` records lost on `track` at `ts`: an instant with their count, and the count on every
+    /// slice open there.
+    pub(super) fn mark_loss(&mut self, track: &mut Track, ts: u64, dropped: u64) {
+        track.losses_shown = track.losses_shown.saturating_add(dropped);
+        for slice in &mut track.open {
+            slice.dropped_inside = slice.dropped_inside.saturating_add(dropped);
+        }
+        let fields = vec![TraceField {
+            name: self.names.records,
+            value: FieldValue::U64(dropped),
+        }];
+        self.emit(track, ts, EventKind::Instant, self.names.gap, fields, None);
     }
 
     fn span_serial(&self, serial: u64) -> Option<&SpanState> {

@@ -255,6 +255,14 @@ impl Processor {
                         end_ns: ts_ns.max(slice.begin_ns).max(1),
                         flow: id,
                     };
+                    if truncated {
+                        // Cut short on the task's track too (rare: a thread's end, the timeline's). Kept for
+                        // the task's track, if it gets one; bounded, for spans that never do.
+                        if self.truncated_polls.len() >= MAX_BUFFERED_POLLS {
+                            self.truncated_polls.remove(0);
+                        }
+                        self.truncated_polls.push((serial, poll.begin_ns));
+                    }
                     if let Some(task) = &mut span.task {
                         task.last_poll = (poll.end_ns, self.drops_seen);
                         task.polls.push(poll);

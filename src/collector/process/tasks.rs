@@ -218,8 +218,20 @@ impl Processor {
                 &mut Vec::new(),
             );
             begin_event.flow_in = (poll.flow != 0).then_some(poll.flow);
+            let mut end_fields = Vec::new();
+            if !self.truncated_polls.is_empty() {
+                if let Some(k) = self.truncated_polls.iter().position(|&p| p == (serial, poll.begin_ns)) {
+                    // Its thread slice was cut short: so is this copy, marked and counted the same way.
+                    self.truncated_polls.swap_remove(k);
+                    self.counts.truncated_slices += 1;
+                    end_fields.push(TraceField {
+                        name: self.names.truncated,
+                        value: FieldValue::Bool(true),
+                    });
+                }
+            }
             self.out
-                .push_event_owned(poll.end_ns, lane_track, EventKind::SliceEnd, poll_name, &mut Vec::new());
+                .push_event_owned(poll.end_ns, lane_track, EventKind::SliceEnd, poll_name, &mut end_fields);
         }
         self.polls_written += polls.len() as u64;
         polls.clear();

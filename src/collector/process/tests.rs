@@ -680,6 +680,110 @@ fn a_release_while_a_pass_is_processed_waits_for_the_other_rings_records_of_that
     assert_eq!(slices[1].field("x"), Some(&FieldValue::U64(7)));
 }
 
+/// Records a ring dropped after its last record have no `Gap` record after them: when the ring ends (its
+/// thread exited, or the timeline shut down) they are shown at its last time, on the slices still open.
+#[test]
+fn drops_after_a_rings_last_record_are_shown_when_it_ends() {
+    for thread_exits in [true, false] {
+        let memory = MemoryExporter::default();
+        let mut p = processor(&memory);
+        let with_drops = |records: Vec<Record>, dropped_total: u64| {
+            Input::Chunk(Chunk {
+                ring: 1,
+                now_ticks: 1_000_000,
+                dropped_total,
+                dropped_slices_total: 0,
+                records,
+            })
+        };
+        p.input(with_drops(
+            vec![
+                Record::timed(Kind::ScopeBegin, 100, KNOWN),
+                Record::timed(Kind::Instant, 110, KNOWN),
+                Record::timed(Kind::Gap, 120, 3),
+                Record::timed(Kind::Instant, 120, KNOWN),
+            ],
+            // 3 reported by the Gap, 5 more after the last record.
+            8,
+        ));
+        pass(&mut p);
+        // The last drops come on their own (an empty chunk) when nothing followed them.
+        p.input(with_drops(Vec::new(), 10));
+        if thread_exits {
+            p.input(Input::ThreadEnd { ring: 1 });
+            pass(&mut p);
+            pass(&mut p);
+        }
+        let (reply, answer) = crossbeam_channel::bounded(1);
+        p.input(Input::Shutdown(reply));
+        answer.recv().unwrap().unwrap();
+        let trace = memory.snapshot();
+        let losses: Vec<(u64, Option<FieldValue>)> = trace
+            .events
+            .iter()
+            .filter(|e| e.name == "tickline: records dropped")
+            .map(|e| {
+                (
+                    e.ts_ns,
+                    e.fields.iter().find(|(n, _)| n == "records").map(|(_, v)| v.clone()),
+                )
+            })
+            .collect();
+        assert_eq!(
+            losses,
+            [(120, Some(FieldValue::U64(3))), (120, Some(FieldValue::U64(7)))],
+            "thread exits: {thread_exits}"
+        );
+        let slices = trace.slices();
+        assert_eq!(slices.len(), 1);
+        assert_eq!(slices[0].field("tickline.dropped_inside"), Some(&FieldValue::U64(10)));
+        assert_eq!(slices[0].field("tickline.truncated"), Some(&FieldValue::Bool(true)));
+    }
+}
+
+/// A poll cut short by the timeline's end is cut short on its task's track too: marked and counted there as
+/// on its thread.
+#[test]
+fn a_poll_cut_short_is_marked_truncated_on_its_task_track_too() {
+    let memory = MemoryExporter::default();
+    let mut p = processor(&memory);
+    p.set_async_tasks(AsyncTasks::Always);
+    register_span_callsite(&mut p);
+    let serial = crate::recorder::span_serial(1, 1);
+    chunk(
+        &mut p,
+        1,
+        vec![
+            codec::span_new_bare(50, SPAN),
+            Record::timed(Kind::SpanEnter, 100, serial),
+            Record::timed(Kind::SpanExit, 150, serial),
+            Record::timed(Kind::SpanEnter, 200, serial),
+            Record::timed(Kind::Instant, 300, KNOWN),
+        ],
+    );
+    pass(&mut p);
+    let (reply, answer) = crossbeam_channel::bounded(1);
+    p.input(Input::Shutdown(reply));
+    answer.recv().unwrap().unwrap();
+    let trace = memory.snapshot();
+    let polls: Vec<_> = trace.slices().into_iter().filter(|s| s.name == "poll").collect();
+    assert_eq!(polls.len(), 2, "{polls:?}");
+    assert_eq!(polls[0].field("tickline.truncated"), None);
+    assert_eq!(
+        polls[1].field("tickline.truncated"),
+        Some(&FieldValue::Bool(true)),
+        "{polls:?}"
+    );
+    let marked = trace
+        .slices()
+        .iter()
+        .filter(|s| s.field("tickline.truncated").is_some())
+        .count() as u64;
+    // The thread slice, its poll, the task's lifetime.
+    assert_eq!(marked, 3);
+    assert_eq!(p.stats.truncated_slices.load(Ordering::Relaxed), marked);
+}
+
 /// A span's first poll ends while it stays open; the next record (in a later pass) decides: its close
 /// (a synchronous span: no flow at all), or a second enter (a task: the first poll's flow reaches it).
 #[test]
