@@ -92,9 +92,9 @@ pub(crate) struct TaskData {
     pub(crate) lanes: Vec<(crate::export::TrackId, u64)>,
     /// Its lifetime and polls were written (at its sweep, or at shutdown).
     pub(crate) written: bool,
-    /// When its last poll ended, and how many records the rings had dropped by the time it was processed: a
-    /// task still open at the end whose rings dropped records since may have had its close among them.
-    pub(crate) last_poll: (u64, u64),
+    /// When its last poll ended (reference ns): a task still open at the end whose close may have been
+    /// dropped after it ends there.
+    pub(crate) last_poll: u64,
 }
 
 /// A span's field values: as of creation (and every update folded in), and later updates `(ns, field)`,

@@ -418,6 +418,9 @@ pub(crate) struct Processor {
     /// Records the rings had dropped, in all (rings that ended included), as far as the chunks processed so far
     /// say: the dropped-records counter's value.
     drops_seen: u64,
+    /// The latest moment (reference ns) at which a record may have been dropped, as far as the chunks
+    /// processed so far tell: the drain time of the newest chunk whose ring's drop count rose.
+    latest_loss_ns: u64,
     /// Polls written on task tracks.
     polls_written: u64,
     /// The timeline is shutting down: a span polled once and still open is not a task.
@@ -504,6 +507,7 @@ impl Processor {
             task_names: None,
             tasks_written: 0,
             drops_seen: 0,
+            latest_loss_ns: 0,
             polls_written: 0,
             ending: false,
             to_write: Vec::new(),
@@ -797,6 +801,9 @@ impl Processor {
             if chunk.dropped_total > r.dropped_total {
                 self.drops_seen += chunk.dropped_total - r.dropped_total;
                 r.dropped_total = chunk.dropped_total;
+                // Dropped before this chunk was drained: as late as that, for all the trace can tell.
+                let drained = self.cpu.as_ref().and_then(|c| c.to_ns(chunk.now_ticks));
+                self.latest_loss_ns = self.latest_loss_ns.max(drained.unwrap_or(u64::MAX));
             }
             let mut decoder = Decoder::new(&chunk.records[r.input.cursor..]);
             let mut processed = 0;

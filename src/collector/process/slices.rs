@@ -264,7 +264,7 @@ impl Processor {
                         self.truncated_polls.push((serial, poll.begin_ns));
                     }
                     if let Some(task) = &mut span.task {
-                        task.last_poll = (poll.end_ns, self.drops_seen);
+                        task.last_poll = poll.end_ns;
                         task.polls.push(poll);
                         stream = task.polls.len() >= MAX_BUFFERED_POLLS;
                     } else if span.first_poll.end_ns == 0 {

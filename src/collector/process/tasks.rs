@@ -61,7 +61,7 @@ impl Processor {
                     begun: None,
                     lanes: vec![(t, 0)],
                     written: false,
-                    last_poll: (span.first_poll.end_ns, self.drops_seen),
+                    last_poll: span.first_poll.end_ns,
                 }));
             }
             self.spans.closed_task(s);
@@ -115,12 +115,11 @@ impl Processor {
         }
         let closed = span.is_closed();
         let last_end = task.polls.iter().map(|p| p.end_ns).max().unwrap_or(0);
-        // Still open at the end: ended then, unless records were dropped since its last poll (its close may have
-        // been one of them): then at its last poll, the last moment it is known to have lived. Marked truncated
-        // either way, and never past its real end.
-        let (last_poll_ns, drops_then) = task.last_poll;
-        let open_until = if self.drops_seen > drops_then {
-            last_poll_ns
+        // Still open at the end: ended then, unless a record may have been dropped after its last poll, on any
+        // thread (its close may have been one of them): then at its last poll, the last moment it is known to
+        // have lived. Marked truncated either way, and never past its real end.
+        let open_until = if self.latest_loss_ns > task.last_poll {
+            task.last_poll
         } else {
             end_ns
         };

@@ -897,6 +897,50 @@ fn an_open_task_whose_close_may_have_been_dropped_ends_at_its_last_poll() {
     }
 }
 
+/// The same when the drops are on another thread whose ring is processed before the task's: what counts is
+/// when a record may have been dropped, not the order the rings are read in.
+#[test]
+fn an_open_task_ends_at_its_last_poll_when_another_ring_dropped_records_that_may_be_later() {
+    let memory = MemoryExporter::default();
+    let mut p = processor(&memory);
+    register_span_callsite(&mut p);
+    ring(&mut p, 2);
+    let serial = crate::recorder::span_serial(2, 1);
+    // Ring 1 (processed first in the pass) dropped records before it was drained at 1 ms: maybe the task's
+    // second exit's close, made on that thread after the task's last poll.
+    p.input(Input::Chunk(Chunk {
+        ring: 1,
+        now_ticks: 1_000_000,
+        dropped_total: 4,
+        dropped_slices_total: 0,
+        records: vec![Record::timed(Kind::Instant, 50, KNOWN)],
+    }));
+    chunk(
+        &mut p,
+        2,
+        vec![
+            codec::span_new_bare(90, SPAN),
+            Record::timed(Kind::SpanEnter, 100, serial),
+            Record::timed(Kind::SpanExit, 110, serial),
+            Record::timed(Kind::SpanEnter, 300, serial),
+            Record::timed(Kind::SpanExit, 310, serial),
+        ],
+    );
+    pass(&mut p);
+    pass(&mut p);
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    p.input(Input::Shutdown(tx));
+    rx.recv().unwrap().unwrap();
+    let trace = memory.snapshot();
+    let slices = trace.slices();
+    let lifetime = slices
+        .iter()
+        .find(|s| s.depth == 0 && !trace.is_thread_track(s.track))
+        .expect("the task's lifetime");
+    assert_eq!((lifetime.begin_ns, lifetime.end_ns), (90, 310));
+    assert_eq!(lifetime.field("tickline.truncated"), Some(&FieldValue::Bool(true)));
+}
+
 #[test]
 fn an_end_out_of_stack_order_keeps_every_track_nested() {
     let memory = MemoryExporter::default();
