@@ -92,6 +92,7 @@ ASYNC_TASK = "tickline async task"
 UNCERTAINTY = "uncertainty_ns"
 POLL = "poll"
 FLOW_OUT_FIELD = "tickline.flow_out"
+FLOW_IN_FIELD = "tickline.flow_in"
 
 
 ALIGNMENT_TRACK = "tickline alignment uncertainty"
@@ -113,6 +114,8 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
     flows_out, flows_in = collections.Counter(), collections.Counter()
     # Flows started by a `tickline.flow_out` field: their receiver may be in another process's trace.
     field_flow_starts = set()
+    # Flows ended by a `tickline.flow_in` field: their sender may be in another process's trace.
+    field_flow_ends = set()
     annotated = collections.Counter()
     n_packets = n_events = gpu_slices = 0
     gpu_devices = set()
@@ -186,6 +189,8 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
             flow_out_at[flow] = (ts, uuid)
             if FLOW_OUT_FIELD in names_here:
                 field_flow_starts.add(flow)
+        if FLOW_IN_FIELD in names_here:
+            field_flow_ends.update(ev.terminating_flow_ids)
         for flow in ev.terminating_flow_ids:
             flows_in[flow] += 1
             flow_in_at[flow] = (ts, uuid)
@@ -257,7 +262,8 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
     if still_open and not allow_cut:
         raise TraceError(f"slices never ended: {still_open}")
     for flow in set(flows_out) | set(flows_in):
-        dangling_field_flow = flow in field_flow_starts and flows_in[flow] == 0
+        dangling_field_flow = (flow in field_flow_starts and flows_in[flow] == 0) or (
+            flow in field_flow_ends and flows_out[flow] == 0)
         if flows_out[flow] > 1 or flows_in[flow] > 1 or (
                 not allow_cut and not dangling_field_flow and flows_out[flow] != flows_in[flow]):
             raise TraceError(f"flow {flow} has {flows_out[flow]} start(s) and {flows_in[flow]} end(s)")

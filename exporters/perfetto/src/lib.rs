@@ -46,8 +46,10 @@
 //!
 //! A span or event with a [`FLOW_OUT_FIELD`] field (`tickline.flow_out = ID`, an integer or a string) starts a
 //! flow that ends at the next span or event written with a [`FLOW_IN_FIELD`] field (`tickline.flow_in = ID`)
-//! of the same value: one sender, one receiver per ID in a trace (a later receiver of the same ID, or one
-//! whose sender is not in the trace, is left unlinked). `tickline merge` links the senders and receivers of
+//! of the same value, whichever is written first (a sender span still open while its receiver ends is
+//! written after it): one sender, one receiver per ID in a trace (a later receiver of the same ID, or one
+//! whose sender is not in the trace, is left unlinked; the first receiver of an ID whose sender is not in
+//! the trace still ends a flow of that ID, which Perfetto ignores). `tickline merge` links the senders and receivers of
 //! every trace it merges, each receiver to its sender, across processes and machines.
 //!
 //! ```
@@ -134,22 +136,62 @@ pub fn is_field_flow_id(trace_uuid: TraceUuid, flow_id: u64) -> bool {
 }
 
 /// Flows asked for by [`FLOW_OUT_FIELD`] / [`FLOW_IN_FIELD`] fields, linked as the exporter writes events.
-/// Perfetto links flow ends by id after sorting by time, so within a batch (whose tracks are not written in
-/// time order) a receiver may be written before its sender.
+/// Perfetto links flow ends by id after sorting by time, so a receiver may be written before its sender: in
+/// the same batch (tracks are not written in time order), or batches earlier (a sender span still open, its
+/// begin held for its values, after its receiver has ended). Such a receiver ends the flow at once; the
+/// sender, whenever it is written, starts it.
 #[derive(Default)]
 struct FieldFlows {
     /// The interned ids of the two field names, once the timeline used them.
     names: (Option<tickline::export::NameId>, Option<tickline::export::NameId>),
-    /// Started and not ended yet (unsalted ids), and the order they started in, to forget the oldest beyond
-    /// [`FIELD_FLOWS_KEPT`] (a sender whose receiver is in another process never ends here).
-    open: std::collections::HashSet<u64>,
-    started: std::collections::VecDeque<u64>,
-    /// Senders in the batch being written, not written yet.
-    batch_senders: std::collections::HashSet<u64>,
-    /// Ended by a receiver written before its sender, in the batch being written.
-    ended_early: std::collections::HashSet<u64>,
+    /// Started and not ended yet (unsalted ids): a sender whose receiver is in another process never ends
+    /// here, so the oldest are forgotten beyond [`FIELD_FLOWS_KEPT`].
+    open: KeptIds,
+    /// Ended by a receiver written before any sender of its id (forgotten alike).
+    ended_early: KeptIds,
+    /// Linked: a later receiver of the id is left unlinked (forgotten alike).
+    linked: KeptIds,
     /// A field's value as its key (reused).
     key: String,
+}
+
+/// A set of flow ids that forgets the oldest beyond [`FIELD_FLOWS_KEPT`].
+#[derive(Default)]
+struct KeptIds {
+    ids: std::collections::HashSet<u64>,
+    order: std::collections::VecDeque<u64>,
+}
+
+impl KeptIds {
+    fn insert(&mut self, id: u64) -> bool {
+        if !self.ids.insert(id) {
+            return false;
+        }
+        if self.order.len() >= FIELD_FLOWS_KEPT {
+            // Stale entries (removed since) are skipped over.
+            while let Some(oldest) = self.order.pop_front() {
+                if self.ids.remove(&oldest) {
+                    break;
+                }
+            }
+        }
+        self.order.push_back(id);
+        true
+    }
+
+    fn remove(&mut self, id: u64) -> bool {
+        let removed = self.ids.remove(&id);
+        if removed && self.order.len() > 2 * FIELD_FLOWS_KEPT {
+            // Drop the stale entries of removed ids.
+            let ids = &self.ids;
+            self.order.retain(|id| ids.contains(id));
+        }
+        removed
+    }
+
+    fn contains(&self, id: u64) -> bool {
+        self.ids.contains(&id)
+    }
 }
 
 impl FieldFlows {
@@ -192,50 +234,31 @@ impl FieldFlows {
         Some((field_flow_id(key), is_out))
     }
 
-    /// Notes the senders of `batch` before any of its events is written.
-    fn start_batch(&mut self, batch: &Batch) {
-        self.batch_senders.clear();
-        self.ended_early.clear();
-        if self.names.0.is_none() {
-            return;
-        }
-        for event in &batch.events {
-            if matches!(event.kind, EventKind::SliceBegin | EventKind::Instant) && !event.fields.is_empty() {
-                for field in batch.fields_of(event) {
-                    if let Some((id, true)) = self.flow_field(field) {
-                        self.batch_senders.insert(id);
-                    }
-                }
-            }
-        }
-    }
-
     /// The flows (unsalted ids: started here, ended here) that an event with `fields` takes part in.
     fn flows_of(&mut self, fields: &[TraceField]) -> (Option<u64>, Option<u64>) {
         let mut flows = (None, None);
         for field in fields {
             match self.flow_field(field) {
                 Some((id, true)) => {
-                    self.batch_senders.remove(&id);
-                    if self.ended_early.remove(&id) {
-                        // Its receiver was written first, in this batch.
+                    if self.ended_early.remove(id) {
+                        // Its receiver was written first.
+                        self.linked.insert(id);
                         flows.0 = Some(id);
                     } else if self.open.insert(id) {
-                        if self.started.len() == FIELD_FLOWS_KEPT {
-                            if let Some(oldest) = self.started.pop_front() {
-                                self.open.remove(&oldest);
-                            }
-                        }
-                        self.started.push_back(id);
                         flows.0 = Some(id);
                     }
                     // Else a second sender of an open flow: Perfetto would chain it on from the first.
                 }
                 Some((id, false)) => {
-                    // Its sender written before, or still to be written in this batch; else its sender is not in
-                    // this trace (or this receiver is not the first): unlinked.
-                    let linked =
-                        self.open.remove(&id) || (self.batch_senders.contains(&id) && self.ended_early.insert(id));
+                    // Its sender written before; or none yet, and this is the id's first receiver: its sender
+                    // may still come (else the flow's end is left dangling, which Perfetto ignores). A later
+                    // receiver is left unlinked.
+                    let linked = if self.open.remove(id) {
+                        self.linked.insert(id);
+                        true
+                    } else {
+                        !self.linked.contains(id) && self.ended_early.insert(id)
+                    };
                     if linked {
                         flows.1 = Some(id);
                     }
@@ -1493,9 +1516,6 @@ impl<W: Write + Send> Exporter for PerfettoExporter<W> {
             self.write_track(track);
         }
         self.write_interned(&batch.new_names);
-        if self.field_flows.in_use() {
-            self.field_flows.start_batch(batch);
-        }
         if self.simulate.is_some() {
             self.write_events::<true>(batch)?;
         } else {
