@@ -420,20 +420,20 @@ const GPU_SHUTDOWN_WAIT: Duration = Duration::from_secs(1);
 /// Moves everything in `ring` into a chunk; returns how many records. Whole groups only: producers publish a
 /// group with one store of the ring's tail, and a drain takes everything up to the tail it reads.
 fn drain_ring(ring: &mut LiveRing, pool: &ChunkPool, source: TickSource, out: &mut Vec<Input>) -> usize {
-    let news = |ring: &LiveRing| ring.dropped_base.0 + ring.consumer.dropped_records() != ring.reported_dropped;
-    if ring.consumer.len() == 0 && !news(ring) {
+    let dropped_total = |ring: &LiveRing| ring.dropped_base.0 + ring.consumer.dropped_records();
+    if ring.consumer.len() == 0 && dropped_total(ring) == ring.reported_dropped {
         return 0;
     }
     let mut records = pool.pop().unwrap_or_default();
     records.clear();
     ring.consumer.drain(usize::MAX, |run| records.extend_from_slice(run));
-    if records.is_empty() && !news(ring) {
+    // Read after the records: it counts every drop a `Gap` among them reports (a drop is counted before the
+    // record after it is pushed), and drops after the last of them.
+    let dropped_total = dropped_total(ring);
+    if records.is_empty() && dropped_total == ring.reported_dropped {
         let _ = pool.push(records);
         return 0;
     }
-    // Read after the records: it counts every drop a `Gap` among them reports (a drop is counted before the
-    // record after it is pushed), and drops after the last of them.
-    let dropped_total = ring.dropped_base.0 + ring.consumer.dropped_records();
     ring.reported_dropped = dropped_total;
     let taken = records.len();
     // Read after the copy: every record drained is older (up to cross-CPU skew, which

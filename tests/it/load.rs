@@ -207,6 +207,19 @@ fn a_value_recorded_at_the_end_of_a_span_is_on_every_slice_whatever_the_drain_ti
     }
 }
 
+/// The records the trace shows as dropped: the sum of its `tickline: records dropped` instants.
+fn records_shown_dropped(trace: &tickline::export::MemoryTrace) -> u64 {
+    trace
+        .events
+        .iter()
+        .filter(|e| e.name == "tickline: records dropped")
+        .map(|e| match e.fields.iter().find(|(n, _)| n == "records") {
+            Some((_, FieldValue::U64(n))) => *n,
+            _ => 0,
+        })
+        .sum()
+}
+
 /// A value recorded on another thread before a slice ends is on the slice, while another thread flushes as
 /// fast as it can (a flush sends out what it has: it must not send a slice that ended meanwhile without the
 /// value), and with the hold limit passed for every slice (its begin goes out first, the value on its end).
@@ -336,15 +349,7 @@ fn losses_at_the_end_of_a_threads_recording_are_shown() {
             worker.join().unwrap();
         }
         let trace = memory.snapshot();
-        let shown: u64 = trace
-            .events
-            .iter()
-            .filter(|e| e.name == "tickline: records dropped")
-            .map(|e| match e.fields.iter().find(|(n, _)| n == "records") {
-                Some((_, FieldValue::U64(n))) => *n,
-                _ => 0,
-            })
-            .sum();
+        let shown = records_shown_dropped(&trace);
         assert!(stats.dropped_records > 0);
         assert_eq!(shown, stats.dropped_records, "thread exits: {thread_exits}");
         let work: Vec<_> = trace.slices().into_iter().filter(|s| s.name == "work").collect();
@@ -512,15 +517,7 @@ fn drop_mode_never_invents_or_stretches_a_slice_and_accounts_for_every_one() {
     assert!(stats.dropped_slices > 0);
     // Each dropped slice lost at least its enter and exit records.
     assert!(stats.dropped_records >= 2 * stats.dropped_slices, "{stats:?}");
-    let gaps = trace
-        .events
-        .iter()
-        .filter(|e| e.name == "tickline: records dropped")
-        .map(|e| match e.fields.iter().find(|(n, _)| n == "records") {
-            Some((_, FieldValue::U64(n))) => *n,
-            _ => 0,
-        })
-        .sum::<u64>();
+    let gaps = records_shown_dropped(&trace);
     assert!(
         gaps > 0 && gaps <= stats.dropped_records,
         "gap markers show where: {gaps}"

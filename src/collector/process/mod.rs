@@ -723,11 +723,6 @@ impl Processor {
     /// [`process_rings`](Self::process_rings) within the current pass (no new drain pass came).
     fn process_rings_again(&mut self, drain_ns: u64, force: bool, rings_drained: bool) {
         self.mid_pass = true;
-        self.process_pending(drain_ns, force, rings_drained);
-        self.mid_pass = false;
-    }
-
-    fn process_pending(&mut self, drain_ns: u64, force: bool, rings_drained: bool) {
         self.last_drain_ns = self.last_drain_ns.max(drain_ns);
         // Rings wait on each other (a span created on one, entered on another): go round until nothing moves.
         loop {
@@ -753,6 +748,7 @@ impl Processor {
                 }
             }
         }
+        self.mid_pass = false;
         self.finish_ended_rings();
     }
 

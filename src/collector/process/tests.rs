@@ -79,10 +79,15 @@ fn ring(p: &mut Processor, ring: u32) {
 }
 
 fn chunk(p: &mut Processor, ring: u32, records: Vec<Record>) {
+    chunk_after_drops(p, ring, records, 0);
+}
+
+/// A chunk of `ring` drained at 1 ms, when the ring had dropped `dropped_total` records so far.
+fn chunk_after_drops(p: &mut Processor, ring: u32, records: Vec<Record>, dropped_total: u64) {
     p.input(Input::Chunk(Chunk {
         ring,
         now_ticks: 1_000_000,
-        dropped_total: 0,
+        dropped_total,
         dropped_slices_total: 0,
         records,
     }));
@@ -473,6 +478,12 @@ fn a_span_closed_long_before_its_held_slice_goes_out_keeps_its_values() {
     assert_eq!(slices[0].field("x"), Some(&FieldValue::U64(5)), "{slices:?}");
 }
 
+fn shutdown(p: &mut Processor) {
+    let (reply, answer) = crossbeam_channel::bounded(1);
+    p.input(Input::Shutdown(reply));
+    answer.recv().unwrap().unwrap();
+}
+
 fn flush(p: &mut Processor) {
     let (reply, answer) = crossbeam_channel::bounded(1);
     p.input(Input::Flush(reply));
@@ -687,16 +698,9 @@ fn drops_after_a_rings_last_record_are_shown_when_it_ends() {
     for thread_exits in [true, false] {
         let memory = MemoryExporter::default();
         let mut p = processor(&memory);
-        let with_drops = |records: Vec<Record>, dropped_total: u64| {
-            Input::Chunk(Chunk {
-                ring: 1,
-                now_ticks: 1_000_000,
-                dropped_total,
-                dropped_slices_total: 0,
-                records,
-            })
-        };
-        p.input(with_drops(
+        chunk_after_drops(
+            &mut p,
+            1,
             vec![
                 Record::timed(Kind::ScopeBegin, 100, KNOWN),
                 Record::timed(Kind::Instant, 110, KNOWN),
@@ -705,18 +709,16 @@ fn drops_after_a_rings_last_record_are_shown_when_it_ends() {
             ],
             // 3 reported by the Gap, 5 more after the last record.
             8,
-        ));
+        );
         pass(&mut p);
         // The last drops come on their own (an empty chunk) when nothing followed them.
-        p.input(with_drops(Vec::new(), 10));
+        chunk_after_drops(&mut p, 1, Vec::new(), 10);
         if thread_exits {
             p.input(Input::ThreadEnd { ring: 1 });
             pass(&mut p);
             pass(&mut p);
         }
-        let (reply, answer) = crossbeam_channel::bounded(1);
-        p.input(Input::Shutdown(reply));
-        answer.recv().unwrap().unwrap();
+        shutdown(&mut p);
         let trace = memory.snapshot();
         let losses: Vec<(u64, Option<FieldValue>)> = trace
             .events
@@ -762,9 +764,7 @@ fn a_poll_cut_short_is_marked_truncated_on_its_task_track_too() {
         ],
     );
     pass(&mut p);
-    let (reply, answer) = crossbeam_channel::bounded(1);
-    p.input(Input::Shutdown(reply));
-    answer.recv().unwrap().unwrap();
+    shutdown(&mut p);
     let trace = memory.snapshot();
     let polls: Vec<_> = trace.slices().into_iter().filter(|s| s.name == "poll").collect();
     assert_eq!(polls.len(), 2, "{polls:?}");
@@ -869,17 +869,14 @@ fn an_open_task_whose_close_may_have_been_dropped_ends_at_its_last_poll() {
         );
         pass(&mut p);
         // Later records on the ring, some of them dropped (say, the task's close).
-        p.input(Input::Chunk(Chunk {
-            ring: 1,
-            now_ticks: 1_000_000,
-            dropped_total: if dropped_after { 3 } else { 0 },
-            dropped_slices_total: 0,
-            records: vec![Record::timed(Kind::Instant, 500, KNOWN)],
-        }));
+        chunk_after_drops(
+            &mut p,
+            1,
+            vec![Record::timed(Kind::Instant, 500, KNOWN)],
+            if dropped_after { 3 } else { 0 },
+        );
         pass(&mut p);
-        let (tx, rx) = crossbeam_channel::bounded(1);
-        p.input(Input::Shutdown(tx));
-        rx.recv().unwrap().unwrap();
+        shutdown(&mut p);
         let trace = memory.snapshot();
         let slices = trace.slices();
         let lifetime = slices
@@ -908,13 +905,7 @@ fn an_open_task_ends_at_its_last_poll_when_another_ring_dropped_records_that_may
     let serial = crate::recorder::span_serial(2, 1);
     // Ring 1 (processed first in the pass) dropped records before it was drained at 1 ms: maybe the task's
     // second exit's close, made on that thread after the task's last poll.
-    p.input(Input::Chunk(Chunk {
-        ring: 1,
-        now_ticks: 1_000_000,
-        dropped_total: 4,
-        dropped_slices_total: 0,
-        records: vec![Record::timed(Kind::Instant, 50, KNOWN)],
-    }));
+    chunk_after_drops(&mut p, 1, vec![Record::timed(Kind::Instant, 50, KNOWN)], 4);
     chunk(
         &mut p,
         2,
@@ -928,9 +919,7 @@ fn an_open_task_ends_at_its_last_poll_when_another_ring_dropped_records_that_may
     );
     pass(&mut p);
     pass(&mut p);
-    let (tx, rx) = crossbeam_channel::bounded(1);
-    p.input(Input::Shutdown(tx));
-    rx.recv().unwrap().unwrap();
+    shutdown(&mut p);
     let trace = memory.snapshot();
     let slices = trace.slices();
     let lifetime = slices
@@ -1229,9 +1218,7 @@ fn process_steps(
             pass(&mut p);
         }
     }
-    let (tx, rx) = crossbeam_channel::bounded(1);
-    p.input(Input::Shutdown(tx));
-    rx.recv().unwrap().unwrap();
+    shutdown(&mut p);
     (memory.snapshot(), p.counts, p.tasks_written, p.polls_written)
 }
 
