@@ -141,3 +141,42 @@ fn every_packet_tickline_writes_decodes_with_perfettos_schema() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `TimelineStats::events` counts every event the timeline handed the exporter; the Perfetto exporter adds its
+/// own instants besides (the trace's identity, one per clock snapshot and one per clock-exchange round), and
+/// nothing else: the file's track events are exactly the two.
+#[test]
+fn timeline_stats_count_every_event_in_the_file_but_the_exporters_own() {
+    let path = std::env::temp_dir().join(format!("tickline-protos-events-{}.pftrace", std::process::id()));
+    let exporter = tickline_perfetto::PerfettoExporter::create(&path)
+        .unwrap()
+        .snapshot_interval(Duration::from_millis(5));
+    let timeline = tickline::Timeline::builder().exporter(exporter).start().unwrap();
+    let gpu = timeline.gpu(SimGpu::new(SimGpuConfig::default()).unwrap()).unwrap();
+    let queue = gpu.queue("compute").unwrap();
+    let subscriber = tracing_subscriber::registry().with(timeline.layer());
+    tracing::subscriber::with_default(subscriber, || {
+        for i in 0..50u32 {
+            let _span = tracing::info_span!("step", n = i).entered();
+            tracing::info!(i, "an event");
+            tickline::counter!("depth", i64::from(i));
+            let commands = SimCommands::new();
+            {
+                let _k = tickline::gpu_scope!(queue, &commands, "kernel");
+                commands.work(Duration::from_micros(20));
+            }
+            let _ = gpu.backend().submit(commands).wait();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    });
+    drop(queue);
+    drop(gpu);
+    let stats = timeline.shutdown().unwrap();
+    let s = tickline_cli::stats::read(&path).unwrap();
+    let _ = std::fs::remove_file(&path);
+    assert_eq!(s.open_slices, 0);
+    let in_file = 2 * s.slices + s.instants + s.counter_values;
+    let exporters_own = s.identity.len() as u64 + s.clock_snapshots + s.exchange_rounds;
+    assert!(s.clock_snapshots >= 3, "{}", s.clock_snapshots);
+    assert_eq!(stats.events, in_file - exporters_own, "{stats:?}\n{s}");
+}

@@ -273,9 +273,9 @@ impl Output {
         if self.batch.is_empty() && !always {
             return;
         }
-        stats
-            .events
-            .fetch_add(self.batch.events.len() as u64, Ordering::Relaxed);
+        // A fact about a track is shown as an event too (Perfetto writes an instant): counted with them.
+        let events = self.batch.events.len() + self.batch.metadata.len();
+        stats.events.fetch_add(events as u64, Ordering::Relaxed);
         for slot in &mut self.exporters {
             if slot.failed {
                 continue;

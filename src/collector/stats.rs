@@ -30,8 +30,11 @@ pub struct TimelineStats {
     /// `tickline.fields_truncated`).
     pub fields_truncated: u64,
     /// Converted events handed to the exporters: every slice's begin and end, instants (`tracing` events
-    /// among them), counter values, tickline's own (its counters and markers) included. Not a count of
-    /// `tracing` events.
+    /// among them), counter values, tickline's own (its counters and markers, and facts about a track such as
+    /// the CPU clock decision, which exporters show as instants) included. Not a count of `tracing` events.
+    /// An exporter may write events of its own besides: the Perfetto exporter adds an instant on its
+    /// `tickline clock` track for the trace's identity, for each clock snapshot and for each clock-exchange
+    /// round, and nothing else.
     pub events: u64,
     /// Thread rings registered so far.
     pub threads: u64,
