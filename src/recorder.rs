@@ -1026,7 +1026,12 @@ pub(crate) fn gpu_begin(
             with_ring(shared, |ring| {
                 let callsite = registered(ring, callsite);
                 codec::encode_gpu_begin(group, ticks, callsite, key, payload);
-                ring.push_other(group)
+                let pushed = ring.push_other(group);
+                if !pushed {
+                    // The scope's slice is lost whole (its end is a GPU timestamp, which then matches nothing).
+                    ring.producer.count_dropped_unit();
+                }
+                pushed
             })
         },
     )

@@ -5,7 +5,10 @@ use std::sync::Mutex;
 
 /// Counters of a running timeline. Every record is accounted for: the records the program's threads made
 /// are `records + dropped_records`, and every slice they began is exported, dropped whole (its records are
-/// among `dropped_records`) or cut short (`truncated_slices`, marked `tickline.truncated` in the trace).
+/// among `dropped_records`) or cut short (`truncated_slices`, marked `tickline.truncated` in the trace). A
+/// GPU scope is besides either never recorded for want of a free timestamp pair
+/// ([`GpuDevice::starved_scopes`](crate::gpu::GpuDevice::starved_scopes), one record among
+/// `dropped_records`), or recorded (`gpu_scopes`) and then exported or lost (`gpu_lost_scopes`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct TimelineStats {
@@ -18,8 +21,10 @@ pub struct TimelineStats {
     /// `tickline.dropped_inside`.
     pub dropped_records: u64,
     /// Slices lost whole to full rings: a begin refused because its end would not have had room (or its
-    /// span's creation record was dropped), and its end with it. Their records are among
-    /// `dropped_records`. Every slice a program makes is exported, counted here, or truncated.
+    /// span's creation record was dropped), and its end with it; a GPU scope whose begin record was refused
+    /// (its GPU timestamps are then read and matched to nothing). Their records are among
+    /// `dropped_records`. Every slice a program makes is exported, counted here, or truncated (a GPU scope may
+    /// also be starved or lost: see above).
     pub dropped_slices: u64,
     /// Slices the trace had to end before their real end (the thread exited with them open, or the timeline
     /// shut down while they were open): ended at the last moment known, marked `tickline.truncated`. Async

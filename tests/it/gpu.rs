@@ -360,6 +360,8 @@ fn scopes_whose_begin_record_is_dropped_are_counted_and_their_timestamp_pairs_re
     assert!(stats.dropped_records > 0, "{stats:?}");
     // Each scope is a two-record group: recorded or dropped whole.
     assert_eq!(stats.gpu_scopes * 2 + stats.dropped_records, 600, "{stats:?}");
+    // A scope dropped whole is a slice lost to a full ring: every scope is exported or counted.
+    assert_eq!(stats.gpu_scopes + stats.dropped_slices, 300, "{stats:?}");
     assert_eq!(
         memory.snapshot().slice_count("dispatch") as u64,
         stats.gpu_scopes,
