@@ -134,8 +134,10 @@
 //!   ([`TimelineStats::dropped_slices`]). Every dropped record is counted ([`TimelineStats::dropped_records`],
 //!   and the `tickline dropped records` counter track); where records went missing, the thread's track has an
 //!   instant `tickline: records dropped` with their count (`records`), and every slice open around the loss
-//!   carries `tickline.dropped_inside` (records dropped while it was open). A slice is never stretched to
-//!   cover a loss.
+//!   carries `tickline.dropped_inside` (records dropped while it was open). An async task's lifetime slice
+//!   carries it when records were dropped on any thread while the task lived, since its polls run on any
+//!   thread: their count there is of all of them, an upper bound of the task's own. A slice is never
+//!   stretched to cover a loss.
 //! - **Span ids.** `tracing`'s registry reuses a span's id once it closes; tickline gives every span a serial
 //!   of its own instead (see [`TicklineLayer`]), so a slice always carries its own span's name and fields.
 //!   Track ids in exported traces are unique per timeline.

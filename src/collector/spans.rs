@@ -390,6 +390,16 @@ impl Spans {
         self.closing_tasks = closing;
     }
 
+    /// The earliest creation time of the spans still here (`None`: none is).
+    pub(crate) fn oldest_created_ns(&self) -> Option<u64> {
+        // A ring's spans come in creation order: its first one still here is its oldest.
+        let windows = self
+            .windows
+            .iter()
+            .filter_map(|w| w.slots.iter().flatten().next().map(|s| s.created_ns));
+        windows.chain(self.spilled.values().map(|s| s.created_ns)).min()
+    }
+
     /// Every span still here whose task track was not written (shutdown), by serial.
     pub(crate) fn unwritten_tasks(&self) -> Vec<u64> {
         let mut out = Vec::new();

@@ -449,3 +449,54 @@ fn always_and_never_do_what_they_say() {
         assert_eq!(polls, if tasks > 0 { 3 } else { 0 }, "{mode:?}");
     }
 }
+
+/// Drop mode with rings too small for the bursts: where a thread's records went missing, every task alive
+/// throughout that stretch (its polls run on any thread, so they may have been among them) carries
+/// `tickline.dropped_inside`, at least the count the thread's marker shows.
+#[test]
+fn task_lifetimes_around_a_loss_on_any_thread_are_marked() {
+    let _x = exclusive();
+    let memory = MemoryExporter::default();
+    let timeline = Timeline::builder()
+        .exporter(memory.clone())
+        .ring_capacity(128)
+        .max_ring_capacity(128)
+        .poll_interval(Duration::from_millis(20))
+        .start()
+        .unwrap();
+    let (trace, _, stats) = run(timeline, &memory, false);
+    assert!(stats.dropped_records > 0, "the rings were meant to overflow: {stats:?}");
+    let slices = trace.slices();
+    let lifetimes: Vec<&RecordedSlice> = slices
+        .iter()
+        .filter(|s| s.depth == 0 && !trace.is_thread_track(s.track) && s.name != "poll")
+        .collect();
+    assert!(!lifetimes.is_empty());
+    let mut checked = 0;
+    for gap in trace.events.iter().filter(|e| e.name == "tickline: records dropped") {
+        let Some(FieldValue::U64(records)) = gap.fields.iter().find(|(n, _)| n == "records").map(|(_, v)| v) else {
+            panic!("a loss marker without its count: {gap:?}");
+        };
+        // The records went missing after the thread's previous event and before the marker.
+        let since = trace
+            .events_on(gap.track)
+            .map(|e| e.ts_ns)
+            .filter(|&ts| ts < gap.ts_ns)
+            .max()
+            .unwrap_or(0);
+        for lifetime in lifetimes
+            .iter()
+            .filter(|l| l.begin_ns <= since && gap.ts_ns <= l.end_ns)
+        {
+            checked += 1;
+            match lifetime.field("tickline.dropped_inside") {
+                Some(FieldValue::U64(n)) if n >= records => {}
+                other => panic!(
+                    "task {} ({}..{} ns) lived through a loss of {records} records at {since}..{} ns on another thread, marked {other:?}",
+                    lifetime.name, lifetime.begin_ns, lifetime.end_ns, gap.ts_ns
+                ),
+            }
+        }
+    }
+    assert!(checked > 0, "no task lived through a loss: {stats:?}");
+}

@@ -90,6 +90,7 @@ use crate::codec::{Decoder, Item, LeafSpan, LeafTail};
 use crate::export::{CpuClock, EventKind, FieldValue, NameId, TraceField, TrackId, TrackKind};
 use crate::gpu::GpuCalibrationConfig;
 
+mod losses;
 mod records;
 mod slices;
 mod tasks;
@@ -421,6 +422,9 @@ pub(crate) struct Processor {
     /// The latest moment (reference ns) at which a record may have been dropped, as far as the chunks
     /// processed so far tell: the drain time of the newest chunk whose ring's drop count rose.
     latest_loss_ns: u64,
+    /// When records were dropped, on any thread, for the task lifetimes they may have cut into (kept only
+    /// while spans may become tasks).
+    losses: losses::LossLog,
     /// Polls written on task tracks.
     polls_written: u64,
     /// The timeline is shutting down: a span polled once and still open is not a task.
@@ -508,6 +512,7 @@ impl Processor {
             tasks_written: 0,
             drops_seen: 0,
             latest_loss_ns: 0,
+            losses: losses::LossLog::default(),
             polls_written: 0,
             ending: false,
             to_write: Vec::new(),
@@ -795,11 +800,15 @@ impl Processor {
         let mut progress = false;
         'chunks: while let Some(chunk) = r.input.pending.pop_front() {
             if chunk.dropped_total > r.dropped_total {
-                self.drops_seen += chunk.dropped_total - r.dropped_total;
+                let dropped = chunk.dropped_total - r.dropped_total;
+                self.drops_seen += dropped;
                 r.dropped_total = chunk.dropped_total;
-                // Dropped before this chunk was drained: as late as that, for all the trace can tell.
+                // Dropped before this chunk was drained: as late as that, for all the trace can tell; and after
+                // the ring's last record processed so far.
                 let drained = self.cpu.as_ref().and_then(|c| c.to_ns(chunk.now_ticks));
-                self.latest_loss_ns = self.latest_loss_ns.max(drained.unwrap_or(u64::MAX));
+                let drained = drained.unwrap_or(u64::MAX);
+                self.latest_loss_ns = self.latest_loss_ns.max(drained);
+                self.note_loss(r.track.last_ns, drained, dropped);
             }
             let mut decoder = Decoder::new(&chunk.records[r.input.cursor..]);
             let mut processed = 0;

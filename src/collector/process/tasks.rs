@@ -15,7 +15,7 @@
 //! *Async tasks* in the module docs.
 
 use super::slices::held_at;
-use super::{EventSlot, HeldEvent, Processor, Track};
+use super::{losses, EventSlot, HeldEvent, Processor, Track};
 use crate::codec::Item;
 use crate::collector::spans::TaskData;
 use crate::export::{EventKind, FieldValue, TraceField, TrackId, TrackKind};
@@ -27,7 +27,28 @@ const MAX_TASK_NAME: usize = 80;
 /// Written tasks whose tracks are remembered for children that outlive them.
 pub(super) const WRITTEN_TASKS_KEPT: usize = 1 << 16;
 
+/// How far before the oldest span still known a loss is kept: a span whose creation record has not been
+/// processed yet (its ring is behind) may be older than every span known.
+const LOSS_HORIZON_MARGIN_NS: u64 = 10_000_000_000;
+
 impl Processor {
+    /// Notes that `dropped` records were lost on some thread within `from..=to`, for the task lifetimes
+    /// around it. Memory stays bounded: losses older than every span that may still become a task are
+    /// forgotten, and past that neighbouring windows merge (marking more lifetimes, never fewer).
+    pub(super) fn note_loss(&mut self, from: u64, to: u64, dropped: u64) {
+        if self.async_tasks == super::AsyncTasks::Never || dropped == 0 {
+            return;
+        }
+        self.losses.note(from, to, dropped);
+        if self.losses.len() > losses::LOSS_WINDOWS_MAX {
+            let oldest = self.spans.oldest_created_ns().unwrap_or(to);
+            self.losses.forget_before(oldest.saturating_sub(LOSS_HORIZON_MARGIN_NS));
+            if self.losses.len() > losses::LOSS_WINDOWS_MAX / 2 {
+                self.losses.coarsen();
+            }
+        }
+    }
+
     /// Gives span `serial` an async task track (if it has none), under its parent's (a parent that has none
     /// gets one too: a span with child tasks holds them); returns the track.
     pub(super) fn make_task(&mut self, serial: u64) -> Option<TrackId> {
@@ -126,6 +147,14 @@ impl Processor {
         let end = if closed { span.closed_ns } else { open_until }
             .max(last_end)
             .max(span.created_ns);
+        // Records dropped on any thread while it lived may have been its polls or its values.
+        let first_poll = (span.first_poll.end_ns != 0).then_some(span.first_poll.begin_ns);
+        let begin = span.created_ns.min(first_poll.unwrap_or(u64::MAX));
+        let dropped_inside = if self.losses.is_empty() {
+            0
+        } else {
+            self.losses.dropped_within(begin, end)
+        };
         let begun = task.begun.is_some();
         self.write_task_begin(serial, end);
         self.write_task_polls(serial);
@@ -149,6 +178,12 @@ impl Processor {
             end_fields.push(TraceField {
                 name: self.names.truncated,
                 value: FieldValue::Bool(true),
+            });
+        }
+        if dropped_inside > 0 {
+            end_fields.push(TraceField {
+                name: self.names.dropped_inside,
+                value: FieldValue::U64(dropped_inside),
             });
         }
         self.out

@@ -84,9 +84,14 @@ fn chunk(p: &mut Processor, ring: u32, records: Vec<Record>) {
 
 /// A chunk of `ring` drained at 1 ms, when the ring had dropped `dropped_total` records so far.
 fn chunk_after_drops(p: &mut Processor, ring: u32, records: Vec<Record>, dropped_total: u64) {
+    chunk_drained_at(p, ring, records, dropped_total, 1_000_000);
+}
+
+/// A chunk of `ring` drained at `now_ticks`, when the ring had dropped `dropped_total` records so far.
+fn chunk_drained_at(p: &mut Processor, ring: u32, records: Vec<Record>, dropped_total: u64, now_ticks: u64) {
     p.input(Input::Chunk(Chunk {
         ring,
-        now_ticks: 1_000_000,
+        now_ticks,
         dropped_total,
         dropped_slices_total: 0,
         records,
@@ -1360,4 +1365,58 @@ fn leaf_spans_with_fields_take_their_fast_path_and_keep_their_values() {
         .collect();
     let expected: Vec<Option<FieldValue>> = (0..100).map(|k| Some(FieldValue::U64(1000 + k))).collect();
     assert_eq!(values, expected);
+}
+
+/// A task's polls run on any thread, so records dropped on any thread while it lived may have been its own:
+/// its lifetime carries `tickline.dropped_inside` with their count; a task that ended before the loss does not.
+#[test]
+fn a_task_lifetime_is_marked_with_the_records_dropped_on_any_thread_while_it_lived() {
+    let memory = MemoryExporter::default();
+    let mut p = processor(&memory);
+    register_span_callsite(&mut p);
+    ring(&mut p, 2);
+    let (early, late) = (crate::recorder::span_serial(2, 1), crate::recorder::span_serial(2, 2));
+    chunk(&mut p, 1, vec![Record::timed(Kind::Instant, 600, KNOWN)]);
+    chunk(
+        &mut p,
+        2,
+        vec![
+            codec::span_new_bare(90, SPAN),
+            Record::timed(Kind::SpanEnter, 100, early),
+            Record::timed(Kind::SpanExit, 110, early),
+            Record::timed(Kind::SpanEnter, 300, early),
+            Record::timed(Kind::SpanExit, 310, early),
+            Record::timed(Kind::SpanClose, 320, early),
+            codec::span_new_bare(1_000, SPAN),
+            Record::timed(Kind::SpanEnter, 1_100, late),
+            Record::timed(Kind::SpanExit, 1_110, late),
+            Record::timed(Kind::SpanEnter, 1_300, late),
+            Record::timed(Kind::SpanExit, 1_310, late),
+            Record::timed(Kind::SpanClose, 1_400, late),
+        ],
+    );
+    pass(&mut p);
+    // Ring 1 dropped 5 records after its record at 600 and before it was drained at 2,100.
+    chunk_drained_at(&mut p, 1, vec![Record::timed(Kind::Instant, 2_000, KNOWN)], 5, 2_100);
+    for _ in 0..4 {
+        pass(&mut p);
+    }
+    shutdown(&mut p);
+    let trace = memory.snapshot();
+    let lifetimes: Vec<_> = trace
+        .slices()
+        .into_iter()
+        .filter(|s| s.depth == 0 && !trace.is_thread_track(s.track))
+        .collect();
+    assert_eq!(lifetimes.len(), 2, "{lifetimes:?}");
+    let mark = |begin: u64| {
+        let lifetime = lifetimes
+            .iter()
+            .find(|s| s.begin_ns == begin)
+            .expect("the task's lifetime");
+        assert_eq!(lifetime.field("tickline.truncated"), None, "it closed");
+        lifetime.field("tickline.dropped_inside").cloned()
+    };
+    assert_eq!(mark(90), None, "it ended before the loss");
+    assert_eq!(mark(1_000), Some(FieldValue::U64(5)));
 }
