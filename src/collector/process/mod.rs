@@ -376,7 +376,12 @@ pub(crate) struct Processor {
     leaf_spans_taken: u64,
     #[cfg(test)]
     leaf_spans_with_fields_taken: u64,
+    /// Rings by slot, in the order they were registered (taken out while one is processed).
     rings: Vec<Option<Ring>>,
+    /// Ring number -> slot in `rings`: numbers come from the input, which a corrupt capture may fill with any
+    /// value, so they never size anything.
+    ring_slots: IdMap<u32>,
+    /// Slots of the rings still live.
     active: Vec<u32>,
     spans: Spans,
     cpu: Option<CpuTime>,
@@ -481,6 +486,7 @@ impl Processor {
             #[cfg(test)]
             leaf_spans_with_fields_taken: 0,
             rings: Vec::new(),
+            ring_slots: IdMap::default(),
             active: Vec::new(),
             spans: Spans::default(),
             cpu: None,
@@ -589,7 +595,7 @@ impl Processor {
             Input::Callsite(def) => self.add_callsite(def),
             Input::Chunk(chunk) => self.add_chunk(chunk),
             Input::ThreadEnd { ring } => {
-                if let Some(Some(r)) = self.rings.get_mut(ring as usize) {
+                if let Some(Some(r)) = self.slot_of(ring).and_then(|slot| self.rings.get_mut(slot)) {
                     r.input.ended = true;
                 }
             }
@@ -630,11 +636,18 @@ impl Processor {
         let pid = self.out.pid();
         let parent = Some(self.out.process_track());
         let track = self.out.new_track(parent, TrackKind::Thread { pid, tid, name });
-        let index = ring as usize;
-        if self.rings.len() <= index {
-            self.rings.resize_with(index + 1, || None);
-        }
-        self.rings[index] = Some(Ring {
+        // A ring registered twice (corrupt input) starts over in its slot.
+        let slot = match self.slot_of(ring) {
+            Some(slot) => slot,
+            None => {
+                self.rings.push(None);
+                let slot = self.rings.len() - 1;
+                self.ring_slots.insert(u64::from(ring), slot as u32);
+                slot
+            }
+        };
+        let was_active = self.rings[slot].is_some();
+        self.rings[slot] = Some(Ring {
             input: RingInput {
                 pending: VecDeque::new(),
                 cursor: 0,
@@ -657,7 +670,14 @@ impl Processor {
             },
             dropped_total: 0,
         });
-        self.active.push(ring);
+        if !was_active {
+            self.active.push(slot as u32);
+        }
+    }
+
+    /// The slot of ring number `ring` in `rings`, if it was registered.
+    fn slot_of(&self, ring: u32) -> Option<usize> {
+        self.ring_slots.get(&u64::from(ring)).map(|&slot| slot as usize)
     }
 
     fn add_callsite(&mut self, def: CallsiteDef) {
@@ -677,7 +697,7 @@ impl Processor {
     }
 
     fn add_chunk(&mut self, chunk: Chunk) {
-        match self.rings.get_mut(chunk.ring as usize) {
+        match self.slot_of(chunk.ring).and_then(|slot| self.rings.get_mut(slot)) {
             Some(Some(ring)) => ring.input.pending.push_back(chunk),
             _ => {
                 // A chunk of a ring never registered: corrupt input. Every record is a framing error.
@@ -741,13 +761,13 @@ impl Processor {
         }
         // Rings stalled too long: the span they wait for was never announced. Go on without it.
         for k in 0..self.active.len() {
-            let ring = self.active[k];
-            let stalled = self.rings[ring as usize]
+            let slot = self.active[k];
+            let stalled = self.rings[slot as usize]
                 .as_ref()
                 .is_some_and(|r| !r.input.pending.is_empty() && (force || r.input.stalled_passes >= MAX_WAIT_PASSES));
             if stalled {
-                self.process_ring(ring, true);
-            } else if let Some(r) = self.rings[ring as usize].as_mut() {
+                self.process_ring(slot, true);
+            } else if let Some(r) = self.rings[slot as usize].as_mut() {
                 if !r.input.pending.is_empty() && rings_drained {
                     r.input.stalled_passes += 1;
                 }
@@ -762,8 +782,8 @@ impl Processor {
         let force = mode != Release::Ready;
         let drain = self.last_drain_ns;
         for k in 0..self.active.len() {
-            let ring = self.active[k];
-            if let Some(mut r) = self.rings[ring as usize].take() {
+            let slot = self.active[k];
+            if let Some(mut r) = self.rings[slot as usize].take() {
                 let expired = r
                     .track
                     .held
@@ -776,7 +796,7 @@ impl Processor {
                     mode
                 };
                 self.release(&mut r.track, mode, drain);
-                self.rings[ring as usize] = Some(r);
+                self.rings[slot as usize] = Some(r);
             }
         }
         self.gpu.pass_end(&mut self.out, drain, force, rings_drained);
@@ -791,10 +811,10 @@ impl Processor {
         self.spans.sweep(self.pass);
     }
 
-    /// Processes ring `ring`'s pending records until one stalls. `force`: a record naming an unknown span is
+    /// Processes the pending records of the ring in `slot` records until one stalls. `force`: a record naming an unknown span is
     /// processed as unknown instead of stalling. Returns whether any record was processed.
-    fn process_ring(&mut self, ring: u32, force: bool) -> bool {
-        let Some(mut r) = self.rings.get_mut(ring as usize).and_then(Option::take) else {
+    fn process_ring(&mut self, slot: u32, force: bool) -> bool {
+        let Some(mut r) = self.rings.get_mut(slot as usize).and_then(Option::take) else {
             return false;
         };
         let mut progress = false;
@@ -857,7 +877,7 @@ impl Processor {
             }
             .map(|seq| (serial, EventSlot::Held(seq)));
         }
-        self.rings[ring as usize] = Some(r);
+        self.rings[slot as usize] = Some(r);
         progress
     }
 
@@ -907,15 +927,15 @@ impl Processor {
     fn finish_ended_rings(&mut self) {
         let mut k = 0;
         while k < self.active.len() {
-            let ring = self.active[k];
-            let done = self.rings[ring as usize]
+            let slot = self.active[k];
+            let done = self.rings[slot as usize]
                 .as_ref()
                 .is_some_and(|r| r.input.ended && r.input.pending.is_empty());
             if !done {
                 k += 1;
                 continue;
             }
-            let mut r = self.rings[ring as usize].take().expect("checked above");
+            let mut r = self.rings[slot as usize].take().expect("checked above");
             let end = r.track.last_ns;
             self.show_last_losses(&mut r, end);
             self.truncate_open(&mut r.track, end);
@@ -924,7 +944,7 @@ impl Processor {
             let waits = !self.ending && !r.track.held.is_empty() && r.input.ended_in.is_none_or(|p| p >= self.pass);
             if waits {
                 r.input.ended_in.get_or_insert(self.pass);
-                self.rings[ring as usize] = Some(r);
+                self.rings[slot as usize] = Some(r);
                 k += 1;
                 continue;
             }
@@ -1045,12 +1065,12 @@ impl Processor {
         self.process_rings(end, true, false);
         // Threads still running: their open slices go on past the end of the trace.
         for k in 0..self.active.len() {
-            let ring = self.active[k];
-            if let Some(mut r) = self.rings[ring as usize].take() {
+            let slot = self.active[k];
+            if let Some(mut r) = self.rings[slot as usize].take() {
                 let last = r.track.last_ns;
                 self.show_last_losses(&mut r, last);
                 self.truncate_open(&mut r.track, end);
-                self.rings[ring as usize] = Some(r);
+                self.rings[slot as usize] = Some(r);
             }
         }
         self.ending = true;

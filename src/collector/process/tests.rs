@@ -968,11 +968,13 @@ fn an_end_out_of_stack_order_keeps_every_track_nested() {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(if cfg!(miri) { 8 } else { 512 }))]
 
-    /// Corrupt and torn input never panics, and nothing is named after a callsite nobody registered.
+    /// Corrupt and torn input never panics, and nothing is named after a callsite nobody registered. A corrupt
+    /// capture may also name any ring, registered or not, and register one twice.
     #[test]
     fn corrupt_records_never_panic_nor_name_an_unregistered_callsite(
         records in prop::collection::vec(arbitrary_record(), 0..96),
         valid in prop::collection::vec(0u64..1_000, 0..8),
+        rings in prop::collection::vec((prop_oneof![Just(1u32), Just(u32::MAX), any::<u32>()], 0u8..3), 0..6),
     ) {
         let memory = MemoryExporter::default();
         let mut p = processor(&memory);
@@ -982,6 +984,13 @@ proptest! {
         for v in valid {
             codec::encode_event(&mut group, v, KNOWN, codec::Parent::Contextual, &[0, codec::TAG_U64, 1, 0, 0, 0, 0, 0, 0, 0]);
             all.extend_from_slice(&group);
+        }
+        for &(ring_number, what) in &rings {
+            match what {
+                0 => ring(&mut p, ring_number),
+                1 => p.input(Input::ThreadEnd { ring: ring_number }),
+                _ => chunk(&mut p, ring_number, all.clone()),
+            }
         }
         p.input(Input::Chunk(Chunk { ring: 1, now_ticks: 2_000_000, dropped_total: 0, dropped_slices_total: 0, records: all }));
         p.input(Input::PassEnd { drain_ns: 2_000_000, drain_ticks: 2_000_000, buffered_bytes: 0, rings_drained: true });
@@ -1419,4 +1428,31 @@ fn a_task_lifetime_is_marked_with_the_records_dropped_on_any_thread_while_it_liv
     };
     assert_eq!(mark(90), None, "it ended before the loss");
     assert_eq!(mark(1_000), Some(FieldValue::U64(5)));
+}
+
+/// Ring numbers come from the input, which a corrupt capture may fill with any value: the largest is a ring
+/// like any other, and sizes nothing (a thread frame naming ring 2^32 - 1 made the processor reserve
+/// hundreds of GB and abort).
+#[test]
+fn any_ring_number_is_a_ring_like_any_other() {
+    let memory = MemoryExporter::default();
+    let mut p = processor(&memory);
+    for ring_number in [u32::MAX, 0x0800_0006] {
+        ring(&mut p, ring_number);
+        chunk(
+            &mut p,
+            ring_number,
+            vec![
+                Record::timed(Kind::ScopeBegin, 100, KNOWN),
+                Record::timed(Kind::ScopeEnd, 200, KNOWN),
+            ],
+        );
+        p.input(Input::ThreadEnd { ring: ring_number });
+    }
+    pass(&mut p);
+    pass(&mut p);
+    shutdown(&mut p);
+    let trace = memory.snapshot();
+    assert_eq!(trace.slices().len(), 2, "{:?}", trace.events);
+    assert_eq!(p.stats.snapshot().framing_errors, 0);
 }
