@@ -58,7 +58,9 @@ pub struct CaptureSummary {
     pub threads: u64,
     /// Call sites registered.
     pub callsites: u64,
-    /// Records in the file.
+    /// Records of the program's in the file: the markers a ring puts where it dropped records are not
+    /// counted, so `records + dropped_records` is what the program made (as in [`TimelineStats`]; a capture
+    /// cut short holds fewer).
     pub records: u64,
     /// Records the rings dropped while recording (drop mode, ring full).
     pub dropped_records: u64,
@@ -193,9 +195,6 @@ fn run(path: &Path, exporter: Box<dyn Exporter>) -> Result<CaptureSummary, Captu
             }
             Frame::Input(Input::Thread { .. }) => summary.threads += 1,
             Frame::Input(Input::Callsite(_)) => summary.callsites += 1,
-            Frame::Input(Input::Chunk(chunk)) => {
-                summary.records += chunk.records.len() as u64;
-            }
             Frame::Input(Input::CpuClockNote { fallback, doubt, text }) => {
                 summary.cpu_clock_note = Some((fallback, doubt, text));
             }
@@ -282,6 +281,7 @@ fn run(path: &Path, exporter: Box<dyn Exporter>) -> Result<CaptureSummary, Captu
     // As live, the snapshot leaves out the markers the rings put where they dropped records.
     stats.records.store(records, std::sync::atomic::Ordering::Relaxed);
     let mut s = stats.snapshot();
+    summary.records = s.records;
     s.dropped_records = summary.dropped_records;
     s.dropped_slices = summary.dropped_slices;
     s.threads = summary.threads;

@@ -368,5 +368,12 @@ fn a_converted_capture_accounts_for_every_record_and_slice_the_rings_dropped() {
         (stats.records, stats.dropped_records),
         "{summary:?}"
     );
+    // The summary's own counts (what `tickline stats` prints) add up the same way: the markers a ring put
+    // where it dropped records are no records of the program's.
+    assert_eq!(
+        (summary.records, summary.dropped_records),
+        (stats.records, stats.dropped_records),
+        "{summary:?}"
+    );
     std::fs::remove_dir_all(&dir).ok();
 }
