@@ -40,6 +40,7 @@ use crate::collector::stats::SharedStats;
 use crate::collector::{CpuTime, Processor};
 use crate::export::{Batch, EventKind, ExportError, Exporter, RecordingOrigin};
 use crate::gpu::GpuCalibrationConfig;
+use crate::sync::TraceUuid;
 use crate::TimelineStats;
 
 pub use crate::collector::capture::CaptureError;
@@ -245,12 +246,25 @@ fn run(path: &Path, exporter: Box<dyn Exporter>) -> Result<CaptureSummary, Captu
         counts: counts.clone(),
     };
     let stats = Arc::new(SharedStats::default());
+    let host = host.unwrap_or_else(|| crate::HostInfo::current().clone());
+    // A capture from before recordings had ids: one derived from who recorded it and when, so that converting
+    // it twice still gives the same trace.
+    let recording = header.recording.unwrap_or_else(|| {
+        let first = clocks.first().copied().unwrap_or_default();
+        TraceUuid::derived_from(&[
+            host.machine_id.0,
+            u64::from(header.pid),
+            first.boottime_ns,
+            first.realtime_ns,
+        ])
+    });
     let origin = RecordingOrigin {
-        host: host.unwrap_or_else(|| crate::HostInfo::current().clone()),
+        host,
         pid: header.pid,
         process_name: header.process_name.clone(),
         clocks,
         replay: true,
+        recording,
     };
     let out = Output::new(&origin, vec![Box::new(counting)]);
     let mut processor = Processor::new(out, GpuCalibrationConfig::default(), None, stats.clone());

@@ -288,6 +288,10 @@ pub struct RecordingOrigin {
     pub clocks: Vec<crate::ClockReadings>,
     /// The events are a capture converted after the fact: the exporting process is not the recording one.
     pub replay: bool,
+    /// Identifies the recording: drawn when a timeline starts, and kept in its raw capture, so every trace
+    /// made of one recording (written live, converted from its capture, converted again) carries the same.
+    /// `tickline merge` refuses two traces of one recording.
+    pub recording: crate::sync::TraceUuid,
 }
 
 impl RecordingOrigin {
@@ -305,6 +309,7 @@ impl RecordingOrigin {
             process_name: crate::process_name(),
             clocks: Vec::new(),
             replay: false,
+            recording: crate::sync::TraceUuid::new_random(),
         }
     }
 }

@@ -93,6 +93,16 @@ pub enum MergeError {
     NotTickline(PathBuf),
     /// The same trace (UUID) was given twice.
     DuplicateTrace(PathBuf, PathBuf),
+    /// Two traces of one recording: a trace written live and one converted from its capture, or one capture
+    /// converted twice. Merged, every slice would be there twice.
+    SameRecording {
+        /// One trace.
+        a: PathBuf,
+        /// The other.
+        b: PathBuf,
+        /// The recording's id.
+        recording: String,
+    },
     /// Two traces describe the same track uuid.
     OverlappingTracks {
         /// One trace.
@@ -141,6 +151,13 @@ impl std::fmt::Display for MergeError {
             MergeError::DuplicateTrace(a, b) => write!(
                 f,
                 "{} and {} are the same trace (same trace UUID): give each trace once",
+                a.display(),
+                b.display()
+            ),
+            MergeError::SameRecording { a, b, recording } => write!(
+                f,
+                "{} and {} are traces of the same recording ({recording}: a trace written live and one converted \
+                 from its raw capture, or one capture converted twice): give it once",
                 a.display(),
                 b.display()
             ),
@@ -649,6 +666,7 @@ fn renumber_track(descriptor: &[u8], offset: u64) -> Vec<u8> {
 
 fn check_unique(traces: &[TraceFile]) -> Result<(), MergeError> {
     let mut uuids: HashMap<u128, usize> = HashMap::new();
+    let mut recordings: HashMap<&str, usize> = HashMap::new();
     let mut tracks: HashMap<u64, usize> = HashMap::new();
     for (i, t) in traces.iter().enumerate() {
         if let Some(u) = t.trace_uuid {
@@ -656,6 +674,17 @@ fn check_unique(traces: &[TraceFile]) -> Result<(), MergeError> {
                 return Err(MergeError::DuplicateTrace(traces[j].path.clone(), t.path.clone()));
             }
             uuids.insert(u, i);
+        }
+        let recording = t.identity.as_ref().map_or("", |id| id.recording_id.as_str());
+        if !recording.is_empty() {
+            if let Some(&j) = recordings.get(recording) {
+                return Err(MergeError::SameRecording {
+                    a: traces[j].path.clone(),
+                    b: t.path.clone(),
+                    recording: recording.to_owned(),
+                });
+            }
+            recordings.insert(recording, i);
         }
         for &uuid in &t.track_uuids {
             if let Some(&j) = tracks.get(&uuid) {

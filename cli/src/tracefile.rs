@@ -28,6 +28,9 @@ pub mod packet {
 pub struct TraceIdentity {
     /// The trace UUID, as text.
     pub trace_uuid: String,
+    /// The recording the trace was made of, as text (the same for a trace written live and the conversions
+    /// of its capture; empty in traces that do not say).
+    pub recording_id: String,
     /// The machine (one boot).
     pub machine_id: u64,
     /// `boot_id`, `override` or `host_name`.
@@ -321,6 +324,7 @@ impl TraceFile {
                 Some(TRACE_INFO_EVENT) => {
                     t.identity = Some(TraceIdentity {
                         trace_uuid: get_s("trace_uuid"),
+                        recording_id: get_s("recording_id"),
                         machine_id: hex_u64(&get_s("machine_id")).unwrap_or(0),
                         machine_id_source: get_s("machine_id_source"),
                         boot_id: get_s("boot_id"),

@@ -83,8 +83,16 @@ fn stats_of_an_empty_file_is_a_clear_error() {
 }
 
 /// A raw capture recorded here: spans with fields, native scopes and an event, on two threads.
+/// One timeline at a time: native macros record into the most recently started timeline, so two tests'
+/// timelines side by side would take each other's scopes.
+fn exclusive() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn record_capture(path: &std::path::Path) {
     use tracing_subscriber::layer::SubscriberExt;
+    let _one_at_a_time = exclusive();
     let timeline = tickline::Timeline::builder().raw_capture(path).start().unwrap();
     let subscriber = tracing_subscriber::registry().with(timeline.layer());
     tracing::subscriber::with_default(subscriber, || {
@@ -325,5 +333,49 @@ fn convert_replaces_an_existing_output_only_when_it_succeeds() {
     assert_eq!(err.matches("export").count(), 1, "{err}");
     let out = tickline(&["convert", capture.to_str().unwrap(), "-o", "/dev/null"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A recording keeps one identity through its traces: a capture converted twice gives the same trace, byte for
+/// byte, and `merge` refuses two traces of one recording (the live one and its converted capture, or two
+/// conversions), whose slices it would otherwise show twice.
+#[test]
+fn one_recording_converts_to_the_same_trace_and_merges_once() {
+    use tracing_subscriber::layer::SubscriberExt;
+    let dir = scratch("one-recording");
+    let (capture, live) = (dir.join("run.tickline"), dir.join("live.pftrace"));
+    let one_at_a_time = exclusive();
+    let timeline = tickline::Timeline::builder()
+        .raw_capture(&capture)
+        .exporter(tickline_perfetto::PerfettoExporter::create(&live).unwrap())
+        .start()
+        .unwrap();
+    let subscriber = tracing_subscriber::registry().with(timeline.layer());
+    tracing::subscriber::with_default(subscriber, || {
+        for i in 0..20u64 {
+            let _job = tracing::info_span!("job", i, "tickline.flow_out" = i).entered();
+            let _receive = tracing::info_span!("receive", "tickline.flow_in" = i).entered();
+        }
+    });
+    timeline.shutdown().unwrap();
+    drop(one_at_a_time);
+    let mut converted = Vec::new();
+    for name in ["a.pftrace", "b.pftrace"] {
+        let out = tickline_in(&dir, &["convert", "run.tickline", "-o", name]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        converted.push(std::fs::read(dir.join(name)).unwrap());
+    }
+    assert!(converted[0] == converted[1], "two conversions of one capture differ");
+    // Two conversions are one trace (one UUID); the live trace is another trace of the same recording.
+    for (a, b, why) in [
+        ("a.pftrace", "b.pftrace", "same trace"),
+        ("live.pftrace", "a.pftrace", "same recording"),
+    ] {
+        let out = tickline_in(&dir, &["merge", a, b, "-o", "all.pftrace"]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{a} + {b} merged");
+        assert!(stderr.contains(why), "{a} + {b}: {stderr}");
+    }
+    assert!(!dir.join("all.pftrace").exists());
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -8,6 +8,13 @@ use std::time::Duration;
 use tickline::gpu::sim::{SimCommands, SimGpu, SimGpuConfig};
 use tracing_subscriber::layer::SubscriberExt;
 
+/// One timeline at a time: native macros record into the most recently started timeline, so two tests'
+/// timelines side by side would take each other's records.
+fn exclusive() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn record(path: &std::path::Path, exchange: tickline::sync::ClockExchange, flow_field: &str) {
     let exporter = tickline_perfetto::PerfettoExporter::create(path)
         .unwrap()
@@ -50,6 +57,7 @@ fn record(path: &std::path::Path, exchange: tickline::sync::ClockExchange, flow_
 
 #[test]
 fn every_packet_tickline_writes_decodes_with_perfettos_schema() {
+    let _one_at_a_time = exclusive();
     let dir = std::env::temp_dir().join(format!("tickline-protos-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let (a, b, merged) = (dir.join("a.pftrace"), dir.join("b.pftrace"), dir.join("all.pftrace"));
@@ -147,6 +155,7 @@ fn every_packet_tickline_writes_decodes_with_perfettos_schema() {
 /// nothing else: the file's track events are exactly the two.
 #[test]
 fn timeline_stats_count_every_event_in_the_file_but_the_exporters_own() {
+    let _one_at_a_time = exclusive();
     let path = std::env::temp_dir().join(format!("tickline-protos-events-{}.pftrace", std::process::id()));
     let exporter = tickline_perfetto::PerfettoExporter::create(&path)
         .unwrap()

@@ -27,7 +27,7 @@
 //!
 //! | type | frame | payload |
 //! |---|---|---|
-//! | 1 | process | pid u32, name str, tick source u8 (0 TSC, 1 ARM counter, 2 CLOCK_MONOTONIC), CPU clock valid bits u32, nominal ns per tick f64 |
+//! | 1 | process | pid u32, name str, tick source u8 (0 TSC, 1 ARM counter, 2 CLOCK_MONOTONIC), CPU clock valid bits u32, nominal ns per tick f64, recording id u128 (the timeline's [`RecordingOrigin::recording`](crate::export::RecordingOrigin::recording); absent in older captures, whose readers ignore it) |
 //! | 2 | thread | ring u32, tid u32, name str |
 //! | 3 | callsite | key u64, kind u8 (0 span, 1 event, 2 native), level u8, line u32, name str, target str, file str, field count u16, field names str... |
 //! | 4 | chunk | ring u32, now ticks u64, dropped total u64, record count u32, records (16 bytes each: word 0, word 1) |
@@ -63,6 +63,7 @@ use crate::calibration::{CalibrationSample, ClockDomain};
 use crate::clock::TickSource;
 use crate::codec::Record;
 use crate::gpu::{GpuDeviceInfo, GpuTicks};
+use crate::sync::TraceUuid;
 
 const MAGIC: &[u8; 12] = b"TICKLINE\0\0\0\0";
 /// The format version this build writes (it also reads versions 1, whose check has one lane, and 2).
@@ -264,13 +265,21 @@ impl CaptureWriter {
     }
 
     /// The process frame: who recorded, and the CPU clock the chunks' ticks are in.
-    pub(crate) fn write_header(&mut self, pid: u32, name: &str, source: TickSource, domain: ClockDomain) {
+    pub(crate) fn write_header(
+        &mut self,
+        pid: u32,
+        name: &str,
+        source: TickSource,
+        domain: ClockDomain,
+        recording: TraceUuid,
+    ) {
         let result = self.emit(frame::PROCESS, |b| {
             b.extend_from_slice(&pid.to_le_bytes());
             put_str(b, name);
             b.push(source_code(source));
             b.extend_from_slice(&domain.valid_bits().to_le_bytes());
             b.extend_from_slice(&domain.nominal_ns_per_tick().to_le_bytes());
+            b.extend_from_slice(&recording.0.to_le_bytes());
         });
         if result.is_err() {
             self.failed = true;
@@ -492,6 +501,8 @@ pub(crate) struct CaptureHeader {
     pub(crate) process_name: String,
     pub(crate) source: TickSource,
     pub(crate) cpu_domain: ClockDomain,
+    /// The recording's id (`None` in captures written before it was kept).
+    pub(crate) recording: Option<TraceUuid>,
 }
 
 /// A cursor over a frame's payload; every read checks the length (a corrupt payload yields `None`).
@@ -690,11 +701,15 @@ impl<R: Read> CaptureReader<R> {
                     _ => return None,
                 };
                 let cpu_domain = ClockDomain::new(p.u32()?, p.f64()?).ok()?;
+                let recording = p
+                    .take(16)
+                    .map(|b| TraceUuid(u128::from_le_bytes(b.try_into().expect("16 bytes"))));
                 Frame::Header(CaptureHeader {
                     pid,
                     process_name,
                     source,
                     cpu_domain,
+                    recording,
                 })
             }
             frame::THREAD => Frame::Input(Input::Thread {
@@ -1019,7 +1034,13 @@ mod tests {
         let path = dir.join(format!("frames-{}.tickline", std::process::id()));
         let stats = SharedStats::default();
         let mut writer = CaptureWriter::create(&path).unwrap();
-        writer.write_header(7, "app", TickSource::Tsc, ClockDomain::new(64, 0.4).unwrap());
+        writer.write_header(
+            7,
+            "app",
+            TickSource::Tsc,
+            ClockDomain::new(64, 0.4).unwrap(),
+            TraceUuid(0x1234),
+        );
         writer.write_host(&host());
         for input in inputs() {
             writer.write(&input, &stats);
@@ -1037,8 +1058,13 @@ mod tests {
             panic!("{:?}", frames[0])
         };
         assert_eq!(
-            (header.pid, header.process_name.as_str(), header.source),
-            (7, "app", TickSource::Tsc)
+            (
+                header.pid,
+                header.process_name.as_str(),
+                header.source,
+                header.recording
+            ),
+            (7, "app", TickSource::Tsc, Some(TraceUuid(0x1234)))
         );
         // The host and its clocks (read when the capture starts and again when it ends).
         assert!(matches!(&frames[1], Frame::Host(h) if *h == host()), "{:?}", frames[1]);

@@ -125,7 +125,13 @@ pub(crate) fn spawn(
 
     let mut capture = setup.capture;
     if let Some(capture) = &mut capture {
-        capture.write_header(origin.pid, &origin.process_name, source, setup.cpu_domain);
+        capture.write_header(
+            origin.pid,
+            &origin.process_name,
+            source,
+            setup.cpu_domain,
+            origin.recording,
+        );
         capture.write_host(&origin.host);
     }
     // Without exporters a capture alone is kept: nothing needs converting now.

@@ -24,8 +24,9 @@
 //! `ClockSnapshot`s. What Perfetto has no field for sits on a track named `tickline clock` as instants with
 //! debug annotations (visible in the UI, and read back by `tickline merge`):
 //!
-//! - `tickline trace` (once): `trace_uuid`, `machine_id` (16 hex digits), `machine_id_source`, `boot_id`,
-//!   `host`, `pid`, `process`, `tickline_version`;
+//! - `tickline trace` (once): `trace_uuid`, `recording_id` (the recording the trace was made of: the same in
+//!   a trace written live and one converted from its capture), `machine_id` (16 hex digits),
+//!   `machine_id_source`, `boot_id`, `host`, `pid`, `process`, `tickline_version`;
 //! - `tickline clock snapshot` (with every `ClockSnapshot`): `boottime_ns`, `monotonic_ns`,
 //!   `monotonic_raw_ns`, `realtime_ns`, `bracket_ns`, and the kernel's time-sync state `sync_synchronized`,
 //!   `sync_est_error_ns`, `sync_max_error_ns`, `sync_status`;
@@ -286,6 +287,9 @@ pub const CLOCK_SNAPSHOT_EVENT: &str = "tickline clock snapshot";
 pub const CLOCK_EXCHANGE_EVENT: &str = "tickline clock exchange";
 /// The name of the track holding them.
 pub const CLOCK_TRACK_NAME: &str = "tickline clock";
+/// Mixed into a converted trace's UUID, so that it differs from its recording's id.
+const CONVERTED_TRACE_TAG: u64 = 0x636f_6e76_6572_7465; // "converte"
+
 /// Track ids at and above this are the exporter's own (the timeline's are small counters).
 const OWN_TRACKS: u64 = 0xffff_ff00;
 /// Write the buffer out when it holds this much: big writes, bounded memory.
@@ -424,6 +428,8 @@ pub struct PerfettoExporter<W: Write + Send = File> {
     failed: Option<(std::io::ErrorKind, String)>,
     stats: PerfettoStats,
     trace_uuid: TraceUuid,
+    /// The recording the events come from (from the timeline's origin; `None` for batches made by hand).
+    recording: Option<TraceUuid>,
     host: HostInfo,
     simulate: Option<SimulatedClock>,
     flush_interval: Duration,
@@ -728,6 +734,7 @@ impl<W: Write + Send> PerfettoExporter<W> {
             failed: None,
             stats: PerfettoStats::default(),
             trace_uuid,
+            recording: None,
             host: HostInfo::current().clone(),
             simulate: tickline::sync::simulation().copied(),
             flush_interval: Duration::from_millis(500),
@@ -803,7 +810,9 @@ impl<W: Write + Send> PerfettoExporter<W> {
         self
     }
 
-    /// This trace's UUID (also in its `TraceUuid` packet).
+    /// This trace's UUID (also in its `TraceUuid` packet). Drawn at random when the exporter is made; when
+    /// it converts a raw capture, derived from the capture's recording as the conversion starts instead, so
+    /// that converting one capture twice writes the same trace.
     pub fn trace_uuid(&self) -> TraceUuid {
         self.trace_uuid
     }
@@ -996,10 +1005,12 @@ impl<W: Write + Send> PerfettoExporter<W> {
         }
         let first = pending[0];
         let (uuid_text, machine) = (self.trace_uuid.to_string(), self.host.machine_id.to_string());
+        let recording = self.recording.map(|r| r.to_string()).unwrap_or_default();
         let host = self.host.clone();
         let process = self.recorded_process.clone();
         let annotations = [
             Annotation::Str("trace_uuid", &uuid_text),
+            Annotation::Str("recording_id", &recording),
             Annotation::Str("machine_id", &machine),
             Annotation::Str("machine_id_source", host.machine_id_source.as_str()),
             Annotation::Str("boot_id", &host.boot_id),
@@ -1492,9 +1503,17 @@ impl<W: Write + Send> Exporter for PerfettoExporter<W> {
     fn origin(&mut self, origin: &RecordingOrigin) {
         self.recorded_pid = origin.pid;
         self.recorded_process = origin.process_name.clone();
+        self.recording = Some(origin.recording);
         if origin.replay {
             self.host = origin.host.clone();
             self.replay = Some(origin.clocks.iter().copied().collect());
+            if !self.started {
+                // The same trace each time the capture is converted (its ids are salted with the UUID).
+                let recording = origin.recording.0;
+                self.trace_uuid =
+                    TraceUuid::derived_from(&[(recording >> 64) as u64, recording as u64, CONVERTED_TRACE_TAG]);
+                self.uuid_salt = u64::from(self.trace_uuid.salt32()) << 32;
+            }
         }
     }
 
