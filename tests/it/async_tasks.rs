@@ -128,6 +128,17 @@ fn id_of(slice: &RecordedSlice) -> Option<u64> {
 
 /// Runs the 1,000 requests on a 4-worker runtime; returns the trace, the truth and the stats.
 fn run(timeline: Timeline, memory: &MemoryExporter, lagging: bool) -> (MemoryTrace, Truth, tickline::TimelineStats) {
+    run_stalling(timeline, memory, lagging, false)
+}
+
+/// [`run`], with the drain stalled for 3 ms in every 6 while the requests run when `stall_drain` (the rings
+/// fill, whatever the machine's speed, if they are small).
+fn run_stalling(
+    timeline: Timeline,
+    memory: &MemoryExporter,
+    lagging: bool,
+    stall_drain: bool,
+) -> (MemoryTrace, Truth, tickline::TimelineStats) {
     let truth = Truth::default();
     // A collector that lags: nothing is processed while the program runs.
     timeline.pause_processing(lagging);
@@ -147,13 +158,27 @@ fn run(timeline: Timeline, memory: &MemoryExporter, lagging: bool) -> (MemoryTra
             .build()
             .unwrap()
     };
-    tracing::dispatcher::with_default(&dispatch, || {
-        runtime.block_on(async {
-            let handles: Vec<_> = (0..REQUESTS).map(|id| tokio::spawn(request(id))).collect();
-            for h in handles {
-                h.await.unwrap();
-            }
+    let done = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        if stall_drain {
+            s.spawn(|| {
+                while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                    timeline.pause_drain(true);
+                    std::thread::sleep(Duration::from_millis(3));
+                    timeline.pause_drain(false);
+                    std::thread::sleep(Duration::from_millis(3));
+                }
+            });
+        }
+        tracing::dispatcher::with_default(&dispatch, || {
+            runtime.block_on(async {
+                let handles: Vec<_> = (0..REQUESTS).map(|id| tokio::spawn(request(id))).collect();
+                for h in handles {
+                    h.await.unwrap();
+                }
+            });
         });
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
     });
     drop(runtime);
     timeline.pause_processing(false);
@@ -461,10 +486,9 @@ fn task_lifetimes_around_a_loss_on_any_thread_are_marked() {
         .exporter(memory.clone())
         .ring_capacity(128)
         .max_ring_capacity(128)
-        .poll_interval(Duration::from_millis(20))
         .start()
         .unwrap();
-    let (trace, _, stats) = run(timeline, &memory, false);
+    let (trace, _, stats) = run_stalling(timeline, &memory, false, true);
     assert!(stats.dropped_records > 0, "the rings were meant to overflow: {stats:?}");
     let slices = trace.slices();
     let lifetimes: Vec<&RecordedSlice> = slices
