@@ -31,7 +31,7 @@
 //! | `ScopeBegin`, `ScopeEnd`, `Instant` | now | callsite key | | |
 //! | `Counter` | now | callsite key | value (`f64` bits) | |
 //! | `GpuBegin` | now | callsite key | `[len]` + GPU scope key | fields |
-//! | `Gap` | now | records dropped since the last gap | | |
+//! | `Gap` | now | records dropped since the last gap; 0 in the ring's last record, made as its thread exits: the last moment the thread is known to have lived | | |
 //!
 //! A span's serial is not in its records' bits twice over: span serials are handed out per ring in order,
 //! `(ring number << 40) | n` for the ring's `n`-th `SpanNew`, so the collector numbers the `SpanNew` records
@@ -517,7 +517,8 @@ pub(crate) enum Item<'a> {
         key: u64,
         fields: Payload<'a>,
     },
-    /// `dropped` records were dropped (ring full) on this thread just before this point.
+    /// `dropped` records were dropped (ring full) on this thread just before this point; with none dropped,
+    /// the thread exited here.
     Gap {
         ticks: u64,
         dropped: u64,

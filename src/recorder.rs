@@ -394,6 +394,17 @@ impl LocalRing {
         pushed
     }
 
+    /// The ring's last record, as its thread exits: a `Gap` for the drops not yet reported (0 if none), stamped
+    /// now, so that slices the thread left open end when it did, not at its last record. Uses the room kept
+    /// for the ends still owed (they will never come); not made if even that is gone.
+    #[cold]
+    fn push_thread_end(&mut self) {
+        let gap = Record::timed(Kind::Gap, self.now(), self.unreported_drops);
+        if self.producer.try_push_keeping(gap, 0) {
+            self.unreported_drops = 0;
+        }
+    }
+
     #[cold]
     fn drop_records(&mut self, n: usize) {
         self.producer.count_drops(n as u64);
@@ -471,12 +482,15 @@ impl OwnedRing {
 impl Drop for OwnedRing {
     fn drop(&mut self) {
         debug_assert!(HOT_ID.get() == 0 || HOT_ID.get() == LOCKED);
-        // SAFETY: `ring` came from `Box::leak` in `new` and is freed only here, once. Nothing uses it after:
+        // SAFETY: `ring` came from `Box::leak` in `new` and is taken back only here, once (the box pushes one
+        // last record and frees it). Nothing else uses it after:
         // `HOT_RING` is read only while `HOT_ID` holds a timeline id, and `HOT_ID` does not now (asserted
         // above): either `Rings::drop` set it to 0, or `register` holds the record lock, which
         // `with_ring_slow` releases with `HOT_ID` 0 or after pointing `HOT_RING` at a ring still owned.
         // No `&mut` to it is alive: one exists only while `f` runs under the lock, and `f` does not free rings.
-        drop(unsafe { Box::from_raw(self.ring.as_ptr()) });
+        let mut ring = unsafe { Box::from_raw(self.ring.as_ptr()) };
+        // Dropped with its thread (or with a timeline that is gone, where nothing reads it any more).
+        ring.push_thread_end();
     }
 }
 

@@ -186,6 +186,44 @@ fn a_thread_that_exits_mid_run_loses_nothing() {
     assert_eq!(stats.threads, 1);
 }
 
+/// A slice a thread leaves open when it exits (a guard forgotten, a span never exited) ends when the thread
+/// did, marked truncated: not at the thread's last record, tens of ms earlier, and never after the exit.
+#[test]
+fn a_slice_left_open_by_an_exiting_thread_ends_when_the_thread_did() {
+    let _x = exclusive();
+    let memory = MemoryExporter::default();
+    let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
+    let (last_record_ns, exiting_ns, joined_ns) = {
+        let (last_record_ns, exiting_ns) = std::thread::Builder::new()
+            .name("leaves-open".into())
+            .spawn(|| {
+                std::mem::forget(tickline::scope!("left open"));
+                let last_record_ns = tickline::clock::monotonic_ns().0;
+                std::thread::sleep(std::time::Duration::from_millis(30));
+                (last_record_ns, tickline::clock::monotonic_ns().0)
+            })
+            .unwrap()
+            .join()
+            .unwrap();
+        (last_record_ns, exiting_ns, tickline::clock::monotonic_ns().0)
+    };
+    timeline.flush().unwrap();
+    let trace = memory.snapshot();
+    let slices = trace.slices();
+    let slice = slices.iter().find(|s| s.name == "left open").expect("the slice");
+    assert_eq!(slice.field("tickline.truncated"), Some(&FieldValue::Bool(true)));
+    assert!(slice.begin_ns <= last_record_ns, "{slice:?}");
+    // The end lies between the last clock read in the thread and the join (the conversion's error is tens
+    // of ns; allow 2 us).
+    assert!(
+        slice.end_ns + 2_000 >= exiting_ns && slice.end_ns <= joined_ns + 2_000,
+        "ended at {} ns, the thread was exiting at {exiting_ns} and joined at {joined_ns} (its last record at \
+         {last_record_ns})",
+        slice.end_ns
+    );
+    timeline.shutdown().unwrap();
+}
+
 #[test]
 fn composes_with_fmt_and_env_filter_and_per_layer_filters() {
     let _x = exclusive();

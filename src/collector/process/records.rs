@@ -206,8 +206,12 @@ impl Processor {
             }
             Item::Gap { ticks, dropped } => {
                 self.counts.gap_markers += 1;
+                // With none dropped, its thread exited here: the track's time moves to it, where the slices the
+                // thread left open end (the last moment it lived).
                 let ts = self.ticks_to_ns(track, ticks, now_ticks);
-                self.mark_loss(track, ts, dropped);
+                if dropped > 0 {
+                    self.mark_loss(track, ts, dropped);
+                }
             }
         }
         Step::Done
