@@ -57,6 +57,9 @@ pub(crate) struct Shared {
     pub(crate) drain_thread: OnceLock<Thread>,
     /// Test hook: while set, the drain stage drains only for a flush or shutdown.
     pub(crate) drain_paused: AtomicBool,
+    /// The drain stage's chunk budget is full (the processing stage is that far behind): rings do not grow,
+    /// so the memory the rings and the chunks take stays bounded.
+    pub(crate) budget_full: AtomicBool,
     /// Test hook: while set, the processing stage takes no input (a collector that lags).
     pub(crate) processing_paused: AtomicBool,
 }
@@ -94,6 +97,7 @@ impl Shared {
             next_ring: AtomicU32::new(1),
             drain_thread: OnceLock::new(),
             drain_paused: AtomicBool::new(false),
+            budget_full: AtomicBool::new(false),
             processing_paused: AtomicBool::new(false),
         }
     }
@@ -317,11 +321,12 @@ impl LocalRing {
     /// Drop mode, ring full: moves on to a ring four times as large (up to the timeline's maximum) rather
     /// than drop, so a burst the collector cannot follow at once costs memory, not records. The old ring is
     /// closed here and drained to its end before the new one (the collector keeps their order). False when
-    /// the ring is as large as it may get.
+    /// the ring is as large as it may get, or the chunk budget is full (the collector is not just behind a
+    /// burst but that far behind: more ring would be memory beyond the budget).
     #[cold]
     fn grow(&mut self) -> bool {
         let capacity = self.producer.capacity();
-        if capacity >= self.shared.max_ring_capacity {
+        if capacity >= self.shared.max_ring_capacity || self.shared.budget_full.load(Ordering::Relaxed) {
             return false;
         }
         let (producer, consumer) = channel((capacity * 4).min(self.shared.max_ring_capacity));

@@ -104,8 +104,8 @@ impl TimelineBuilder {
     }
 
     /// Records per thread ring (rounded up to a power of two, at least 64 and at most
-    /// [`MAX_RING_CAPACITY`](Self::MAX_RING_CAPACITY)), fixed: a full ring drops records (drop mode) or waits
-    /// (lossless mode). Each record is 16 bytes. Without this call rings start at 64 Ki records and grow,
+    /// [`MAX_RING_CAPACITY`](Self::MAX_RING_CAPACITY)), fixed (unless [`max_ring_capacity`](Self::max_ring_capacity)
+    /// is called after this): a full ring drops records (drop mode) or waits (lossless mode). Each record is 16 bytes. Without this call rings start at 64 Ki records and grow,
     /// when one fills, up to [`max_ring_capacity`](Self::max_ring_capacity).
     ///
     /// ```
@@ -126,12 +126,15 @@ impl TimelineBuilder {
     /// that cannot succeed).
     pub const MAX_RING_CAPACITY: usize = 1 << 26;
 
-    /// How large a thread's ring may grow, in records (default 1 Mi = 16 MiB; at most
-    /// [`MAX_RING_CAPACITY`](Self::MAX_RING_CAPACITY)), when it fills in drop mode: it moves on to a ring four
-    /// times as large instead of dropping, up to this. Records are dropped (whole slices, counted) only when a
-    /// ring this large is full. The larger ring is allocated by the recording thread, at that moment: the one
-    /// allocation the hot path makes after warm-up. For none at all, fix the size with
-    /// [`ring_capacity`](Self::ring_capacity).
+    /// How large a thread's ring may grow, in records (default 1 Mi = 16 MiB; at least the starting
+    /// capacity, at most [`MAX_RING_CAPACITY`](Self::MAX_RING_CAPACITY)), when it fills in drop mode: it moves
+    /// on to a ring four times as large instead of dropping, up to this, unless the
+    /// [`chunk_budget`](Self::chunk_budget) is full. Records are dropped (whole slices, counted) only when a
+    /// ring this large is full, or the budget is. The larger ring is allocated by the recording thread, at that
+    /// moment: the one allocation the hot path makes after warm-up. For none at all, fix the size with
+    /// [`ring_capacity`](Self::ring_capacity) (called after this, it fixes the size; called before, it sets
+    /// the starting size this grows from). Until the rings a thread grew out of are drained, it holds them
+    /// too: at most a third more (64 Ki + 256 Ki + 1 Mi records by default, 21 MiB).
     pub fn max_ring_capacity(mut self, records: usize) -> Self {
         self.max_ring_capacity = records.clamp(self.ring_capacity, Self::MAX_RING_CAPACITY);
         self
@@ -143,8 +146,11 @@ impl TimelineBuilder {
         self
     }
 
-    /// Most memory, in bytes, that drained records may take while they wait to be processed (default 256 MiB).
-    /// Draining stops when it is full, so rings fill and drop (or, lossless, wait) only then. Its use is the
+    /// Memory, in bytes, that drained records may take while they wait to be processed (default 256 MiB; at
+    /// least 64 KiB). Draining stops when it is full, and rings stop growing, so rings fill and drop (or,
+    /// lossless, wait) only then. It is checked once per drain pass, which moves whole rings: the pass that
+    /// fills it may take it over by up to one ring per thread, and a ring a thread grew out of or ended with
+    /// is drained whatever the budget (its own memory is freed as it is). Its use is the
     /// `tickline buffered records` counter track.
     pub fn chunk_budget(mut self, bytes: u64) -> Self {
         self.chunk_budget_bytes = bytes.max(1 << 16);

@@ -334,10 +334,15 @@ impl Drain {
         for input in registrations.into_iter().chain(chunks).chain(tail) {
             self.send(input);
         }
+        let buffered_bytes = self.budget.used();
+        // Read by the recording threads: a full ring does not grow while the budget is full.
+        self.shared
+            .budget_full
+            .store(buffered_bytes >= self.config.chunk_budget_bytes, Ordering::Relaxed);
         self.send(Input::PassEnd {
             drain_ns,
             drain_ticks,
-            buffered_bytes: self.budget.used(),
+            buffered_bytes,
             rings_drained,
         });
     }

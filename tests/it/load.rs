@@ -738,3 +738,40 @@ fn a_full_ring_grows_instead_of_dropping_and_keeps_every_record_in_order() {
     assert!(stats.dropped_slices > 0);
     assert_eq!(begins + stats.dropped_slices, N, "{stats:?}");
 }
+
+/// A collector that has fallen a whole chunk budget behind (its processing stalls) stops the rings growing:
+/// the memory held stays near the budget plus a thread's ring, instead of each thread growing its ring to the
+/// maximum (and holding the rings it grew out of) on top.
+#[test]
+fn rings_stop_growing_while_the_chunk_budget_is_full() {
+    let _x = exclusive();
+    let counting = crate::pipeline::Counting::default();
+    const BUDGET: u64 = 1 << 20;
+    // Default growing rings: 64 Ki records, growing to 1 Mi.
+    let timeline = Timeline::builder()
+        .chunk_budget(BUDGET)
+        .exporter(counting.clone())
+        .start()
+        .unwrap();
+    timeline.pause_processing(true);
+    const N: u64 = 2_000_000;
+    for _ in 0..N {
+        drop(tickline::scope!("step"));
+    }
+    let held = timeline.stats();
+    timeline.pause_processing(false);
+    let stats = timeline.shutdown().unwrap();
+    assert!(held.budget_full_passes > 0, "the budget was meant to fill: {held:?}");
+    // Kept: what the passes drained (the budget, and the rings of the pass that filled it: up to the first
+    // ring and the one it grew into) and what was left in the ring. With growth not stopped, the thread's ring
+    // grew to 1 Mi records and all of it was kept besides.
+    let bound = BUDGET / 16 + (1 << 16) + 2 * (1 << 18);
+    assert!(
+        stats.records <= bound,
+        "{} records kept (bound {bound}): {stats:?}",
+        stats.records
+    );
+    assert!(stats.dropped_slices > 0, "{stats:?}");
+    let begins: u64 = counting.0.lock().unwrap().begins.values().sum();
+    assert_eq!(begins + stats.dropped_slices, N, "{stats:?}");
+}
