@@ -171,7 +171,8 @@ impl TimelineBuilder {
         self
     }
 
-    /// How the CPU clock is calibrated (burst size and interval, history).
+    /// How the CPU clock is calibrated (burst size and interval, history). A setting out of its range makes
+    /// [`start`](Self::start) fail with [`TicklineError::Calibration`] (see [`TscCalibratorConfig::validate`]).
     pub fn calibration(mut self, config: TscCalibratorConfig) -> Self {
         self.calibration = config;
         self
@@ -408,7 +409,8 @@ impl Timeline {
     }
 
     /// Test hook: while `paused`, the collector drains the rings only for a flush or shutdown, as a
-    /// collector that cannot keep up would. Lets tests fill rings on purpose.
+    /// collector that cannot keep up would. Lets tests fill rings on purpose (in lossless mode, a thread whose
+    /// ring is full then waits for the next flush).
     #[doc(hidden)]
     pub fn pause_drain(&self, paused: bool) {
         self.shared.drain_paused.store(paused, Ordering::Relaxed);

@@ -74,6 +74,11 @@ pub enum CalibrationError {
     },
     /// A nominal tick period must be finite and positive.
     InvalidPeriod,
+    /// A calibration setting is out of its range.
+    InvalidConfig {
+        /// Which setting, and its range.
+        what: &'static str,
+    },
 }
 
 impl fmt::Display for CalibrationError {
@@ -100,6 +105,7 @@ impl fmt::Display for CalibrationError {
             CalibrationError::InvalidPeriod => {
                 write!(f, "the nominal tick period must be finite and positive")
             }
+            CalibrationError::InvalidConfig { what } => write!(f, "invalid calibration setting: {what}"),
         }
     }
 }

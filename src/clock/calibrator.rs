@@ -17,9 +17,13 @@ use crate::calibration::{
 /// How the CPU clock is sampled.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct TscCalibratorConfig {
-    /// Samples per burst. Each costs two `clock_gettime` calls and one counter read (~50-100 ns here).
+    /// Samples per burst, [`MIN_BURST_SAMPLES`](Self::MIN_BURST_SAMPLES) to
+    /// [`MAX_BURST_SAMPLES`](Self::MAX_BURST_SAMPLES) (others are an
+    /// [`InvalidConfig`](CalibrationError::InvalidConfig) error). Each costs two `clock_gettime` calls and one
+    /// counter read (~50-100 ns here).
     pub burst_samples: usize,
-    /// Time between bursts.
+    /// Time between bursts. They are taken by the collector's drain passes, so at most one per pass (see
+    /// `TimelineBuilder::poll_interval`): a shorter interval, zero included, means a burst every pass.
     pub interval: Duration,
     /// The history's filters and fit.
     pub history: HistoryConfig,
@@ -30,6 +34,32 @@ pub struct TscCalibratorConfig {
     /// larger than [`HistoryConfig::nominal_rate_sigma_ppm`], so a second timeline starts without this wait.
     /// `CLOCK_MONOTONIC` ([`TickSource::Monotonic`]) needs no baseline: its rate is 1 ns per tick by definition.
     pub startup_baseline: Duration,
+}
+
+impl TscCalibratorConfig {
+    /// The fewest samples a burst may take: the history keeps the tightest quarter of each burst
+    /// ([`HistoryConfig::burst_keep`]), and a first fit from bursts of 3 or 4 (one sample kept) failed at start
+    /// in about half of the tries here.
+    pub const MIN_BURST_SAMPLES: usize = 8;
+    /// The most samples a burst may take: about 0.4 ms of the collector's time at ~100 ns each.
+    pub const MAX_BURST_SAMPLES: usize = 4096;
+
+    /// Whether every setting is in its range.
+    ///
+    /// ```
+    /// use tickline::clock::TscCalibratorConfig;
+    /// assert!(TscCalibratorConfig::default().validate().is_ok());
+    /// let none = TscCalibratorConfig { burst_samples: 0, ..Default::default() };
+    /// assert!(none.validate().is_err());
+    /// ```
+    pub fn validate(&self) -> Result<(), CalibrationError> {
+        if !(Self::MIN_BURST_SAMPLES..=Self::MAX_BURST_SAMPLES).contains(&self.burst_samples) {
+            return Err(CalibrationError::InvalidConfig {
+                what: "burst_samples must be 8 to 4096",
+            });
+        }
+        Ok(())
+    }
 }
 
 impl Default for TscCalibratorConfig {
@@ -75,9 +105,10 @@ impl TscCalibrator {
     /// Measures the counter's rate over `startup_baseline` (the first time in a process; later calibrators of
     /// the same counter start from the newest rate this process fitted) and takes the first burst.
     ///
-    /// Fails only if the counter does not advance against `CLOCK_MONOTONIC` (a broken or virtualised-away
-    /// counter), which the error says.
+    /// Fails if a setting is out of its range ([`TscCalibratorConfig::validate`]), or if the counter does not
+    /// advance against `CLOCK_MONOTONIC` (a broken or virtualised-away counter), which the error says.
     pub fn new(source: TickSource, config: TscCalibratorConfig) -> Result<Self, CalibrationError> {
+        config.validate()?;
         let (ns_per_tick, baseline) = match (take_baseline(source), startup_rate(source, &config)) {
             (Some(pair), _) => (pair_rate(&pair).ok_or(CalibrationError::DegenerateTicks)?, Some(pair)),
             (None, Some(ns_per_tick)) => (ns_per_tick, None),

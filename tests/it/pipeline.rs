@@ -224,6 +224,43 @@ fn a_slice_left_open_by_an_exiting_thread_ends_when_the_thread_did() {
     timeline.shutdown().unwrap();
 }
 
+/// A calibration setting out of its range is a clear error at start, never a timeline that cannot calibrate
+/// (no samples) or one whose start takes minutes (a billion samples a burst).
+#[test]
+fn an_out_of_range_calibration_setting_is_an_error_at_start() {
+    let _x = exclusive();
+    for burst_samples in [0, 3, 1_000_000_000] {
+        let config = tickline::clock::TscCalibratorConfig {
+            burst_samples,
+            ..Default::default()
+        };
+        let started = std::time::Instant::now();
+        let result = Timeline::builder().calibration(config).start();
+        let error = result
+            .err()
+            .unwrap_or_else(|| panic!("{burst_samples} samples a burst started"));
+        assert!(
+            matches!(
+                error,
+                tickline::TicklineError::Calibration(tickline::calibration::CalibrationError::InvalidConfig { .. })
+            ),
+            "{error:?}"
+        );
+        assert!(error.to_string().contains("burst_samples"), "{error}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(1));
+    }
+    let fewest = tickline::clock::TscCalibratorConfig {
+        burst_samples: tickline::clock::TscCalibratorConfig::MIN_BURST_SAMPLES,
+        ..Default::default()
+    };
+    Timeline::builder()
+        .calibration(fewest)
+        .start()
+        .unwrap()
+        .shutdown()
+        .unwrap();
+}
+
 #[test]
 fn composes_with_fmt_and_env_filter_and_per_layer_filters() {
     let _x = exclusive();
