@@ -211,7 +211,7 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for TicklineLayer {
 
     #[inline]
     fn on_enter(&self, id: &Id, ctx: Context<'_, S>) {
-        if let Some(serial) = self.serial(id) {
+        if let Some(serial) = self.spans.get_entering(id.into_u64()) {
             recorder::span_enter(self, serial);
         }
         if let Some(live) = self.live {
@@ -230,8 +230,8 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for TicklineLayer {
     }
 
     fn on_close(&self, id: Id, _ctx: Context<'_, S>) {
-        if let Some((serial, recorded)) = self.spans.remove(id.into_u64()) {
-            recorder::span_close(self, serial, !recorded);
+        if let Some(closing) = self.spans.remove(id.into_u64()) {
+            recorder::span_close(self, closing.serial, !closing.recorded, closing.entered_again);
         }
     }
 }

@@ -47,6 +47,8 @@ pub(crate) struct Shared {
     pub(crate) source: TickSource,
     /// Span creations are stamped (a timeline that shows async task lifetimes needs them).
     pub(crate) time_creations: bool,
+    /// Every span is an async task (`AsyncTasks::Always`): closes are always stamped.
+    pub(crate) every_span_a_task: bool,
     pub(crate) running: AtomicBool,
     /// Most field payload bytes one group may carry: the format's limit, or less in a small ring (a group
     /// may fill at most half the ring, so a lossless producer can always wait for room).
@@ -92,6 +94,7 @@ impl Shared {
             max_ring_capacity,
             source,
             time_creations: true,
+            every_span_a_task: false,
             running: AtomicBool::new(true),
             max_payload_bytes: (max_data * DATA_BYTES).min(MAX_PAYLOAD_BYTES),
             next_ring: AtomicU32::new(1),
@@ -913,18 +916,20 @@ fn drop_refused_exit(ring: &mut LocalRing, serial: u64) -> bool {
     true
 }
 
-/// Records span `serial`'s close: untimed when it follows its own exit (it takes that exit's tick).
+/// Records span `serial`'s close: untimed when it follows its own exit (it takes that exit's tick), unless the
+/// span may be an async task (`entered_again`, or every span is one), whose lifetime ends at its close.
 /// `values_final`: no `record` reached the span, so the values it was created with are final
 /// ([`codec::VALUES_FINAL`]).
 #[inline]
-pub(crate) fn span_close(target: &impl Target, serial: u64, values_final: bool) {
+pub(crate) fn span_close(target: &impl Target, serial: u64, values_final: bool, entered_again: bool) {
     with_ring(target, |ring| {
         if serial & NOT_ANNOUNCED != 0 {
             ring.drop_records(1);
             return;
         }
         let flags = if values_final { codec::VALUES_FINAL } else { 0 };
-        let record = if ring.last_exit == (serial, ring.producer.tail_index()) {
+        let may_be_task = ring.shared.every_span_a_task || (entered_again && ring.shared.time_creations);
+        let record = if !may_be_task && ring.last_exit == (serial, ring.producer.tail_index()) {
             Record::head(Kind::SpanClose, codec::AT_LAST_EXIT | flags, 0, serial)
         } else {
             Record::head(Kind::SpanClose, flags, ring.now(), serial)

@@ -42,6 +42,10 @@ struct Way {
     seq: AtomicU32,
     /// A `record` reached the span held (see the module docs); cleared when a span claims the way.
     recorded: AtomicBool,
+    /// The span held was entered, and entered again (on any thread): it may be an async task, whose close
+    /// must be timed. Plain loads and stores on enter, no read-modify-write (see [`SpanTable::get_entering`]).
+    entered: AtomicBool,
+    reentered: AtomicBool,
     /// The registry id held, 0 when free.
     id: AtomicU64,
     serial: AtomicU64,
@@ -53,11 +57,21 @@ struct Set {
     ways: [Way; WAYS],
 }
 
+/// What a span's close needs to know from its entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Closing {
+    pub(crate) serial: u64,
+    /// A `record` reached the span.
+    pub(crate) recorded: bool,
+    /// It was entered more than once (on any threads): it may be an async task.
+    pub(crate) entered_again: bool,
+}
+
 /// Registry span id -> tickline serial, for the live spans of one subscriber.
 pub(crate) struct SpanTable {
     sets: Box<[Set]>,
-    /// Id -> (serial, a `record` reached it).
-    overflow: Mutex<HashMap<u64, (u64, bool)>>,
+    /// Id -> (serial, a `record` reached it, times entered up to 2).
+    overflow: Mutex<HashMap<u64, (u64, bool, u8)>>,
     /// Entries in `overflow`, read without the lock.
     overflow_len: AtomicUsize,
 }
@@ -111,6 +125,8 @@ impl SpanTable {
             // Acquire fence before its second sequence load).
             fence(Ordering::Release);
             way.recorded.store(false, Ordering::Relaxed);
+            way.entered.store(false, Ordering::Relaxed);
+            way.reentered.store(false, Ordering::Relaxed);
             way.serial.store(serial, Ordering::Relaxed);
             way.id.store(id, Ordering::Relaxed);
             // Release: publishes the contents; pairs with the Acquire load of `seq` in `lookup`.
@@ -124,7 +140,7 @@ impl SpanTable {
     #[inline(never)]
     fn insert_overflow(&self, id: u64, serial: u64) {
         let mut overflow = self.overflow.lock().unwrap_or_else(|e| e.into_inner());
-        overflow.insert(id, (serial, false));
+        overflow.insert(id, (serial, false, 0));
         self.overflow_len.store(overflow.len(), Ordering::Release);
     }
 
@@ -174,7 +190,42 @@ impl SpanTable {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(&id)
-            .map(|&(serial, _)| serial)
+            .map(|&(serial, _, _)| serial)
+    }
+
+    /// The serial of live span `id`, if the table has it, noting that the span was entered (once, or again).
+    ///
+    /// Two threads entering a span for the first time at the same moment may both note a first enter: the
+    /// span is then seen as entered once until its next enter. Its close is then untimed if it directly
+    /// follows its last exit (the cost of the race: an async task lifetime that ends at that exit), which
+    /// keeps this a plain load (and two stores in a span's life) instead of a read-modify-write on every enter.
+    #[inline(always)]
+    pub(crate) fn get_entering(&self, id: u64) -> Option<u64> {
+        match self.find(id) {
+            Some((way, serial)) => {
+                // Relaxed: read by the span's close, which the registry orders after every enter (module docs).
+                if !way.reentered.load(Ordering::Relaxed) {
+                    if way.entered.load(Ordering::Relaxed) {
+                        way.reentered.store(true, Ordering::Relaxed);
+                    } else {
+                        way.entered.store(true, Ordering::Relaxed);
+                    }
+                }
+                Some(serial)
+            }
+            None => self.get_entering_overflow(id),
+        }
+    }
+
+    #[cold]
+    fn get_entering_overflow(&self, id: u64) -> Option<u64> {
+        if self.overflow_len.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        let mut overflow = self.overflow.lock().unwrap_or_else(|e| e.into_inner());
+        let (serial, _, enters) = overflow.get_mut(&id)?;
+        *enters = (*enters + 1).min(2);
+        Some(*serial)
     }
 
     /// The serial of live span `id`, if the table has it, noting that a `record` reached the span.
@@ -196,35 +247,43 @@ impl SpanTable {
             return None;
         }
         let mut overflow = self.overflow.lock().unwrap_or_else(|e| e.into_inner());
-        let (serial, recorded) = overflow.get_mut(&id)?;
+        let (serial, recorded, _) = overflow.get_mut(&id)?;
         *recorded = true;
         Some(*serial)
     }
 
-    /// Forgets span `id` (it closed) and returns its serial and whether a `record` reached it.
+    /// Forgets span `id` (it closed) and returns what its close needs to know.
     #[inline]
-    pub(crate) fn remove(&self, id: u64) -> Option<(u64, bool)> {
+    pub(crate) fn remove(&self, id: u64) -> Option<Closing> {
         match self.find(id) {
             Some((way, serial)) => {
-                let recorded = way.recorded.load(Ordering::Relaxed);
+                let closing = Closing {
+                    serial,
+                    recorded: way.recorded.load(Ordering::Relaxed),
+                    entered_again: way.reentered.load(Ordering::Relaxed),
+                };
                 // A plain store: no writer claims a way whose id is non-zero, and no reader wants this id
                 // any more (the span is closing; its id may be handed out only after this returns).
                 way.id.store(0, Ordering::Release);
-                Some((serial, recorded))
+                Some(closing)
             }
             None => self.remove_overflow(id),
         }
     }
 
     #[cold]
-    fn remove_overflow(&self, id: u64) -> Option<(u64, bool)> {
+    fn remove_overflow(&self, id: u64) -> Option<Closing> {
         if self.overflow_len.load(Ordering::Acquire) == 0 {
             return None;
         }
         let mut overflow = self.overflow.lock().unwrap_or_else(|e| e.into_inner());
-        let serial = overflow.remove(&id);
+        let removed = overflow.remove(&id);
         self.overflow_len.store(overflow.len(), Ordering::Release);
-        serial
+        removed.map(|(serial, recorded, enters)| Closing {
+            serial,
+            recorded,
+            entered_again: enters >= 2,
+        })
     }
 }
 
@@ -232,6 +291,40 @@ impl SpanTable {
 mod tests {
     use super::*;
     use std::sync::Arc;
+
+    fn removed(table: &SpanTable, id: u64) -> Option<(u64, bool)> {
+        table.remove(id).map(|c| (c.serial, c.recorded))
+    }
+
+    /// A span's close knows whether it was entered more than once (it may be an async task), in its set's
+    /// ways and in the overflow map alike.
+    #[test]
+    fn a_close_knows_whether_its_span_was_entered_again() {
+        let table = SpanTable::default();
+        // More spans than one set's ways: some go to the overflow map.
+        let ids: Vec<u64> = (1..).filter(|&id| set_of(id) == set_of(1)).take(12).collect();
+        for (k, &id) in ids.iter().enumerate() {
+            table.insert(id, k as u64 + 1);
+            for _ in 0..k % 3 {
+                assert_eq!(table.get_entering(id), Some(k as u64 + 1));
+            }
+        }
+        assert!(
+            table.overflow_len.load(Ordering::Relaxed) > 0,
+            "the test needs the overflow map"
+        );
+        for (k, &id) in ids.iter().enumerate() {
+            let closing = table.remove(id).expect("live");
+            assert_eq!(
+                (closing.serial, closing.entered_again),
+                (k as u64 + 1, k % 3 == 2),
+                "span {k}"
+            );
+        }
+        // A way taken over by a new span starts over.
+        table.insert(ids[0], 99);
+        assert!(!table.remove(ids[0]).unwrap().entered_again);
+    }
 
     #[test]
     fn ids_map_to_their_serials_until_removed() {
@@ -247,13 +340,13 @@ mod tests {
             assert_eq!(table.get(id), Some(id * 3));
         }
         for id in (1..=10_000u64).step_by(2) {
-            assert_eq!(table.remove(id), Some((id * 3, false)));
+            assert_eq!(removed(&table, id), Some((id * 3, false)));
         }
         for id in 1..=10_000u64 {
             assert_eq!(table.get(id), (id % 2 == 0).then_some(id * 3), "id {id}");
         }
         assert_eq!(table.get(0), None);
-        assert_eq!(table.remove(1), None);
+        assert_eq!(removed(&table, 1), None);
     }
 
     /// A `record` marks its span, in a way and in the overflow map alike; the span that takes the id (and
@@ -270,11 +363,11 @@ mod tests {
         }
         assert_eq!(table.get_recording(9_999), None);
         for id in 1..=5_000u64 {
-            assert_eq!(table.remove(id), Some((id + 7, id % 3 == 0)), "id {id}");
+            assert_eq!(removed(&table, id), Some((id + 7, id % 3 == 0)), "id {id}");
         }
         for id in 1..=5_000u64 {
             table.insert(id, id);
-            assert_eq!(table.remove(id), Some((id, false)), "id {id} again");
+            assert_eq!(removed(&table, id), Some((id, false)), "id {id} again");
         }
     }
 
@@ -285,7 +378,7 @@ mod tests {
             // The registry's pattern under load: the same id again and again, one live span at a time.
             table.insert(42, serial);
             assert_eq!(table.get(42), Some(serial));
-            assert_eq!(table.remove(42), Some((serial, false)));
+            assert_eq!(removed(&table, 42), Some((serial, false)));
         }
         assert_eq!(table.overflow_len.load(Ordering::Relaxed), 0);
     }
@@ -312,7 +405,7 @@ mod tests {
                         if recorded {
                             assert_eq!(table.get_recording(id), Some(serial));
                         }
-                        assert_eq!(table.remove(id), Some((serial, recorded)));
+                        assert_eq!(removed(&table, id), Some((serial, recorded)));
                     }
                 });
             }

@@ -254,6 +254,7 @@ impl TimelineBuilder {
             source,
         );
         shared.time_creations = self.async_tasks != AsyncTasks::Never;
+        shared.every_span_a_task = self.async_tasks == AsyncTasks::Always;
         let shared = Arc::new(shared);
         let stats = Arc::new(SharedStats::default());
         let setup = CollectorSetup {

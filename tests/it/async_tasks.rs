@@ -524,3 +524,43 @@ fn task_lifetimes_around_a_loss_on_any_thread_are_marked() {
     }
     assert!(checked > 0, "no task lived through a loss: {stats:?}");
 }
+
+/// A task's lifetime runs to its span's close, even when the thread recorded nothing between the span's last
+/// exit and its close (a close there takes that exit's time, one clock read less, only for spans that cannot
+/// be tasks).
+#[test]
+fn a_task_lifetime_ends_at_its_close_not_its_last_exit() {
+    let _x = exclusive();
+    for (mode, enters) in [(AsyncTasks::Auto, 2), (AsyncTasks::Always, 2), (AsyncTasks::Always, 1)] {
+        let memory = MemoryExporter::default();
+        let timeline = Timeline::builder()
+            .async_tasks(mode)
+            .exporter(memory.clone())
+            .start()
+            .unwrap();
+        let subscriber = tracing_subscriber::registry().with(timeline.layer());
+        let (before_close, after_close) = tracing::subscriber::with_default(subscriber, || {
+            let held = tracing::info_span!("held");
+            for _ in 0..enters {
+                held.in_scope(|| {});
+            }
+            std::thread::sleep(Duration::from_millis(5));
+            let before_close = tickline::clock::monotonic_ns().0;
+            drop(held);
+            (before_close, tickline::clock::monotonic_ns().0)
+        });
+        timeline.shutdown().unwrap();
+        let trace = memory.snapshot();
+        let slices = trace.slices();
+        let lifetime = slices
+            .iter()
+            .find(|s| s.name == "held" && !trace.is_thread_track(s.track))
+            .unwrap_or_else(|| panic!("{mode:?}, {enters} enters: no task lifetime in {slices:?}"));
+        assert!(
+            lifetime.end_ns + 2_000 >= before_close && lifetime.end_ns <= after_close + 2_000,
+            "{mode:?}, {enters} enters: the lifetime ends at {} ns, the span closed between {before_close} and \
+             {after_close}",
+            lifetime.end_ns
+        );
+    }
+}
