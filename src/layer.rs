@@ -39,8 +39,11 @@ use crate::span_table::SpanTable;
 /// an enter appear on that enter's slice (values recorded on another thread count by their timestamp). A
 /// span's or event's fields are limited to [`MAX_PAYLOAD_BYTES`](crate::MAX_PAYLOAD_BYTES) bytes in all
 /// (less in a ring smaller than 8 Ki records) and each string or `Debug` value to
-/// [`MAX_FIELD_BYTES`](crate::MAX_FIELD_BYTES) bytes; a value beyond that is cut (and "…" appended), a field
-/// beyond that is left out, and the slice or event carries `tickline.fields_truncated` = how many.
+/// [`MAX_FIELD_BYTES`](crate::MAX_FIELD_BYTES) bytes; a value beyond that is cut (and "…" appended), the
+/// string or `Debug` value that reaches the payload limit is cut to fit it and the fields after it are left
+/// out, and the slice or event carries `tickline.fields_truncated` = how many values were cut or left out
+/// (for a span: at its creation and in its `record`s, so a field cut twice counts twice; a slice released
+/// after a later `record` was processed counts that one's too).
 ///
 /// ```
 /// use tracing_subscriber::layer::SubscriberExt;

@@ -211,8 +211,9 @@ pub use sync::{
     TimeSyncState, TraceUuid, MACHINE_ID_ENV, SIMULATE_CLOCK_ENV,
 };
 
-/// Most bytes of fields one span, `record` or event carries (a ring smaller than 8 Ki records allows less);
-/// fields beyond are left out and counted (`tickline.fields_truncated`).
+/// Most bytes of fields one span, `record` or event carries (a ring smaller than 8 Ki records allows less): the
+/// string or `Debug` value that reaches it is cut to fit (with "…"), the fields after it are left out, and
+/// each is counted (`tickline.fields_truncated`).
 pub const MAX_PAYLOAD_BYTES: usize = codec::MAX_PAYLOAD_BYTES;
 /// Most bytes of one string or `Debug` field value kept; a longer value keeps at most this many (cut at a
 /// character boundary), then "…" (3 bytes more), and is counted (`tickline.fields_truncated`).

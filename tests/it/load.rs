@@ -606,6 +606,35 @@ fn fields_cut_at_the_payload_limit_are_marked_and_counted() {
     assert_eq!(stats.fields_truncated, 2, "{stats:?}");
 }
 
+/// A slice shows every value its span had cut, at creation and in `record`s: its marker counts them all.
+#[test]
+fn a_slices_cut_marker_counts_the_cuts_of_its_creation_and_its_records() {
+    let _x = exclusive();
+    let memory = MemoryExporter::default();
+    let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
+    let subscriber = tracing_subscriber::registry().with(timeline.layer());
+    let long = "a".repeat(tickline::MAX_FIELD_BYTES + 10);
+    tracing::subscriber::with_default(subscriber, || {
+        let span = tracing::info_span!(
+            "long",
+            v = long.as_str(),
+            w = long.as_str(),
+            later = tracing::field::Empty
+        );
+        span.record("later", long.as_str());
+        drop(span.entered());
+    });
+    timeline.shutdown().unwrap();
+    let trace = memory.snapshot();
+    let slice = trace.slices().into_iter().find(|s| s.name == "long").unwrap();
+    let cut = ["v", "w", "later"]
+        .iter()
+        .filter(|&&n| matches!(slice.field(n), Some(FieldValue::Str(s)) if s.ends_with('…')))
+        .count();
+    assert_eq!(cut, 3, "{slice:?}");
+    assert_eq!(slice.field("tickline.fields_truncated"), Some(&FieldValue::U64(3)));
+}
+
 #[test]
 fn native_macros_follow_the_most_recently_started_running_timeline_in_every_order() {
     let _x = exclusive();

@@ -68,7 +68,17 @@ impl Processor {
                 values.clear();
                 let truncated = self.decode_payload(callsite, fields, &mut values);
                 if let Some(span) = self.spans.get_mut(serial) {
-                    span.fields_truncated = span.fields_truncated.max(u32::try_from(truncated).unwrap_or(u32::MAX));
+                    if truncated > 0 {
+                        // The marker counts the span's cuts so far, not only this record's: its slices show every
+                        // value cut since its creation.
+                        span.fields_truncated = span
+                            .fields_truncated
+                            .saturating_add(u32::try_from(truncated).unwrap_or(u32::MAX));
+                        let marker = self.names.fields_truncated;
+                        for field in values.iter_mut().filter(|f| f.name == marker) {
+                            field.value = FieldValue::U64(u64::from(span.fields_truncated));
+                        }
+                    }
                     span.update(ts, values.drain(..));
                 }
                 self.scratch_fields = values;
