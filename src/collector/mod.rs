@@ -49,7 +49,9 @@ use stats::SharedStats;
 
 /// Which spans get their own async task track: a lifetime slice from the span's creation to its close,
 /// with every poll (each enter..exit) as a child slice, so the gaps between polls (awaits) show, and a flow
-/// from each poll on the worker thread's track to the same poll on the task's track.
+/// from each poll on the worker thread's track to the same poll on the task's track. Polls that overlap (the
+/// span entered on two threads at once) go on a child track of the task's, `<span name> (polls 2)` (and 3...),
+/// so no slice partly overlaps another.
 ///
 /// ```
 /// let timeline = tickline::Timeline::builder()
