@@ -90,7 +90,9 @@ pub struct CaptureSummary {
     pub stopped_early: Option<String>,
     /// Slices and events the conversion produced.
     pub slices: u64,
-    /// Instant events the conversion produced.
+    /// Instant events the conversion produced, the facts about tracks (such as the CPU clock decision) that
+    /// exporters show as instants included: a Perfetto file of the conversion holds these and the
+    /// exporter's own (its identity, clock snapshots and exchange rounds; see [`TimelineStats::events`]).
     pub instants: u64,
     /// The conversion's counters (truncated slices, unknown spans...).
     pub stats: TimelineStats,
@@ -157,7 +159,8 @@ impl Exporter for Counting {
     }
     fn export(&mut self, batch: &Batch) -> Result<(), ExportError> {
         let slices = batch.events.iter().filter(|e| e.kind == EventKind::SliceBegin).count() as u64;
-        let instants = batch.events.iter().filter(|e| e.kind == EventKind::Instant).count() as u64;
+        let instants = batch.events.iter().filter(|e| e.kind == EventKind::Instant).count() + batch.metadata.len();
+        let instants = instants as u64;
         let mut counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
         counts.0 += slices;
         counts.1 += instants;

@@ -189,3 +189,28 @@ fn timeline_stats_count_every_event_in_the_file_but_the_exporters_own() {
     assert!(s.clock_snapshots >= 3, "{}", s.clock_snapshots);
     assert_eq!(stats.events, in_file - exporters_own, "{stats:?}\n{s}");
 }
+
+/// A converted capture's summary counts the instants its Perfetto file holds, but the exporter's own.
+#[test]
+fn a_converted_captures_instants_are_its_files_but_the_exporters_own() {
+    let _one_at_a_time = exclusive();
+    let dir = std::env::temp_dir().join(format!("tickline-protos-capture-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (capture, converted) = (dir.join("run.tickline"), dir.join("run.pftrace"));
+    let timeline = tickline::Timeline::builder().raw_capture(&capture).start().unwrap();
+    let subscriber = tracing_subscriber::registry().with(timeline.layer());
+    tracing::subscriber::with_default(subscriber, || {
+        for i in 0..30u32 {
+            let _span = tracing::info_span!("step", n = i).entered();
+            tracing::info!(i, "an event");
+        }
+    });
+    timeline.shutdown().unwrap();
+    let exporter = tickline_perfetto::PerfettoExporter::create(&converted).unwrap();
+    let summary = tickline::capture::convert(&capture, exporter).unwrap();
+    let s = tickline_cli::stats::read(&converted).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let exporters_own = s.identity.len() as u64 + s.clock_snapshots + s.exchange_rounds;
+    assert_eq!(summary.instants, s.instants - exporters_own, "{summary:?}\n{s}");
+    assert_eq!(summary.slices, s.slices);
+}
