@@ -216,6 +216,8 @@ struct LocalRing {
     source: TickSource,
     /// Span creations are stamped (the timeline shows async task lifetimes).
     time_creations: bool,
+    /// `Shared::every_span_a_task`, kept here so a close reads it without following the `Arc`.
+    every_span_a_task: bool,
     /// This ring's number in its timeline: the top bits of the serials it hands out.
     ring_number: u64,
     /// Spans created on this ring so far: the low bits of the next serial.
@@ -728,6 +730,7 @@ fn register(shared: &Arc<Shared>, rings: &mut Vec<OwnedRing>) -> Option<NonNull<
             lossless: shared.lossless,
             source: shared.source,
             time_creations: shared.time_creations,
+            every_span_a_task: shared.every_span_a_task,
             ring_number: u64::from(ring_number),
             spans_created: 0,
             owed_ends: 0,
@@ -928,8 +931,8 @@ pub(crate) fn span_close(target: &impl Target, serial: u64, values_final: bool, 
             return;
         }
         let flags = if values_final { codec::VALUES_FINAL } else { 0 };
-        let may_be_task = ring.shared.every_span_a_task || (entered_again && ring.shared.time_creations);
-        let record = if !may_be_task && ring.last_exit == (serial, ring.producer.tail_index()) {
+        let may_be_task = ring.every_span_a_task || (entered_again && ring.time_creations);
+        let record = if ring.last_exit == (serial, ring.producer.tail_index()) && !may_be_task {
             Record::head(Kind::SpanClose, codec::AT_LAST_EXIT | flags, 0, serial)
         } else {
             Record::head(Kind::SpanClose, flags, ring.now(), serial)
