@@ -783,8 +783,14 @@ fn rings_stop_growing_while_the_chunk_budget_is_full() {
         .start()
         .unwrap();
     timeline.pause_processing(true);
+    // First past the budget (drained records wait, unprocessed), then time for the drain stage to see it full.
+    const FIRST: u64 = 50_000;
+    for _ in 0..FIRST {
+        drop(tickline::scope!("step"));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(50));
     const N: u64 = 2_000_000;
-    for _ in 0..N {
+    for _ in FIRST..N {
         drop(tickline::scope!("step"));
     }
     let held = timeline.stats();
@@ -793,7 +799,7 @@ fn rings_stop_growing_while_the_chunk_budget_is_full() {
     assert!(held.budget_full_passes > 0, "the budget was meant to fill: {held:?}");
     // Kept: what the passes drained (the budget, and the rings of the pass that filled it: up to the first
     // ring and the one it grew into) and what was left in the ring. With growth not stopped, the thread's ring
-    // grew to 1 Mi records and all of it was kept besides.
+    // grew to 1 Mi records once the burst came and all of it was kept besides.
     let bound = BUDGET / 16 + (1 << 16) + 2 * (1 << 18);
     assert!(
         stats.records <= bound,
