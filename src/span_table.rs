@@ -27,7 +27,7 @@
 //! what it read.
 
 use std::collections::HashMap;
-use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 /// Ways per set.
@@ -42,10 +42,10 @@ struct Way {
     seq: AtomicU32,
     /// A `record` reached the span held (see the module docs); cleared when a span claims the way.
     recorded: AtomicBool,
-    /// The span held was entered, and entered again (on any thread): it may be an async task, whose close
-    /// must be timed. Plain loads and stores on enter, no read-modify-write (see [`SpanTable::get_entering`]).
-    entered: AtomicBool,
-    reentered: AtomicBool,
+    /// How often the span held was entered (on any thread), counted up to [`ENTERED_AGAIN`]: one entered again
+    /// may be an async task, whose close must be timed. A plain load and store on enter, no
+    /// read-modify-write (see [`SpanTable::get_entering`]); cleared when a span claims the way.
+    enters: AtomicU8,
     /// The registry id held, 0 when free.
     id: AtomicU64,
     serial: AtomicU64,
@@ -55,6 +55,18 @@ struct Way {
 #[repr(align(128))]
 struct Set {
     ways: [Way; WAYS],
+}
+
+/// Enters counted before a span counts as entered again (and counting stops).
+const ENTERED_AGAIN: u8 = 2;
+
+/// A span held by the overflow map.
+struct OverflowEntry {
+    serial: u64,
+    /// A `record` reached it.
+    recorded: bool,
+    /// Enters, counted up to [`ENTERED_AGAIN`].
+    enters: u8,
 }
 
 /// What a span's close needs to know from its entry.
@@ -70,8 +82,8 @@ pub(crate) struct Closing {
 /// Registry span id -> tickline serial, for the live spans of one subscriber.
 pub(crate) struct SpanTable {
     sets: Box<[Set]>,
-    /// Id -> (serial, a `record` reached it, times entered up to 2).
-    overflow: Mutex<HashMap<u64, (u64, bool, u8)>>,
+    /// Spans whose set's ways were all taken, by id.
+    overflow: Mutex<HashMap<u64, OverflowEntry>>,
     /// Entries in `overflow`, read without the lock.
     overflow_len: AtomicUsize,
 }
@@ -125,8 +137,7 @@ impl SpanTable {
             // Acquire fence before its second sequence load).
             fence(Ordering::Release);
             way.recorded.store(false, Ordering::Relaxed);
-            way.entered.store(false, Ordering::Relaxed);
-            way.reentered.store(false, Ordering::Relaxed);
+            way.enters.store(0, Ordering::Relaxed);
             way.serial.store(serial, Ordering::Relaxed);
             way.id.store(id, Ordering::Relaxed);
             // Release: publishes the contents; pairs with the Acquire load of `seq` in `lookup`.
@@ -140,7 +151,14 @@ impl SpanTable {
     #[inline(never)]
     fn insert_overflow(&self, id: u64, serial: u64) {
         let mut overflow = self.overflow.lock().unwrap_or_else(|e| e.into_inner());
-        overflow.insert(id, (serial, false, 0));
+        overflow.insert(
+            id,
+            OverflowEntry {
+                serial,
+                recorded: false,
+                enters: 0,
+            },
+        );
         self.overflow_len.store(overflow.len(), Ordering::Release);
     }
 
@@ -181,16 +199,18 @@ impl SpanTable {
         }
     }
 
-    #[cold]
-    fn get_overflow(&self, id: u64) -> Option<u64> {
+    /// `f` on the overflow map, locked; `None` without taking the lock when the map is empty (the common
+    /// case: every lookup that misses its set comes here).
+    fn with_overflow<R>(&self, f: impl FnOnce(&mut HashMap<u64, OverflowEntry>) -> Option<R>) -> Option<R> {
         if self.overflow_len.load(Ordering::Acquire) == 0 {
             return None;
         }
-        self.overflow
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&id)
-            .map(|&(serial, _, _)| serial)
+        f(&mut self.overflow.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    #[cold]
+    fn get_overflow(&self, id: u64) -> Option<u64> {
+        self.with_overflow(|overflow| overflow.get(&id).map(|entry| entry.serial))
     }
 
     /// The serial of live span `id`, if the table has it, noting that the span was entered (once, or again).
@@ -204,12 +224,9 @@ impl SpanTable {
         match self.find(id) {
             Some((way, serial)) => {
                 // Relaxed: read by the span's close, which the registry orders after every enter (module docs).
-                if !way.reentered.load(Ordering::Relaxed) {
-                    if way.entered.load(Ordering::Relaxed) {
-                        way.reentered.store(true, Ordering::Relaxed);
-                    } else {
-                        way.entered.store(true, Ordering::Relaxed);
-                    }
+                let enters = way.enters.load(Ordering::Relaxed);
+                if enters < ENTERED_AGAIN {
+                    way.enters.store(enters + 1, Ordering::Relaxed);
                 }
                 Some(serial)
             }
@@ -219,13 +236,11 @@ impl SpanTable {
 
     #[cold]
     fn get_entering_overflow(&self, id: u64) -> Option<u64> {
-        if self.overflow_len.load(Ordering::Acquire) == 0 {
-            return None;
-        }
-        let mut overflow = self.overflow.lock().unwrap_or_else(|e| e.into_inner());
-        let (serial, _, enters) = overflow.get_mut(&id)?;
-        *enters = (*enters + 1).min(2);
-        Some(*serial)
+        self.with_overflow(|overflow| {
+            let entry = overflow.get_mut(&id)?;
+            entry.enters = (entry.enters + 1).min(ENTERED_AGAIN);
+            Some(entry.serial)
+        })
     }
 
     /// The serial of live span `id`, if the table has it, noting that a `record` reached the span.
@@ -243,13 +258,11 @@ impl SpanTable {
 
     #[cold]
     fn get_recording_overflow(&self, id: u64) -> Option<u64> {
-        if self.overflow_len.load(Ordering::Acquire) == 0 {
-            return None;
-        }
-        let mut overflow = self.overflow.lock().unwrap_or_else(|e| e.into_inner());
-        let (serial, recorded, _) = overflow.get_mut(&id)?;
-        *recorded = true;
-        Some(*serial)
+        self.with_overflow(|overflow| {
+            let entry = overflow.get_mut(&id)?;
+            entry.recorded = true;
+            Some(entry.serial)
+        })
     }
 
     /// Forgets span `id` (it closed) and returns what its close needs to know.
@@ -260,7 +273,7 @@ impl SpanTable {
                 let closing = Closing {
                     serial,
                     recorded: way.recorded.load(Ordering::Relaxed),
-                    entered_again: way.reentered.load(Ordering::Relaxed),
+                    entered_again: way.enters.load(Ordering::Relaxed) >= ENTERED_AGAIN,
                 };
                 // A plain store: no writer claims a way whose id is non-zero, and no reader wants this id
                 // any more (the span is closing; its id may be handed out only after this returns).
@@ -273,16 +286,14 @@ impl SpanTable {
 
     #[cold]
     fn remove_overflow(&self, id: u64) -> Option<Closing> {
-        if self.overflow_len.load(Ordering::Acquire) == 0 {
-            return None;
-        }
-        let mut overflow = self.overflow.lock().unwrap_or_else(|e| e.into_inner());
-        let removed = overflow.remove(&id);
-        self.overflow_len.store(overflow.len(), Ordering::Release);
-        removed.map(|(serial, recorded, enters)| Closing {
-            serial,
-            recorded,
-            entered_again: enters >= 2,
+        self.with_overflow(|overflow| {
+            let entry = overflow.remove(&id);
+            self.overflow_len.store(overflow.len(), Ordering::Release);
+            entry.map(|entry| Closing {
+                serial: entry.serial,
+                recorded: entry.recorded,
+                entered_again: entry.enters >= ENTERED_AGAIN,
+            })
         })
     }
 }
