@@ -15,12 +15,14 @@ pub(super) struct LossLog {
 }
 
 impl LossLog {
-    pub(super) fn is_empty(&self) -> bool {
-        self.windows.is_empty()
-    }
-
     pub(super) fn len(&self) -> usize {
         self.windows.len()
+    }
+
+    /// The latest moment a record may have been dropped (0: none was): the newest window's end, since the
+    /// windows are disjoint and the newest is never forgotten.
+    pub(super) fn latest_ns(&self) -> u64 {
+        self.windows.last_key_value().map_or(0, |(_, &(end, _))| end)
     }
 
     /// Notes `dropped` records lost at some moment within `from..=to`. Windows it overlaps merge with it.
@@ -55,13 +57,16 @@ impl LossLog {
             .map(|(&start, &(_, dropped))| (start, dropped))
     }
 
-    /// Forgets the windows that end before `ns` (no lifetime still to be written reaches back that far).
+    /// Forgets the windows that end before `ns` (no lifetime still to be written reaches back that far), but
+    /// the newest, which [`latest_ns`](Self::latest_ns) reads.
     pub(super) fn forget_before(&mut self, ns: u64) {
-        while let Some((_, &(end, _))) = self.windows.first_key_value() {
-            if end >= ns {
-                break;
+        while self.windows.len() > 1 {
+            match self.windows.first_key_value() {
+                Some((_, &(end, _))) if end < ns => {
+                    self.windows.pop_first();
+                }
+                _ => break,
             }
-            self.windows.pop_first();
         }
     }
 
@@ -140,5 +145,9 @@ mod tests {
         for (t, was) in before {
             assert!(log.dropped_within(t, t + 20) >= was, "{t}: a loss went missing");
         }
+        // The newest window stays, whatever is forgotten: it says when the latest loss may have been.
+        assert_eq!(log.latest_ns(), 10_010);
+        log.forget_before(u64::MAX);
+        assert_eq!((log.len(), log.latest_ns()), (1, 10_010));
     }
 }

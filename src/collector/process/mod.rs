@@ -424,11 +424,9 @@ pub(crate) struct Processor {
     /// Records the rings had dropped, in all (rings that ended included), as far as the chunks processed so far
     /// say: the dropped-records counter's value.
     drops_seen: u64,
-    /// The latest moment (reference ns) at which a record may have been dropped, as far as the chunks
-    /// processed so far tell: the drain time of the newest chunk whose ring's drop count rose.
-    latest_loss_ns: u64,
-    /// When records were dropped, on any thread, for the task lifetimes they may have cut into (kept only
-    /// while spans may become tasks).
+    /// When records were dropped, on any thread, as far as the chunks processed so far tell (each window ends
+    /// at the drain of the chunk whose ring's drop count rose), for the task lifetimes they may have cut into
+    /// (kept only while spans may become tasks).
     losses: losses::LossLog,
     /// Polls written on task tracks.
     polls_written: u64,
@@ -517,7 +515,6 @@ impl Processor {
             task_names: None,
             tasks_written: 0,
             drops_seen: 0,
-            latest_loss_ns: 0,
             losses: losses::LossLog::default(),
             polls_written: 0,
             ending: false,
@@ -811,8 +808,8 @@ impl Processor {
         self.spans.sweep(self.pass);
     }
 
-    /// Processes the pending records of the ring in `slot` records until one stalls. `force`: a record naming an unknown span is
-    /// processed as unknown instead of stalling. Returns whether any record was processed.
+    /// Processes the pending records of the ring in `slot` until one stalls. `force`: a record naming an
+    /// unknown span is processed as unknown instead of stalling. Returns whether any record was processed.
     fn process_ring(&mut self, slot: u32, force: bool) -> bool {
         let Some(mut r) = self.rings.get_mut(slot as usize).and_then(Option::take) else {
             return false;
@@ -826,9 +823,7 @@ impl Processor {
                 // Dropped before this chunk was drained: as late as that, for all the trace can tell; and after
                 // the ring's last record processed so far.
                 let drained = self.cpu.as_ref().and_then(|c| c.to_ns(chunk.now_ticks));
-                let drained = drained.unwrap_or(u64::MAX);
-                self.latest_loss_ns = self.latest_loss_ns.max(drained);
-                self.note_loss(r.track.last_ns, drained, dropped);
+                self.note_loss(r.track.last_ns, drained.unwrap_or(u64::MAX), dropped);
             }
             let mut decoder = Decoder::new(&chunk.records[r.input.cursor..]);
             let mut processed = 0;

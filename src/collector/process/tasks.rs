@@ -36,7 +36,7 @@ impl Processor {
     /// around it. Memory stays bounded: losses older than every span that may still become a task are
     /// forgotten, and past that neighbouring windows merge (marking more lifetimes, never fewer).
     pub(super) fn note_loss(&mut self, from: u64, to: u64, dropped: u64) {
-        if self.async_tasks == super::AsyncTasks::Never || dropped == 0 {
+        if self.async_tasks == super::AsyncTasks::Never {
             return;
         }
         self.losses.note(from, to, dropped);
@@ -139,7 +139,7 @@ impl Processor {
         // Still open at the end: ended then, unless a record may have been dropped after its last poll, on any
         // thread (its close may have been one of them): then at its last poll, the last moment it is known to
         // have lived. Marked truncated either way, and never past its real end.
-        let open_until = if self.latest_loss_ns > task.last_poll {
+        let open_until = if self.losses.latest_ns() > task.last_poll {
             task.last_poll
         } else {
             end_ns
@@ -150,11 +150,7 @@ impl Processor {
         // Records dropped on any thread while it lived may have been its polls or its values.
         let first_poll = (span.first_poll.end_ns != 0).then_some(span.first_poll.begin_ns);
         let begin = span.created_ns.min(first_poll.unwrap_or(u64::MAX));
-        let dropped_inside = if self.losses.is_empty() {
-            0
-        } else {
-            self.losses.dropped_within(begin, end)
-        };
+        let dropped_inside = self.losses.dropped_within(begin, end);
         let begun = task.begun.is_some();
         self.write_task_begin(serial, end);
         self.write_task_polls(serial);
