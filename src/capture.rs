@@ -159,8 +159,8 @@ impl Exporter for Counting {
     }
     fn export(&mut self, batch: &Batch) -> Result<(), ExportError> {
         let slices = batch.events.iter().filter(|e| e.kind == EventKind::SliceBegin).count() as u64;
-        let instants = batch.events.iter().filter(|e| e.kind == EventKind::Instant).count() + batch.metadata.len();
-        let instants = instants as u64;
+        let instants =
+            (batch.events.iter().filter(|e| e.kind == EventKind::Instant).count() + batch.metadata.len()) as u64;
         let mut counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
         counts.0 += slices;
         counts.1 += instants;

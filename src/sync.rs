@@ -279,8 +279,8 @@ fn monotonic_raw() -> u64 {
 /// The host's four clocks read together, in nanoseconds, as of one moment.
 ///
 /// Each of the other three clocks is read between two reads of `CLOCK_MONOTONIC` and carried to the moment
-/// `monotonic_ns` (the middle of all four reads of it) by the time between its own bracket's middle and
-/// that moment; `bracket_ns` is the widest of the three brackets: each value stands for that moment to
+/// `monotonic_ns` (the middle between the first and the last of those reads) by the time between its own
+/// bracket's middle and that moment; `bracket_ns` is the widest of the three brackets: each value stands for that moment to
 /// within half of it, so any two clocks agree to within `bracket_ns`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct ClockReadings {

@@ -104,9 +104,10 @@ impl TimelineBuilder {
     }
 
     /// Records per thread ring (rounded up to a power of two, at least 64 and at most
-    /// [`MAX_RING_CAPACITY`](Self::MAX_RING_CAPACITY)), fixed (unless [`max_ring_capacity`](Self::max_ring_capacity)
-    /// is called after this): a full ring drops records (drop mode) or waits (lossless mode). Each record is 16 bytes. Without this call rings start at 64 Ki records and grow,
-    /// when one fills, up to [`max_ring_capacity`](Self::max_ring_capacity).
+    /// [`MAX_RING_CAPACITY`](Self::MAX_RING_CAPACITY)), fixed (unless
+    /// [`max_ring_capacity`](Self::max_ring_capacity) is called after this): a full ring drops records (drop
+    /// mode) or waits (lossless mode). Each record is 16 bytes. Without this call rings start at 64 Ki records
+    /// and grow, when one fills, up to [`max_ring_capacity`](Self::max_ring_capacity).
     ///
     /// ```
     /// use tickline::{Timeline, TimelineBuilder};
