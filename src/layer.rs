@@ -141,11 +141,24 @@ impl Visit for Encode<'_, '_> {
 }
 
 impl TicklineLayer {
+    /// An event's parent.
     fn parent(&self, is_root: bool, explicit: Option<&Id>) -> Parent {
         match explicit {
             Some(id) => self.serial(id).map_or(Parent::Root, Parent::Explicit),
             None if is_root => Parent::Root,
             None => Parent::Contextual,
+        }
+    }
+
+    /// A new span's parent: an explicit one is noted in the span table, since a span holding children may hold
+    /// async tasks (its close is then timed).
+    fn span_parent(&self, is_root: bool, explicit: Option<&Id>) -> Parent {
+        match explicit {
+            Some(id) => self
+                .spans
+                .get_parenting(id.into_u64())
+                .map_or(Parent::Root, Parent::Explicit),
+            None => self.parent(is_root, None),
         }
     }
 }
@@ -171,7 +184,7 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for TicklineLayer {
         let serial = if bare {
             recorder::span_new_bare(self, callsite)
         } else {
-            let parent = self.parent(attrs.is_root(), attrs.parent());
+            let parent = self.span_parent(attrs.is_root(), attrs.parent());
             let encode = (!attrs.fields().is_empty() && !attrs.values().is_empty())
                 .then_some(|encoder: &mut FieldEncoder<'_>| attrs.record(&mut Encode(encoder)));
             recorder::span_new(self, self.shared.max_payload_bytes, callsite, parent, encode)
@@ -234,7 +247,7 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for TicklineLayer {
 
     fn on_close(&self, id: Id, _ctx: Context<'_, S>) {
         if let Some(closing) = self.spans.remove(id.into_u64()) {
-            recorder::span_close(self, closing.serial, !closing.recorded, closing.entered_again);
+            recorder::span_close(self, closing.serial, !closing.recorded, closing.may_be_task);
         }
     }
 }

@@ -233,6 +233,9 @@ struct LocalRing {
     refused: Vec<u64>,
     /// Records dropped since the last `Gap` record.
     unreported_drops: u64,
+    /// The last enter pushed: its span's serial and the ring's tail right after it (an exit one record later
+    /// follows that enter directly: nothing, no child span in particular, was created inside).
+    last_enter: (u64, usize),
     /// The last exit pushed: its span's serial and the ring's tail right after it (a close with the tail
     /// unchanged follows that exit directly).
     last_exit: (u64, usize),
@@ -739,6 +742,7 @@ fn register(shared: &Arc<Shared>, rings: &mut Vec<OwnedRing>) -> Option<NonNull<
             // refusing one does not allocate on the hot path.
             refused: Vec::with_capacity(64),
             unreported_drops: 0,
+            last_enter: (0, 0),
             last_exit: (0, 0),
             half,
             last_wake: 0,
@@ -888,7 +892,9 @@ pub(crate) fn span_enter(target: &impl Target, serial: u64) {
             return;
         }
         let record = Record::timed(Kind::SpanEnter, ring.now(), serial);
-        if !ring.push_begin(record) && !ring.lossless {
+        if ring.push_begin(record) {
+            ring.last_enter = (serial, ring.producer.tail_index());
+        } else if !ring.lossless {
             ring.refused.push(serial);
             ring.producer.count_dropped_unit();
         }
@@ -919,20 +925,27 @@ fn drop_refused_exit(ring: &mut LocalRing, serial: u64) -> bool {
     true
 }
 
-/// Records span `serial`'s close: untimed when it follows its own exit (it takes that exit's tick), unless the
-/// span may be an async task (`entered_again`, or every span is one), whose lifetime ends at its close.
+/// Records span `serial`'s close: untimed when it follows its own exit (it takes that exit's tick), unless its
+/// lifetime may be shown: the span may be an async task (`may_be_task`: entered again or named as a parent;
+/// or every span is one), or hold some (it created spans while entered: then its exit did not follow its
+/// enter directly), and task lifetimes end at their close.
 /// `values_final`: no `record` reached the span, so the values it was created with are final
 /// ([`codec::VALUES_FINAL`]).
 #[inline]
-pub(crate) fn span_close(target: &impl Target, serial: u64, values_final: bool, entered_again: bool) {
+pub(crate) fn span_close(target: &impl Target, serial: u64, values_final: bool, may_be_task: bool) {
     with_ring(target, |ring| {
         if serial & NOT_ANNOUNCED != 0 {
             ring.drop_records(1);
             return;
         }
         let flags = if values_final { codec::VALUES_FINAL } else { 0 };
-        let may_be_task = ring.every_span_a_task || (entered_again && ring.time_creations);
-        let record = if ring.last_exit == (serial, ring.producer.tail_index()) && !may_be_task {
+        let tail = ring.producer.tail_index();
+        // Without task lifetimes no close time is shown; with them, only a leaf's (its enter, exit and close
+        // one after another) that cannot be a task may be its exit's.
+        let untimed = ring.last_exit == (serial, tail)
+            && !ring.every_span_a_task
+            && (!ring.time_creations || (!may_be_task && ring.last_enter == (serial, tail.wrapping_sub(1))));
+        let record = if untimed {
             Record::head(Kind::SpanClose, codec::AT_LAST_EXIT | flags, 0, serial)
         } else {
             Record::head(Kind::SpanClose, flags, ring.now(), serial)

@@ -42,10 +42,14 @@ struct Way {
     seq: AtomicU32,
     /// A `record` reached the span held (see the module docs); cleared when a span claims the way.
     recorded: AtomicBool,
-    /// How often the span held was entered (on any thread), counted up to [`ENTERED_AGAIN`]: one entered again
+    /// How often the span held was entered (on any thread), counted up to [`MAY_BE_TASK`]: one entered again
     /// may be an async task, whose close must be timed. A plain load and store on enter, no
     /// read-modify-write (see [`SpanTable::get_entering`]); cleared when a span claims the way.
     enters: AtomicU8,
+    /// A span named the span held as its explicit parent ([`SpanTable::get_parenting`]): it may hold async
+    /// tasks, whose container's close must be timed too. Its own flag, so no enter's store can undo it;
+    /// cleared when a span claims the way.
+    named_parent: AtomicBool,
     /// The registry id held, 0 when free.
     id: AtomicU64,
     serial: AtomicU64,
@@ -57,16 +61,18 @@ struct Set {
     ways: [Way; WAYS],
 }
 
-/// Enters counted before a span counts as entered again (and counting stops).
-const ENTERED_AGAIN: u8 = 2;
+/// Enters counted before a span counts as entered again, so possibly an async task (and counting stops).
+const MAY_BE_TASK: u8 = 2;
 
 /// A span held by the overflow map.
 struct OverflowEntry {
     serial: u64,
     /// A `record` reached it.
     recorded: bool,
-    /// Enters, counted up to [`ENTERED_AGAIN`].
+    /// Enters, counted up to [`MAY_BE_TASK`].
     enters: u8,
+    /// A span named it as its explicit parent.
+    named_parent: bool,
 }
 
 /// What a span's close needs to know from its entry.
@@ -75,8 +81,9 @@ pub(crate) struct Closing {
     pub(crate) serial: u64,
     /// A `record` reached the span.
     pub(crate) recorded: bool,
-    /// It was entered more than once (on any threads): it may be an async task.
-    pub(crate) entered_again: bool,
+    /// It was entered more than once (on any threads), or named as a span's explicit parent: it may be an
+    /// async task, or hold some.
+    pub(crate) may_be_task: bool,
 }
 
 /// Registry span id -> tickline serial, for the live spans of one subscriber.
@@ -138,6 +145,7 @@ impl SpanTable {
             fence(Ordering::Release);
             way.recorded.store(false, Ordering::Relaxed);
             way.enters.store(0, Ordering::Relaxed);
+            way.named_parent.store(false, Ordering::Relaxed);
             way.serial.store(serial, Ordering::Relaxed);
             way.id.store(id, Ordering::Relaxed);
             // Release: publishes the contents; pairs with the Acquire load of `seq` in `lookup`.
@@ -157,6 +165,7 @@ impl SpanTable {
                 serial,
                 recorded: false,
                 enters: 0,
+                named_parent: false,
             },
         );
         self.overflow_len.store(overflow.len(), Ordering::Release);
@@ -216,8 +225,8 @@ impl SpanTable {
     /// The serial of live span `id`, if the table has it, noting that the span was entered (once, or again).
     ///
     /// Two threads entering a span for the first time at the same moment may both note a first enter: the
-    /// span is then seen as entered once until its next enter. Its close is then untimed if it directly
-    /// follows its last exit (the cost of the race: an async task lifetime that ends at that exit), which
+    /// span is then seen as entered once until its next enter. Its close is then untimed if the span was a
+    /// leaf on its thread (the cost of the race: an async task lifetime that ends at its last exit), which
     /// keeps this a plain load (and two stores in a span's life) instead of a read-modify-write on every enter.
     #[inline(always)]
     pub(crate) fn get_entering(&self, id: u64) -> Option<u64> {
@@ -225,7 +234,7 @@ impl SpanTable {
             Some((way, serial)) => {
                 // Relaxed: read by the span's close, which the registry orders after every enter (module docs).
                 let enters = way.enters.load(Ordering::Relaxed);
-                if enters < ENTERED_AGAIN {
+                if enters < MAY_BE_TASK {
                     way.enters.store(enters + 1, Ordering::Relaxed);
                 }
                 Some(serial)
@@ -238,7 +247,32 @@ impl SpanTable {
     fn get_entering_overflow(&self, id: u64) -> Option<u64> {
         self.with_overflow(|overflow| {
             let entry = overflow.get_mut(&id)?;
-            entry.enters = (entry.enters + 1).min(ENTERED_AGAIN);
+            entry.enters = (entry.enters + 1).min(MAY_BE_TASK);
+            Some(entry.serial)
+        })
+    }
+
+    /// The serial of live span `id`, if the table has it, noting that a span named it as its explicit parent:
+    /// a span with children may hold async tasks, so its close is timed like a task's. Contextual children
+    /// need no note: they are created while their parent is entered, which the recorder sees on the thread.
+    #[inline]
+    pub(crate) fn get_parenting(&self, id: u64) -> Option<u64> {
+        match self.find(id) {
+            Some((way, serial)) => {
+                // Relaxed: read by the span's close, which the registry orders after its children's creation
+                // (a child holds a reference on its parent).
+                way.named_parent.store(true, Ordering::Relaxed);
+                Some(serial)
+            }
+            None => self.get_parenting_overflow(id),
+        }
+    }
+
+    #[cold]
+    fn get_parenting_overflow(&self, id: u64) -> Option<u64> {
+        self.with_overflow(|overflow| {
+            let entry = overflow.get_mut(&id)?;
+            entry.named_parent = true;
             Some(entry.serial)
         })
     }
@@ -273,7 +307,8 @@ impl SpanTable {
                 let closing = Closing {
                     serial,
                     recorded: way.recorded.load(Ordering::Relaxed),
-                    entered_again: way.enters.load(Ordering::Relaxed) >= ENTERED_AGAIN,
+                    may_be_task: way.enters.load(Ordering::Relaxed) >= MAY_BE_TASK
+                        || way.named_parent.load(Ordering::Relaxed),
                 };
                 // A plain store: no writer claims a way whose id is non-zero, and no reader wants this id
                 // any more (the span is closing; its id may be handed out only after this returns).
@@ -292,7 +327,7 @@ impl SpanTable {
             entry.map(|entry| Closing {
                 serial: entry.serial,
                 recorded: entry.recorded,
-                entered_again: entry.enters >= ENTERED_AGAIN,
+                may_be_task: entry.enters >= MAY_BE_TASK || entry.named_parent,
             })
         })
     }
@@ -307,16 +342,21 @@ mod tests {
         table.remove(id).map(|c| (c.serial, c.recorded))
     }
 
-    /// A span's close knows whether it was entered more than once (it may be an async task), in its set's
-    /// ways and in the overflow map alike.
+    /// A span's close knows whether it may be an async task or hold some (entered more than once, or named as
+    /// a span's explicit parent), in its set's ways and in the overflow map alike.
     #[test]
-    fn a_close_knows_whether_its_span_was_entered_again() {
+    fn a_close_knows_whether_its_span_may_be_a_task() {
         let table = SpanTable::default();
         // More spans than one set's ways: some go to the overflow map.
         let ids: Vec<u64> = (1..).filter(|&id| set_of(id) == set_of(1)).take(12).collect();
         for (k, &id) in ids.iter().enumerate() {
             table.insert(id, k as u64 + 1);
             for _ in 0..k % 3 {
+                assert_eq!(table.get_entering(id), Some(k as u64 + 1));
+            }
+            if k % 4 == 1 {
+                assert_eq!(table.get_parenting(id), Some(k as u64 + 1));
+                // An enter after the note leaves it.
                 assert_eq!(table.get_entering(id), Some(k as u64 + 1));
             }
         }
@@ -327,14 +367,17 @@ mod tests {
         for (k, &id) in ids.iter().enumerate() {
             let closing = table.remove(id).expect("live");
             assert_eq!(
-                (closing.serial, closing.entered_again),
-                (k as u64 + 1, k % 3 == 2),
+                (closing.serial, closing.may_be_task),
+                (k as u64 + 1, k % 3 == 2 || k % 4 == 1),
                 "span {k}"
             );
         }
         // A way taken over by a new span starts over.
         table.insert(ids[0], 99);
-        assert!(!table.remove(ids[0]).unwrap().entered_again);
+        assert!(table.get_parenting(ids[0]).is_some());
+        assert!(table.remove(ids[0]).unwrap().may_be_task);
+        table.insert(ids[0], 100);
+        assert!(!table.remove(ids[0]).unwrap().may_be_task);
     }
 
     #[test]

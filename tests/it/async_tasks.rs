@@ -564,3 +564,86 @@ fn a_task_lifetime_ends_at_its_close_not_its_last_exit() {
         );
     }
 }
+
+/// A span entered once that holds child tasks (created inside it, polled on other threads, awaited before the
+/// span is dropped) is a task container: its lifetime runs to its close, past its children's, even though its
+/// thread recorded nothing between its only exit and its close. Explicit children (`parent: &span`, created
+/// outside it) count too.
+#[test]
+fn a_span_holding_child_tasks_lives_until_its_close_after_theirs() {
+    let _x = exclusive();
+    for explicit in [false, true] {
+        let memory = MemoryExporter::default();
+        let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
+        let subscriber = tracing_subscriber::registry().with(timeline.layer());
+        let (before_close, after_close) = tracing::subscriber::with_default(subscriber, || {
+            let dispatch = tracing::dispatcher::get_default(|d| d.clone());
+            let holder = tracing::info_span!("holder");
+            // Entered once either way: the children created inside that one enter, or on their own threads
+            // naming it (so its thread records nothing between its exit and its close).
+            let children: Vec<Option<tracing::Span>> = if explicit {
+                holder.in_scope(|| {});
+                vec![None, None]
+            } else {
+                holder.in_scope(|| (0..2u64).map(|k| Some(tracing::info_span!("child", k))).collect())
+            };
+            let holder_id = holder.id();
+            let workers: Vec<_> = children
+                .into_iter()
+                .enumerate()
+                .map(|(k, child)| {
+                    let dispatch = dispatch.clone();
+                    let holder_id = holder_id.clone();
+                    std::thread::spawn(move || {
+                        tracing::dispatcher::with_default(&dispatch, || {
+                            let child = child.unwrap_or_else(|| tracing::info_span!(parent: holder_id, "child", k));
+                            for _ in 0..2 {
+                                child.in_scope(|| std::thread::sleep(Duration::from_millis(2)));
+                                std::thread::sleep(Duration::from_millis(3));
+                            }
+                            drop(child);
+                        })
+                    })
+                })
+                .collect();
+            for worker in workers {
+                worker.join().unwrap();
+            }
+            std::thread::sleep(Duration::from_millis(5));
+            let before_close = tickline::clock::monotonic_ns().0;
+            drop(holder);
+            (before_close, tickline::clock::monotonic_ns().0)
+        });
+        timeline.shutdown().unwrap();
+        let trace = memory.snapshot();
+        let slices = trace.slices();
+        let off_thread = |name: &str| -> Vec<&RecordedSlice> {
+            slices
+                .iter()
+                .filter(|s| s.name == name && !trace.is_thread_track(s.track) && s.name != "poll")
+                .collect()
+        };
+        let holder = off_thread("holder");
+        let children = off_thread("child");
+        assert_eq!(
+            (holder.len(), children.len()),
+            (1, 2),
+            "explicit {explicit}: {slices:?}"
+        );
+        let holder = holder[0];
+        for child in &children {
+            assert!(
+                child.end_ns <= holder.end_ns,
+                "explicit {explicit}: a child task's lifetime ends at {} ns, after its holder's at {} ns",
+                child.end_ns,
+                holder.end_ns
+            );
+        }
+        assert!(
+            holder.end_ns + 2_000 >= before_close && holder.end_ns <= after_close + 2_000,
+            "explicit {explicit}: the holder's lifetime ends at {} ns, it closed between {before_close} and \
+             {after_close}",
+            holder.end_ns
+        );
+    }
+}
