@@ -257,46 +257,38 @@ impl SpanTable {
     /// need no note: they are created while their parent is entered, which the recorder sees on the thread.
     #[inline]
     pub(crate) fn get_parenting(&self, id: u64) -> Option<u64> {
-        match self.find(id) {
-            Some((way, serial)) => {
-                // Relaxed: read by the span's close, which the registry orders after its children's creation
-                // (a child holds a reference on its parent).
-                way.named_parent.store(true, Ordering::Relaxed);
-                Some(serial)
-            }
-            None => self.get_parenting_overflow(id),
-        }
-    }
-
-    #[cold]
-    fn get_parenting_overflow(&self, id: u64) -> Option<u64> {
-        self.with_overflow(|overflow| {
-            let entry = overflow.get_mut(&id)?;
-            entry.named_parent = true;
-            Some(entry.serial)
-        })
+        // Relaxed: read by the span's close, which the registry orders after its children's creation (a child
+        // holds a reference on its parent).
+        self.get_flagging(id, |way| &way.named_parent, |entry| &mut entry.named_parent)
     }
 
     /// The serial of live span `id`, if the table has it, noting that a `record` reached the span.
     #[inline]
     pub(crate) fn get_recording(&self, id: u64) -> Option<u64> {
-        match self.find(id) {
-            Some((way, serial)) => {
-                // Relaxed: read by the span's close, which the registry orders after this call (module docs).
-                way.recorded.store(true, Ordering::Relaxed);
-                Some(serial)
-            }
-            None => self.get_recording_overflow(id),
-        }
+        // Relaxed: read by the span's close, which the registry orders after this call (module docs).
+        self.get_flagging(id, |way| &way.recorded, |entry| &mut entry.recorded)
     }
 
-    #[cold]
-    fn get_recording_overflow(&self, id: u64) -> Option<u64> {
-        self.with_overflow(|overflow| {
-            let entry = overflow.get_mut(&id)?;
-            entry.recorded = true;
-            Some(entry.serial)
-        })
+    /// The serial of live span `id`, if the table has it, setting one of its flags (a relaxed store on its own
+    /// way, or under the overflow map's lock).
+    #[inline(always)]
+    fn get_flagging(
+        &self,
+        id: u64,
+        on_way: impl FnOnce(&Way) -> &AtomicBool,
+        in_overflow: impl FnOnce(&mut OverflowEntry) -> &mut bool,
+    ) -> Option<u64> {
+        match self.find(id) {
+            Some((way, serial)) => {
+                on_way(way).store(true, Ordering::Relaxed);
+                Some(serial)
+            }
+            None => self.with_overflow(|overflow| {
+                let entry = overflow.get_mut(&id)?;
+                *in_overflow(entry) = true;
+                Some(entry.serial)
+            }),
+        }
     }
 
     /// Forgets span `id` (it closed) and returns what its close needs to know.
