@@ -26,7 +26,7 @@
 //! | `SpanNew` | now, or 0 (untimed) | callsite key | with fields or a non-contextual parent: `[len, parent mode]` + explicit parent serial (or 0) | fields |
 //! | `SpanRecord` | now | span serial | `[len]` | fields |
 //! | `SpanEnter`, `SpanExit` | now | span serial | | |
-//! | `SpanClose` | now, or 0 with `aux` bit [`AT_LAST_EXIT`] | span serial; `aux` bit [`VALUES_FINAL`]: no `record` reached the span | | |
+//! | `SpanClose` | now, or 0 with `aux` bit [`AT_LAST_EXIT`] | span serial; `aux` bit [`VALUES_FINAL`]: no `record` reached the span; bit [`MAY_BE_TASK`]: entered more than once or named as a parent | | |
 //! | `Event` | now | callsite key | `[len, parent mode]` + explicit parent serial (or 0) | fields |
 //! | `ScopeBegin`, `ScopeEnd`, `Instant` | now | callsite key | | |
 //! | `Counter` | now | callsite key | value (`f64` bits) | |
@@ -80,8 +80,12 @@ pub(crate) const AT_LAST_EXIT: u64 = 1;
 /// `SpanClose` flag: no `record` reached the span after its creation (on any thread), so the values it was
 /// created with are its values at every moment: its slices need not wait for values recorded elsewhere.
 pub(crate) const VALUES_FINAL: u64 = 2;
+/// `SpanClose` flag: the span was entered more than once (on any threads), or named as a span's explicit
+/// parent, so it may be an async task (or hold some) even when this close directly follows its only exit on
+/// this thread: another thread's enter may be on a ring the collector processes later.
+pub(crate) const MAY_BE_TASK: u64 = 4;
 /// Every `SpanClose` flag: a close with any other `aux` bit is a framing error.
-const CLOSE_FLAGS: u64 = AT_LAST_EXIT | VALUES_FINAL;
+const CLOSE_FLAGS: u64 = AT_LAST_EXIT | VALUES_FINAL | MAY_BE_TASK;
 
 /// Whether `record` is a close of span `serial` that the decoder accepts as one (no unknown flag), so that
 /// looking ahead for a close never finds one the decoder would skip. Kinds are tagged: a data record never
@@ -478,11 +482,12 @@ pub(crate) enum Item<'a> {
         serial: u64,
     },
     /// `ticks` is `None` when the span closed right after its last exit on this thread (take that tick).
-    /// `values_final`: see [`VALUES_FINAL`].
+    /// `values_final`: see [`VALUES_FINAL`]; `may_be_task`: see [`MAY_BE_TASK`].
     SpanClose {
         ticks: Option<u64>,
         serial: u64,
         values_final: bool,
+        may_be_task: bool,
     },
     Event {
         ticks: u64,
@@ -570,10 +575,13 @@ impl<'a> Decoder<'a> {
         self.pos = (self.pos + n).min(self.records.len());
     }
 
-    /// Whether the next record (not yet decoded) is the close of span `serial`.
+    /// Whether the next record (not yet decoded) is the close of span `serial`, saying the span was entered
+    /// only once ([`MAY_BE_TASK`] not set): the exit before it ended the span's only poll.
     #[inline]
-    pub(crate) fn next_closes(&self, serial: u64) -> bool {
-        self.records.get(self.pos).is_some_and(|r| is_close_of(r, serial))
+    pub(crate) fn next_closes_synchronous(&self, serial: u64) -> bool {
+        self.records
+            .get(self.pos)
+            .is_some_and(|r| is_close_of(r, serial) && r.aux() & MAY_BE_TASK == 0)
     }
 
     /// The next item and how many records it spans, or the framing error and how many records were skipped.
@@ -609,6 +617,7 @@ impl<'a> Decoder<'a> {
                     ticks: (aux & AT_LAST_EXIT == 0).then_some(ticks),
                     serial: word1,
                     values_final: aux & VALUES_FINAL != 0,
+                    may_be_task: aux & MAY_BE_TASK != 0,
                 },
                 Kind::ScopeBegin if aux == 0 => Item::ScopeBegin { ticks, callsite: word1 },
                 Kind::ScopeEnd if aux == 0 => Item::ScopeEnd { ticks, callsite: word1 },
@@ -945,10 +954,11 @@ mod tests {
             Record::head(Kind::SpanClose, AT_LAST_EXIT | VALUES_FINAL, 0, 9),
             Record::head(Kind::SpanClose, VALUES_FINAL, t + 3, 10),
             // An aux bit no close has: a framing error, not a close.
-            Record::head(Kind::SpanClose, 4, t + 4, 11),
+            Record::head(Kind::SpanClose, 8, t + 4, 11),
+            Record::head(Kind::SpanClose, MAY_BE_TASK | VALUES_FINAL, t + 5, 12),
         ];
         let items = decode_all(&records);
-        assert_eq!(items.len(), 11);
+        assert_eq!(items.len(), 12);
         let low = t & TICK_MASK;
         assert!(matches!(items[0], Ok(Item::SpanEnter { ticks, serial: 7 }) if ticks == low));
         assert!(matches!(items[1], Ok(Item::SpanExit { serial: 7, .. })));
@@ -957,7 +967,8 @@ mod tests {
             Ok(Item::SpanClose {
                 ticks: None,
                 serial: 7,
-                values_final: false
+                values_final: false,
+                may_be_task: false
             })
         ));
         assert!(matches!(
@@ -965,7 +976,8 @@ mod tests {
             Ok(Item::SpanClose {
                 ticks: Some(_),
                 serial: 8,
-                values_final: false
+                values_final: false,
+                may_be_task: false
             })
         ));
         assert!(matches!(items[4], Ok(Item::ScopeBegin { callsite: 0x1000, .. })));
@@ -977,7 +989,8 @@ mod tests {
             Ok(Item::SpanClose {
                 ticks: None,
                 serial: 9,
-                values_final: true
+                values_final: true,
+                may_be_task: false
             })
         ));
         assert!(matches!(
@@ -985,10 +998,20 @@ mod tests {
             Ok(Item::SpanClose {
                 ticks: Some(_),
                 serial: 10,
-                values_final: true
+                values_final: true,
+                may_be_task: false
             })
         ));
         assert!(items[10].is_err(), "{:?}", items[10]);
+        assert!(matches!(
+            items[11],
+            Ok(Item::SpanClose {
+                ticks: Some(_),
+                serial: 12,
+                values_final: true,
+                may_be_task: true
+            })
+        ));
     }
 
     #[test]

@@ -444,7 +444,9 @@ impl MemoryTrace {
     }
 
     /// The async task tracks (see [`crate::AsyncTasks`]), in the order they arrived: each holds its span's
-    /// lifetime slice with the polls as children; a child task's track has its parent task's as parent.
+    /// lifetime slice with the polls as children; a child task's track has its parent task's as parent. A task
+    /// whose polls overlapped (entered on two threads at once) also has lanes for them, tracks of this kind
+    /// named `"{name} (polls 2)"` and so on, whose parent is the task's track.
     pub fn async_task_tracks(&self) -> Vec<&TrackDescriptor> {
         self.tracks
             .iter()

@@ -930,7 +930,7 @@ fn drop_refused_exit(ring: &mut LocalRing, serial: u64) -> bool {
 /// or every span is one), or hold some (it created spans while entered: then its exit did not follow its
 /// enter directly), and task lifetimes end at their close.
 /// `values_final`: no `record` reached the span, so the values it was created with are final
-/// ([`codec::VALUES_FINAL`]).
+/// ([`codec::VALUES_FINAL`]); `may_be_task` goes on the record too ([`codec::MAY_BE_TASK`]).
 #[inline]
 pub(crate) fn span_close(target: &impl Target, serial: u64, values_final: bool, may_be_task: bool) {
     with_ring(target, |ring| {
@@ -938,7 +938,8 @@ pub(crate) fn span_close(target: &impl Target, serial: u64, values_final: bool, 
             ring.drop_records(1);
             return;
         }
-        let flags = if values_final { codec::VALUES_FINAL } else { 0 };
+        let flags =
+            if values_final { codec::VALUES_FINAL } else { 0 } | if may_be_task { codec::MAY_BE_TASK } else { 0 };
         let tail = ring.producer.tail_index();
         // Without task lifetimes no close time is shown; with them, only a leaf's (its enter, exit and close
         // one after another) that cannot be a task may be its exit's.

@@ -1,9 +1,9 @@
 //! Raw capture: the collector's input log written to a `.tickline` file as it is drained, and read back to
 //! be converted later with the whole calibration history.
 //!
-//! # Format (version 3)
+//! # Format (version 4)
 //!
-//! A file is the 16-byte magic `TICKLINE` + `\0\0\0\0` + version (`u32` little-endian, 3), then *frames*
+//! A file is the 16-byte magic `TICKLINE` + `\0\0\0\0` + version (`u32` little-endian, 4), then *frames*
 //! until the end of the file:
 //!
 //! ```text
@@ -20,7 +20,9 @@
 //!
 //! Version 3 is version 2 whose records may carry a span close's `VALUES_FINAL` bit (see [`crate::codec`]),
 //! which a version-2 reader would count as a framing error: a reader of version 2 refuses version 3 by its
-//! number instead. Versions 1 and 2 still read (their closes never carry it).
+//! number instead. Versions 1 and 2 still read (their closes never carry it). Version 4 is version 3 whose
+//! span closes may carry the `MAY_BE_TASK` bit, refused by a version-3 reader the same way; versions 1 to 3
+//! still read.
 //!
 //! Integers are little-endian, strings are `u16` length + UTF-8 bytes, samples are
 //! `(source ticks u64, reference ns u64, max deviation ns u64)`. Frame types and payloads:
@@ -67,7 +69,7 @@ use crate::sync::TraceUuid;
 
 const MAGIC: &[u8; 12] = b"TICKLINE\0\0\0\0";
 /// The format version this build writes (it also reads versions 1, whose check has one lane, and 2).
-pub(crate) const VERSION: u32 = 3;
+pub(crate) const VERSION: u32 = 4;
 /// Write the buffer to the file once it holds this much.
 const WRITE_OUT_BYTES: usize = 1 << 20;
 /// Write the buffer out at least this often, so a killed process loses at most about this much.
@@ -573,7 +575,7 @@ pub(crate) enum Frame {
 /// does not parse ends the reading (see [`CaptureReader::stopped`]).
 pub(crate) struct CaptureReader<R: Read> {
     input: R,
-    /// The file's format version (1 to 3; 1 has the one-lane frame check).
+    /// The file's format version (1 to 4; 1 has the one-lane frame check).
     version: u32,
     buf: Vec<u8>,
     /// Why reading stopped early, if it did.
@@ -1147,11 +1149,13 @@ mod tests {
         assert_eq!(stopped, None);
         assert_eq!(from_v1, read(&v2).0);
         assert_eq!(from_v1.len(), frames);
-        // The written file (this build's version) relabelled version 2: the same frames.
-        assert_eq!(VERSION, 3);
-        let mut labelled_2 = v2.clone();
-        labelled_2[12..16].copy_from_slice(&2u32.to_le_bytes());
-        assert_eq!(read(&labelled_2), (from_v1.clone(), None));
+        // The written file (this build's version) relabelled versions 2 and 3: the same frames.
+        assert_eq!(VERSION, 4);
+        for older in [2u32, 3] {
+            let mut labelled = v2.clone();
+            labelled[12..16].copy_from_slice(&older.to_le_bytes());
+            assert_eq!(read(&labelled), (from_v1.clone(), None));
+        }
         // The version says which check a frame carries: a mismatch is a corrupt frame, found at once.
         let mut mixed = v1.clone();
         mixed[12..16].copy_from_slice(&VERSION.to_le_bytes());

@@ -60,6 +60,10 @@ pub(crate) struct SpanState {
     /// Its close said no `record` reached it ([`crate::codec::VALUES_FINAL`]): its creation values are final,
     /// so its slices need not wait for values recorded on other threads.
     pub(crate) values_final: bool,
+    /// Its close said it may be an async task ([`crate::codec::MAY_BE_TASK`]: entered more than once on any
+    /// threads, or named as a parent): its first poll is not taken for its only one until no ring can still
+    /// hold an enter from before the close (see `process/tasks.rs`).
+    pub(crate) close_may_be_task: bool,
     /// It was entered on more than one thread track.
     pub(crate) multi_track: bool,
     /// The thread track of its first enter (0: never entered).
@@ -134,6 +138,7 @@ impl SpanState {
             fields_truncated: 0,
             fieldless: false,
             values_final: false,
+            close_may_be_task: false,
             multi_track: false,
             first_track: 0,
             first_poll: Poll::default(),
@@ -349,11 +354,12 @@ impl Spans {
     /// Notes span `serial`'s close, processed in pass `pass` (passes count from 1).
     /// Notes that span `serial` closed at `ts_ns`, in pass `pass`; `values_final`: see
     /// [`SpanState::values_final`].
-    pub(crate) fn close(&mut self, serial: u64, pass: u64, ts_ns: u64, values_final: bool) {
+    pub(crate) fn close(&mut self, serial: u64, pass: u64, ts_ns: u64, values_final: bool, may_be_task: bool) {
         if let Some(span) = self.get_mut(serial) {
             span.closed_in = pass.max(1);
             span.closed_ns = ts_ns;
             span.values_final = values_final;
+            span.close_may_be_task = may_be_task;
             if span.task.is_some() {
                 self.closing_tasks.push((serial, pass.max(1)));
             }
@@ -506,7 +512,7 @@ mod tests {
         let mut spans = Spans::default();
         spans.insert(7, SpanState::new(NameId(1), 0, 0, None, None));
         spans.get_mut(7).unwrap().open_slices = 1;
-        spans.close(7, 10, 5, false);
+        spans.close(7, 10, 5, false, false);
         spans.sweep(20);
         assert!(spans.get(7).is_some(), "an open slice still refers to it");
         spans.get_mut(7).unwrap().open_slices = 0;
@@ -527,7 +533,7 @@ mod tests {
         spans.insert(serial(2, 1), state());
         for n in 2..=(WINDOW_MAX as u64 * 3) {
             spans.insert(serial(1, n), state());
-            spans.close(serial(1, n), 1, 0, false);
+            spans.close(serial(1, n), 1, 0, false, false);
         }
         spans.sweep(10);
         assert!(
@@ -539,7 +545,7 @@ mod tests {
         assert_eq!(spans.live(), 2, "everything closed was forgotten");
         assert!(spans.windows.iter().all(|w| w.slots.len() <= WINDOW_MAX));
         // The spilled span closes and goes too; a serial never created is unknown.
-        spans.close(serial(1, 1), 20, 0, false);
+        spans.close(serial(1, 1), 20, 0, false, false);
         spans.sweep(30);
         assert!(spans.get(serial(1, 1)).is_none());
         assert!(spans.get(serial(3, 1)).is_none());
@@ -568,7 +574,7 @@ mod tests {
         let mut span = SpanState::new(NameId(1), 0, 0, None, Some(values));
         span.update(5, [field(1, 8)]);
         spans.insert(serial(1, 1), span);
-        spans.close(serial(1, 1), 1, 0, false);
+        spans.close(serial(1, 1), 1, 0, false, false);
         spans.sweep(10);
         assert!(spans.get(serial(1, 1)).is_none());
         let reused = spans.take_values();

@@ -647,3 +647,82 @@ fn a_span_holding_child_tasks_lives_until_its_close_after_theirs() {
         );
     }
 }
+
+/// A span entered on two fresh threads at once is a task, and each of its polls has its flow (thread slice to
+/// task poll), whichever thread's ring the collector reads first and wherever the span closes: on the thread
+/// that made it, after both (the collector may see that close before the first thread's exit), or right after
+/// the later exit on the thread that held the last handle.
+#[test]
+fn a_span_polled_on_two_threads_at_once_gives_every_poll_its_flow() {
+    let _x = exclusive();
+    for last_handle_on_worker in [false, true] {
+        let memory = MemoryExporter::default();
+        let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
+        let subscriber = tracing_subscriber::registry().with(timeline.layer());
+        const SPANS: u64 = 40;
+        tracing::subscriber::with_default(subscriber, || {
+            let dispatch = tracing::dispatcher::get_default(|d| d.clone());
+            for id in 0..SPANS {
+                let span = tracing::info_span!("duo", id);
+                let both_in = Arc::new(std::sync::Barrier::new(2));
+                let workers: Vec<_> = (0..2u64)
+                    .map(|t| {
+                        let (span, both_in, dispatch) = (span.clone(), both_in.clone(), dispatch.clone());
+                        std::thread::spawn(move || {
+                            tracing::dispatcher::with_default(&dispatch, || {
+                                std::thread::sleep(Duration::from_micros(t * 100));
+                                {
+                                    let _poll = span.enter();
+                                    both_in.wait();
+                                    std::thread::sleep(Duration::from_micros(300 - t * 100));
+                                }
+                                // The second thread out drops the last handle right after its exit.
+                                drop(span);
+                            })
+                        })
+                    })
+                    .collect();
+                if last_handle_on_worker {
+                    drop(span);
+                    for worker in workers {
+                        worker.join().unwrap();
+                    }
+                } else {
+                    for worker in workers {
+                        worker.join().unwrap();
+                    }
+                    drop(span);
+                }
+            }
+        });
+        timeline.shutdown().unwrap();
+        let trace = memory.snapshot();
+        let slices = trace.slices();
+        let case = format!("last handle on a worker: {last_handle_on_worker}");
+        let lifetimes = slices
+            .iter()
+            .filter(|s| s.name == "duo" && !trace.is_thread_track(s.track))
+            .count() as u64;
+        assert_eq!(lifetimes, SPANS, "{case}: one task each");
+        let thread_polls: Vec<&RecordedSlice> = slices
+            .iter()
+            .filter(|s| s.name == "duo" && trace.is_thread_track(s.track))
+            .collect();
+        let task_polls: Vec<&RecordedSlice> = slices.iter().filter(|s| s.name == "poll").collect();
+        assert_eq!(
+            (thread_polls.len() as u64, task_polls.len() as u64),
+            (2 * SPANS, 2 * SPANS),
+            "{case}"
+        );
+        let outs: HashSet<u64> = thread_polls.iter().filter_map(|s| s.flow_out).collect();
+        let ins: HashSet<u64> = task_polls.iter().filter_map(|s| s.flow_in).collect();
+        let without: Vec<_> = thread_polls
+            .iter()
+            .filter(|s| s.flow_out.is_none())
+            .map(|s| (id_of(s), s.begin_ns, s.end_ns))
+            .collect();
+        assert!(without.is_empty(), "{case}: thread polls without a flow: {without:?}");
+        assert_eq!(outs, ins, "{case}: every flow has both ends");
+        assert_eq!(outs.len() as u64, 2 * SPANS, "{case}");
+    }
+}

@@ -845,9 +845,10 @@ impl Processor {
                         self.counts.framing_errors += len as u64;
                     }
                     Ok(item) => {
-                        // An exit right before its span's close: a synchronous span's only poll, no task.
-                        self.exit_before_close =
-                            matches!(item, Item::SpanExit { serial, .. } if decoder.next_closes(serial));
+                        // An exit right before its span's close, which says it was entered only once: a
+                        // synchronous span's only poll, no task.
+                        self.exit_before_close = matches!(item, Item::SpanExit { serial, .. }
+                            if decoder.next_closes_synchronous(serial));
                         let step = self.item(&mut r.track, item, decoder.rest(), chunk.now_ticks, force);
                         self.exit_before_close = false;
                         if step == Step::Stall {

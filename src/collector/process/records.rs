@@ -138,6 +138,7 @@ impl Processor {
                 ticks,
                 serial,
                 values_final,
+                may_be_task,
             } => {
                 if self.span_serial(serial).is_none() {
                     if !force {
@@ -153,7 +154,7 @@ impl Processor {
                         _ => track.last_ns,
                     },
                 };
-                self.spans.close(serial, self.pass, ts, values_final);
+                self.spans.close(serial, self.pass, ts, values_final, may_be_task);
                 self.release_decided(track, serial, ts);
                 if values_final && !track.held.is_empty() {
                     // Its held begins need not wait for the next pass: out now, with what follows them.
@@ -548,7 +549,7 @@ fn creation_parent(track: &Track, parent: Parent) -> Option<u64> {
 #[cfg(test)]
 mod lookahead_tests {
     use super::*;
-    use crate::codec::{Kind, AT_LAST_EXIT, VALUES_FINAL};
+    use crate::codec::{Kind, AT_LAST_EXIT, MAY_BE_TASK, VALUES_FINAL};
 
     #[test]
     fn a_spans_first_close_within_the_window_says_whether_its_values_are_final() {
@@ -569,8 +570,10 @@ mod lookahead_tests {
             "only the first close counts"
         );
         // A close with a flag the decoder does not know is a framing error, not a close: the next one counts.
-        assert!(!closes_with_final_values(&[close(7, 4 | VALUES_FINAL), close(7, 0)], 7));
-        assert!(closes_with_final_values(&[close(7, 4), close(7, VALUES_FINAL)], 7));
+        assert!(!closes_with_final_values(&[close(7, 8 | VALUES_FINAL), close(7, 0)], 7));
+        assert!(closes_with_final_values(&[close(7, 8), close(7, VALUES_FINAL)], 7));
+        // A close saying the span may be a task says whether its values are final all the same.
+        assert!(closes_with_final_values(&[close(7, MAY_BE_TASK | VALUES_FINAL)], 7));
         // A data record whose words look like a marked close of the span is not a close.
         let data = Record::data(1, (Kind::SpanClose as u64) << 12 | VALUES_FINAL, 7);
         assert!(!closes_with_final_values(&[data], 7));

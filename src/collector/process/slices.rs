@@ -230,11 +230,12 @@ impl Processor {
                 let (known_task, maybe_task) = if !split && mode != AsyncTasks::Never {
                     (
                         span.task.is_some(),
-                        // Closed by the ring's next record: synchronous, decided now (no flow to take back).
-                        // Cut short (its thread ended, or the timeline): no second poll will come to answer it.
+                        // Closed by the ring's next record, or on another ring processed earlier, saying it
+                        // was entered only once: synchronous, decided now (no flow to take back). Cut short
+                        // (its thread ended, or the timeline): no second poll will come to answer it.
                         mode == AsyncTasks::Auto
                             && span.task.is_none()
-                            && !span.is_closed()
+                            && (!span.is_closed() || span.close_may_be_task)
                             && span.enters == 1
                             && !self.exit_before_close
                             && !truncated,
@@ -363,11 +364,18 @@ impl Processor {
         };
         while let Some(front) = track.held.front_mut() {
             if let Some(serial) = front.undecided {
-                let (task, closed) = self
-                    .spans
-                    .get(serial)
-                    .map_or((false, true), |s| (s.task.is_some(), s.is_closed()));
-                if !task && !closed && mode == Release::Ready {
+                // A close saying the span may be a task decides only once the pass after it is processed
+                // whole: an enter from before the close, on a ring processed after the close's, is in the
+                // close's pass or the next.
+                let (task, closed, settled_close) = self.spans.get(serial).map_or((false, true, true), |s| {
+                    let closed = s.is_closed();
+                    (
+                        s.task.is_some(),
+                        closed,
+                        closed && (!s.close_may_be_task || s.closed_in < settled),
+                    )
+                });
+                if !task && !settled_close && mode == Release::Ready {
                     break;
                 }
                 front.undecided = None;

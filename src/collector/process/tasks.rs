@@ -330,7 +330,9 @@ impl Processor {
     /// end waits on the track, undecided, until the span closes or is entered again (see `release`).
     #[cold]
     pub(super) fn decide_flow(&mut self, track: &mut Track, serial: u64, slot: EventSlot, next: &Item<'_>) {
-        let closes = matches!(next, Item::SpanClose { serial: closed, .. } if *closed == serial);
+        // Its close, saying it was entered only once: synchronous. A close saying it may be a task leaves it
+        // undecided: another thread's enter may be on a ring processed later.
+        let closes = matches!(next, Item::SpanClose { serial: closed, may_be_task: false, .. } if *closed == serial);
         match slot {
             EventSlot::Held(seq) => {
                 let Some(event) = held_at(track, seq) else { return };

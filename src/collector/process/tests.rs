@@ -1059,6 +1059,7 @@ enum RingOp {
         span: u16,
         at_last_exit: bool,
         values_final: bool,
+        may_be_task: bool,
     },
     /// `span.record("x", value)`.
     Record {
@@ -1084,9 +1085,15 @@ fn ring_op() -> impl Strategy<Value = RingOp> {
         1 => any::<u64>().prop_map(RingOp::NewWithValue),
         2 => (1u8..3, any::<u16>()).prop_map(|(ring, span)| RingOp::Enter { ring, span }),
         2 => (1u8..3, any::<u16>()).prop_map(|(ring, span)| RingOp::Exit { ring, span }),
-        2 => (1u8..3, any::<u16>(), any::<bool>(), any::<bool>()).prop_map(|(ring, span, at_last_exit, values_final)| {
-            RingOp::Close { ring, span, at_last_exit, values_final }
-        }),
+        2 => (1u8..3, any::<u16>(), any::<bool>(), any::<bool>(), any::<bool>()).prop_map(
+            |(ring, span, at_last_exit, values_final, may_be_task)| RingOp::Close {
+                ring,
+                span,
+                at_last_exit,
+                values_final,
+                may_be_task
+            }
+        ),
         1 => (1u8..3, any::<u16>(), any::<u64>()).prop_map(|(ring, span, value)| RingOp::Record { ring, span, value }),
         1 => any::<u64>().prop_map(RingOp::Event),
         1 => Just(RingOp::ScopeBegin),
@@ -1177,16 +1184,20 @@ fn ring_records(ring: u32, ops: &[RingOp], created: &mut [u64; 3], ticks: &mut u
                 span,
                 at_last_exit,
                 values_final,
-            } => out.push(if at_last_exit {
-                Record::head(
-                    Kind::SpanClose,
-                    codec::AT_LAST_EXIT | final_bit(values_final),
-                    0,
-                    serial(created, r, span),
-                )
-            } else {
-                Record::head(Kind::SpanClose, final_bit(values_final), t, serial(created, r, span))
-            }),
+                may_be_task,
+            } => {
+                let flags = final_bit(values_final) | if may_be_task { codec::MAY_BE_TASK } else { 0 };
+                out.push(if at_last_exit {
+                    Record::head(
+                        Kind::SpanClose,
+                        codec::AT_LAST_EXIT | flags,
+                        0,
+                        serial(created, r, span),
+                    )
+                } else {
+                    Record::head(Kind::SpanClose, flags, t, serial(created, r, span))
+                })
+            }
             RingOp::Record { ring: r, span, value } => {
                 codec::encode_span_record(&mut scratch, t, serial(created, r, span), &u64_field(value));
                 out.extend_from_slice(&scratch);
@@ -1455,4 +1466,89 @@ fn any_ring_number_is_a_ring_like_any_other() {
     let trace = memory.snapshot();
     assert_eq!(trace.slices().len(), 2, "{:?}", trace.events);
     assert_eq!(p.stats.snapshot().framing_errors, 0);
+}
+
+/// A span entered on two threads at once is a task, whatever order its rings are processed in: its close
+/// (after both polls, on a third thread or right after one poll's exit on its own) may be processed before
+/// the other thread's enter. A close saying the span was entered more than once (`MAY_BE_TASK`) leaves the
+/// first poll undecided until no ring can still hold an enter from before it; each poll keeps its flow. A
+/// close saying it was entered once decides at once: no task, no flow.
+#[test]
+fn a_span_entered_on_two_threads_at_once_is_a_task_whichever_ring_is_processed_first() {
+    // (close on the main ring or right after the first thread's exit, second thread's polls a pass later,
+    // the close's flag)
+    for (close_on_main, later_pass, may_be_task) in [
+        (true, false, true),
+        (true, true, true),
+        (false, false, true),
+        (false, true, true),
+        (true, false, false),
+    ] {
+        let case = format!("close on main {close_on_main}, later pass {later_pass}, flag {may_be_task}");
+        let memory = MemoryExporter::default();
+        let mut p = processor(&memory);
+        register_span_callsite(&mut p);
+        for r in 1..=3 {
+            ring(&mut p, r);
+        }
+        let serial = crate::recorder::span_serial(1, 1);
+        // Values final: no slice waits a pass for values, so only the decision holds the first poll.
+        let flag = if may_be_task { codec::MAY_BE_TASK } else { 0 } | codec::VALUES_FINAL;
+        let close = Record::head(Kind::SpanClose, flag, 600, serial);
+        let mut main = vec![codec::span_new_bare(90, SPAN)];
+        let mut first = vec![
+            Record::timed(Kind::SpanEnter, 100, serial),
+            Record::timed(Kind::SpanExit, 500, serial),
+        ];
+        if close_on_main {
+            main.push(close);
+        } else {
+            first.push(close);
+        }
+        chunk(&mut p, 1, main);
+        chunk(&mut p, 2, first);
+        let second = if may_be_task {
+            vec![
+                Record::timed(Kind::SpanEnter, 200, serial),
+                Record::timed(Kind::SpanExit, 300, serial),
+            ]
+        } else {
+            Vec::new()
+        };
+        if later_pass {
+            pass(&mut p);
+        }
+        chunk(&mut p, 3, second);
+        for _ in 0..8 {
+            pass(&mut p);
+        }
+        shutdown(&mut p);
+        let trace = memory.snapshot();
+        let slices = trace.slices();
+        let outs: Vec<u64> = trace.events.iter().filter_map(|e| e.flow_out).collect();
+        let mut ins: Vec<u64> = trace.events.iter().filter_map(|e| e.flow_in).collect();
+        if may_be_task {
+            let polls: Vec<_> = slices
+                .iter()
+                .filter(|s| s.name == "poll")
+                .map(|s| (s.begin_ns, s.end_ns, s.flow_in.is_some()))
+                .collect();
+            assert_eq!(polls, [(100, 500, true), (200, 300, true)], "{case}");
+            let mut sorted_outs = outs.clone();
+            sorted_outs.sort_unstable();
+            ins.sort_unstable();
+            assert_eq!(
+                (sorted_outs.len(), &sorted_outs),
+                (2, &ins),
+                "{case}: each poll's flow, both ends"
+            );
+        } else {
+            assert_eq!(slices.len(), 1, "{case}");
+            assert!(
+                outs.is_empty() && ins.is_empty(),
+                "{case}: a synchronous span has no flow"
+            );
+            assert!(trace.async_task_tracks().is_empty(), "{case}");
+        }
+    }
 }
