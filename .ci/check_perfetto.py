@@ -11,12 +11,15 @@ usage: check_perfetto.py TRACE [--expect-slices NAME=COUNT ...] [--expect-total-
 Asserts, streaming packet by packet: a clock snapshot comes first and the first packet clears the incremental
 state; every track uuid is described before use; interned ids are defined before use; timestamps never go
 backwards per track; every slice begin has its end on the same track and nothing is left open; every flow
-has both ends. What a track is, the exporter says in its description, never in its name: every slice that is
+has both ends and is drawn: Perfetto's importer (trace_processor's FlowTracker) reads track events in timestamp
+order (ties in file order); an id in `flow_ids` starts a flow the first time and links the flow's last slice to
+this one after; an id in `terminating_flow_ids` ends a flow only if it started, else it is ignored. The check
+replays that and requires a drawn arrow for every flow. What a track is, the exporter says in its description, never in its name: every slice that is
 not on a thread track lies on a GPU queue track ("tickline GPU queue") whose parent is a GPU device track
 ("tickline GPU device"), carries the `uncertainty_ns` annotation and ends a flow (from the CPU code that
 recorded it), or on an async task track ("tickline async task"). Async tasks: any other track that is not a thread's holds one lifetime slice (named after
-its span) with `poll` slices as children, or (a lane for polls that overlap) only `poll` slices; every flow a poll
-ends starts on a thread track. With the options, slice counts per name, the total, the thread track count, the GPU
+its span) with `poll` slices as children, or (a lane for polls that overlap) only `poll` slices; every poll is
+drawn linked to a slice on a thread track. With the options, slice counts per name, the total, the thread track count, the GPU
 device count, the GPU slice count, the async task count per span name (its lifetime slice's name) and the poll
 count (each ending a flow from a thread track) must match.
 
@@ -111,20 +114,25 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
     last_ts = {}
     open_slices = collections.defaultdict(list)
     slice_counts = collections.Counter()
-    flows_out, flows_in = collections.Counter(), collections.Counter()
+    # Flow id -> the events carrying it: (timestamp, packet index, slice, terminating).
+    flow_events = collections.defaultdict(list)
+    # Slice (track uuid, packet index of its begin) -> its start time; each slice's open stack per track.
+    slice_start = {}
+    open_slice_ids = collections.defaultdict(list)
     # Flows started by a `tickline.flow_out` field: their receiver may be in another process's trace.
     field_flow_starts = set()
     # Flows ended by a `tickline.flow_in` field: their sender may be in another process's trace.
     field_flow_ends = set()
+    gpu_slice_ids = []
     annotated = collections.Counter()
     n_packets = n_events = gpu_slices = 0
     gpu_devices = set()
-    flow_out_at, flow_in_at = {}, {}
+    flow_out_at, flow_in_at = {}, {}  # field flows: sender's and receiver's (timestamp, track uuid)
     counters = collections.defaultdict(list)  # counter track uuid -> [(ts, value)]
     probes, truths = [], {}
     cut_at = None
     task_lifetimes, task_names = collections.Counter(), collections.Counter()
-    polls = []  # (packet index, track uuid, terminating flow ids)
+    polls = []  # (packet index, slice)
 
     def each_packet():
         nonlocal cut_at
@@ -184,16 +192,21 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
             for kind in ("uint_value", "int_value", "string_value"):
                 if a.HasField(kind):
                     values[aname] = getattr(a, kind)
-        for flow in ev.flow_ids:
-            flows_out[flow] += 1
-            flow_out_at[flow] = (ts, uuid)
-            if FLOW_OUT_FIELD in names_here:
-                field_flow_starts.add(flow)
-        if FLOW_IN_FIELD in names_here:
-            field_flow_ends.update(ev.terminating_flow_ids)
-        for flow in ev.terminating_flow_ids:
-            flows_in[flow] += 1
-            flow_in_at[flow] = (ts, uuid)
+        # The slice an event's flows bind to: a begin's or an instant's own, an end's the one it ends.
+        if ev.type == TYPE_SLICE_END:
+            this_slice = open_slice_ids[uuid][-1] if open_slice_ids[uuid] else None
+        else:
+            this_slice = (uuid, index)
+            slice_start[this_slice] = ts
+        for terminating, ids in ((False, ev.flow_ids), (True, ev.terminating_flow_ids)):
+            for flow in ids:
+                flow_events[flow].append((ts, index, this_slice, terminating))
+                if FLOW_OUT_FIELD in names_here:
+                    field_flow_starts.add(flow)
+                    flow_out_at[flow] = (ts, uuid)
+                elif FLOW_IN_FIELD in names_here:
+                    field_flow_ends.add(flow)
+                    flow_in_at[flow] = (ts, uuid)
         if "probe" in values:
             probes.append((index, ts, uuid, values["probe"]))
         if "probe_truth" in values:
@@ -201,6 +214,7 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
         name = event_names.get((seq, ev.name_iid), ev.name)
         if ev.type == TYPE_SLICE_BEGIN:
             open_slices[uuid].append(name)
+            open_slice_ids[uuid].append(this_slice)
             slice_counts[name] += 1
             td = described[uuid]
             if td.description == ASYNC_TASK:
@@ -208,7 +222,7 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
                 # ending the flow from its slice on a thread track.
                 depth = len(open_slices[uuid]) - 1
                 if name == POLL:
-                    polls.append((index, uuid, list(ev.terminating_flow_ids)))
+                    polls.append((index, this_slice))
                 elif depth == 0:
                     task_lifetimes[uuid] += 1
                     task_names[name] += 1
@@ -229,29 +243,52 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
                                      f"is not a GPU device track")
                 if UNCERTAINTY not in names_here:
                     raise TraceError(f"packet {index}: GPU slice {name!r} has no {UNCERTAINTY} annotation")
-                if not ev.terminating_flow_ids:
-                    raise TraceError(f"packet {index}: GPU slice {name!r} ends no flow from the CPU")
+                gpu_slice_ids.append((index, name, this_slice))
         elif ev.type == TYPE_SLICE_END:
             if not open_slices[uuid]:
                 raise TraceError(f"packet {index}: slice end with no open slice on track {uuid}")
             open_slices[uuid].pop()
+            open_slice_ids[uuid].pop()
         elif ev.type == TYPE_COUNTER:
             if not described[uuid].HasField("counter"):
                 raise TraceError(f"packet {index}: counter value on non-counter track {uuid}")
             counters[uuid].append((ts, ev.double_counter_value))
         elif ev.type != TYPE_INSTANT:
             raise TraceError(f"packet {index}: unexpected track event type {ev.type}")
+    # Replays the importer's flow rules (see the module docs): the arrows Perfetto draws, as (from, to) slices.
+    drawn = collections.defaultdict(list)
+    active = {}
+    for ts, index, flow, this_slice, terminating in sorted(
+            (ts, index, flow, sl, term) for flow, evs in flow_events.items() for ts, index, sl, term in evs):
+        if this_slice is None:
+            raise TraceError(f"packet {index}: flow {flow} on a slice end with no slice open")
+        if flow not in active:
+            if not terminating:
+                active[flow] = this_slice
+            continue
+        existing = active[flow]
+        late_first = slice_start[existing] > slice_start[this_slice]
+        drawn[flow].append((this_slice, existing) if late_first else (existing, this_slice))
+        if terminating:
+            del active[flow]
+        else:
+            active[flow] = this_slice
+    linked = collections.defaultdict(list)  # slice -> the slices Perfetto links it to
+    for arrows in drawn.values():
+        for a, b in arrows:
+            linked[a].append(b)
+            linked[b].append(a)
     polls_with_flows = 0
-    for index, uuid, flows in polls:
-        for flow in flows:
-            start = flow_out_at.get(flow)
-            if start is None:
-                if not allow_cut:
-                    raise TraceError(f"packet {index}: a poll ends flow {flow}, which starts nowhere")
-                continue
-            if not described[start[1]].HasField("thread"):
-                raise TraceError(f"packet {index}: a poll's flow {flow} starts on track {start[1]}, not a thread")
-            polls_with_flows += 1
+    for index, poll in polls:
+        others = [o for o in linked.get(poll, []) if described[o[0]].HasField("thread")]
+        if not others:
+            if not allow_cut:
+                raise TraceError(f"packet {index}: Perfetto draws no flow between this poll and a thread slice")
+            continue
+        polls_with_flows += 1
+    for index, name, gpu_slice in gpu_slice_ids:
+        if not any(described[o[0]].HasField("thread") for o in linked.get(gpu_slice, [])) and not allow_cut:
+            raise TraceError(f"packet {index}: Perfetto draws no flow from the CPU to GPU slice {name!r}")
     if expect_polls is not None and (len(polls), polls_with_flows) != (expect_polls, expect_polls):
         raise TraceError(f"expected {expect_polls} polls on task tracks, each ending a flow from a thread track; "
                          f"found {len(polls)} polls, {polls_with_flows} with such a flow")
@@ -261,12 +298,13 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
     still_open = {u: s for u, s in open_slices.items() if s}
     if still_open and not allow_cut:
         raise TraceError(f"slices never ended: {still_open}")
-    for flow in set(flows_out) | set(flows_in):
-        dangling_field_flow = (flow in field_flow_starts and flows_in[flow] == 0) or (
-            flow in field_flow_ends and flows_out[flow] == 0)
-        if flows_out[flow] > 1 or flows_in[flow] > 1 or (
-                not allow_cut and not dangling_field_flow and flows_out[flow] != flows_in[flow]):
-            raise TraceError(f"flow {flow} has {flows_out[flow]} start(s) and {flows_in[flow]} end(s)")
+    for flow, evs in flow_events.items():
+        dangling_field_flow = len(evs) == 1 and (flow in field_flow_starts or flow in field_flow_ends)
+        if len(evs) > 2 or (not allow_cut and not dangling_field_flow and len(evs) != 2):
+            raise TraceError(f"flow {flow} is on {len(evs)} event(s), not 2")
+        if len(evs) == 2 and len(drawn[flow]) != 1:
+            raise TraceError(f"flow {flow} (events at packets {[e[1] for e in evs]}): Perfetto draws "
+                             f"{len(drawn[flow])} arrows for it, not 1")
 
     def process_of(uuid):
         """The root process track above a track (its own uuid for a root)."""
@@ -346,7 +384,7 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
     cut = f" (cut at byte {cut_at}: read up to it)" if cut_at is not None else ""
     return (f"ok: {path}: {n_packets} packets{cut}, {n_events} track events, {total} slices on "
             f"{len(described)} tracks ({threads} threads, {len(gpu_devices)} GPU devices, {gpu_slices} GPU slices), "
-            f"{len(flows_out)} flows ({cross} across processes), {sum(task_lifetimes.values())} async tasks with "
+            f"{sum(1 for arrows in drawn.values() if arrows)} flows drawn ({cross} across processes), {sum(task_lifetimes.values())} async tasks with "
             f"{len(polls)} polls{truth_line}")
 
 

@@ -369,8 +369,8 @@ pub struct RecordedSlice {
     pub fields: Vec<(String, FieldValue)>,
     /// How many slices enclose it on its track.
     pub depth: usize,
-    /// A flow that ends at its begin (a GPU slice's flow from the CPU; an async task's poll, from its slice
-    /// on the thread that polled it).
+    /// A flow that ends at it: at its begin (a GPU slice's flow from the CPU), or at its end (an async task's
+    /// poll, from its slice on the thread that polled it, which ends then too).
     pub flow_in: Option<u64>,
     /// A flow that starts at it (on its begin or its end): a poll of an async task on a thread track. The flow
     /// to a GPU slice starts at an instant, not a slice: a [`RecordedEvent`] named after the GPU scope, on the
@@ -497,7 +497,7 @@ impl MemoryTrace {
                         end_ns: e.ts_ns,
                         fields,
                         depth: open.get(&e.track).map_or(0, Vec::len),
-                        flow_in: begin.flow_in,
+                        flow_in: begin.flow_in.or(e.flow_in),
                         flow_out: begin.flow_out.or(e.flow_out),
                     });
                 }

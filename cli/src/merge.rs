@@ -1064,12 +1064,11 @@ fn write_output(options: &MergeOptions, c: &Context<'_>) -> Result<usize, MergeE
                     packet::TRACK_EVENT => match flows.at.get(&(ti, pi)) {
                         Some((outs, ins)) => {
                             let mut event = without_field_flows(v.as_bytes().unwrap_or_default(), t.trace_uuid);
-                            // Unpacked, as the exporter writes them: Perfetto drops packed flow ids.
-                            for &id in outs {
+                            // Unpacked, as the exporter writes them (Perfetto drops packed flow ids), both ends
+                            // in `flow_ids` (see tickline-perfetto's caveats: a terminating id read before its
+                            // start is ignored).
+                            for &id in outs.iter().chain(ins) {
                                 put_fixed64(&mut event, 47, id);
-                            }
-                            for &id in ins {
-                                put_fixed64(&mut event, 48, id);
                             }
                             put_bytes(&mut rebuilt, packet::TRACK_EVENT, &event);
                         }

@@ -2,7 +2,7 @@
 //! (`perfetto_protos`), summarised: tracks, slices, events, flows, losses, clock snapshots, the trace's
 //! identity and every counter (calibration drift and error bounds, dropped records, alignment uncertainty).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 use perfetto_protos::debug_annotation::DebugAnnotation;
@@ -133,7 +133,9 @@ pub fn read(path: &Path) -> Result<TraceStats, String> {
     let mut annotation_names: HashMap<u32, HashMap<u64, String>> = HashMap::new();
     let mut counter_tracks: HashMap<u64, String> = HashMap::new();
     let mut open: HashMap<u64, u64> = HashMap::new();
-    let (mut outs, mut ins): (HashSet<u64>, HashSet<u64>) = (HashSet::new(), HashSet::new());
+    // Events carrying each flow id (in `flow_ids`, or `terminating_flow_ids` in older traces): a flow has
+    // both its ends when two events carry its id.
+    let mut flow_events: HashMap<u64, u32> = HashMap::new();
     let mut clocks = std::collections::BTreeSet::new();
     for (index, &(start, end)) in framing.packets.iter().enumerate() {
         let p = TracePacket::parse_from_bytes(&data[start..end])
@@ -209,8 +211,9 @@ pub fn read(path: &Path) -> Result<TraceStats, String> {
             } else {
                 ev.name().to_owned()
             };
-            outs.extend(ev.flow_ids.iter().copied());
-            ins.extend(ev.terminating_flow_ids.iter().copied());
+            for &id in ev.flow_ids.iter().chain(&ev.terminating_flow_ids) {
+                *flow_events.entry(id).or_default() += 1;
+            }
             for a in &ev.debug_annotations {
                 if annotation_name(a, names) == "uncertainty_ns" && a.has_uint_value() {
                     s.max_gpu_uncertainty_ns = Some(s.max_gpu_uncertainty_ns.unwrap_or(0).max(a.uint_value()));
@@ -295,8 +298,8 @@ pub fn read(path: &Path) -> Result<TraceStats, String> {
         }
     }
     s.open_slices = open.values().sum();
-    s.flows = outs.intersection(&ins).count() as u64;
-    s.half_flows = outs.symmetric_difference(&ins).count() as u64;
+    s.flows = flow_events.values().filter(|&&n| n >= 2).count() as u64;
+    s.half_flows = flow_events.values().filter(|&&n| n == 1).count() as u64;
     s.snapshot_clocks = clocks.into_iter().collect();
     for c in s.counters.values_mut() {
         if c.samples == 0 {

@@ -75,7 +75,12 @@
 //!
 //! # Caveats
 //!
-//! Perfetto's importer silently drops a packed `flow_ids`, so flow ids are written unpacked. Track uuids and
+//! Perfetto's importer silently drops a packed `flow_ids`, so flow ids are written unpacked. Both ends of a
+//! flow carry its id in `flow_ids` (none in `terminating_flow_ids`): the importer reads events in timestamp
+//! order and ignores a terminating id it has not seen start, which would lose every flow whose end is earlier
+//! in time than its start event (a task's `poll` begins before its thread slice ends). Perfetto draws the
+//! arrow from the slice that began first (for two that began together, from the one whose event it read
+//! first: a thread slice's end comes before its poll's in the file). Track uuids and
 //! flow ids are the timeline's ids XORed with a 32-bit salt drawn from the trace UUID (in the high half), so
 //! they are unique within a trace and, to one chance in 2^32 per pair of traces, across traces; `tickline
 //! merge` checks.
@@ -338,7 +343,6 @@ mod field {
         pub const TRACK_UUID: u32 = 11;
         pub const DOUBLE_COUNTER_VALUE: u32 = 44;
         pub const FLOW_IDS: u32 = 47;
-        pub const TERMINATING_FLOW_IDS: u32 = 48;
         pub const TYPE_SLICE_BEGIN: u64 = 1;
         pub const TYPE_SLICE_END: u64 = 2;
         pub const TYPE_INSTANT: u64 = 3;
@@ -1355,14 +1359,10 @@ impl<W: Write + Send> PerfettoExporter<W> {
             }
             b[annotation_len_at] = (pos - annotation_start) as u8;
         }
-        // Unpacked, one key per id (see `write_large_event`); keys 47 and 48, fixed64: two-byte varints.
-        if let Some(flow) = event.flow_out {
+        // Unpacked, one key per id, both ends in `flow_ids` (see `write_large_event`); key 47, fixed64: a
+        // two-byte varint.
+        for flow in [event.flow_out, event.flow_in].into_iter().flatten() {
             b[pos..pos + 2].copy_from_slice(&[0xf9, 0x02]);
-            b[pos + 2..pos + 10].copy_from_slice(&(salt ^ flow).to_le_bytes());
-            pos += 10;
-        }
-        if let Some(flow) = event.flow_in {
-            b[pos..pos + 2].copy_from_slice(&[0x81, 0x03]);
             b[pos + 2..pos + 10].copy_from_slice(&(salt ^ flow).to_le_bytes());
             pos += 10;
         }
@@ -1445,17 +1445,16 @@ impl<W: Write + Send> PerfettoExporter<W> {
         }
         // Unpacked, one key per id: Perfetto's importer drops packed flow ids without a word.
         // Salted like track uuids: unique across the traces of several processes.
-        if let Some(flow) = event.flow_out {
+        // Both ends in `flow_ids`, never `terminating_flow_ids`: the importer reads events in timestamp order,
+        // and skips a terminating id it has not seen start, so an end earlier in time than its start (a task's
+        // poll begins before its thread slice ends) would lose the flow. With `flow_ids` on both, whichever
+        // comes first starts it and the other completes it; the arrow goes from the slice that began first.
+        // Every flow id is used by one flow only, so none needs terminating.
+        for flow in [event.flow_out, event.flow_in, field_flows.0, field_flows.1]
+            .into_iter()
+            .flatten()
+        {
             put_fixed64_field(buf, field::event::FLOW_IDS, self.uuid_salt ^ flow);
-        }
-        if let Some(flow) = event.flow_in {
-            put_fixed64_field(buf, field::event::TERMINATING_FLOW_IDS, self.uuid_salt ^ flow);
-        }
-        if let Some(flow) = field_flows.0 {
-            put_fixed64_field(buf, field::event::FLOW_IDS, self.uuid_salt ^ flow);
-        }
-        if let Some(flow) = field_flows.1 {
-            put_fixed64_field(buf, field::event::TERMINATING_FLOW_IDS, self.uuid_salt ^ flow);
         }
         patch_length(buf, event_body);
         put_varint_field(buf, field::packet::TRUSTED_PACKET_SEQUENCE_ID, SEQUENCE_ID);

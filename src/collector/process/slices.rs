@@ -219,6 +219,7 @@ impl Processor {
         };
         let mut flow = None;
         let mut speculative = false;
+        let mut stream_task = None;
         if let OpenKind::Span(serial) = slice.kind {
             // A span entered again while entered on this thread: the outer enter is the poll.
             let nested = track.open.iter().any(|o| o.kind == slice.kind);
@@ -275,9 +276,7 @@ impl Processor {
                 }
             }
             if stream {
-                // A long-lived task: its lifetime begins now and its polls go out as they come.
-                self.write_task_begin(serial, ts_ns);
-                self.write_task_polls(serial);
+                stream_task = Some(serial);
             }
         }
         let slot = if let Some(late) = late {
@@ -305,6 +304,12 @@ impl Processor {
             if let OpenKind::Span(serial) = slice.kind {
                 track.speculative = Some((serial, slot));
             }
+        }
+        if let Some(serial) = stream_task {
+            // A long-lived task: its lifetime begins now and its polls go out as they come, after this slice's
+            // end (the start of its poll's flow: see `write_task_polls`).
+            self.write_task_begin(serial, ts_ns);
+            self.write_task_polls(serial);
         }
     }
 

@@ -216,8 +216,8 @@ impl Processor {
         lifetime.flow_out = None;
     }
 
-    /// Writes task `serial`'s buffered polls (its lifetime begin must be out): each a `poll` slice ending the
-    /// flow from its slice on a thread track, on the first lane free at its start.
+    /// Writes task `serial`'s buffered polls (its lifetime begin must be out): each a `poll` slice whose end
+    /// ends the flow from its slice on a thread track, on the first lane free at its start.
     pub(super) fn write_task_polls(&mut self, serial: u64) {
         let poll_name = *self.task_names.get_or_insert_with(|| self.out.intern("poll"));
         let Some(span) = self.spans.get_mut(serial) else { return };
@@ -240,14 +240,13 @@ impl Processor {
             };
             lanes[lane].1 = poll.end_ns;
             let lane_track = lanes[lane].0;
-            let begin_event = self.out.push_event_owned(
+            self.out.push_event_owned(
                 poll.begin_ns,
                 lane_track,
                 EventKind::SliceBegin,
                 poll_name,
                 &mut Vec::new(),
             );
-            begin_event.flow_in = (poll.flow != 0).then_some(poll.flow);
             let mut end_fields = Vec::new();
             if !self.truncated_polls.is_empty() {
                 if let Some(k) = self.truncated_polls.iter().position(|&p| p == (serial, poll.begin_ns)) {
@@ -260,8 +259,13 @@ impl Processor {
                     });
                 }
             }
-            self.out
-                .push_event_owned(poll.end_ns, lane_track, EventKind::SliceEnd, poll_name, &mut end_fields);
+            // The flow ends on the poll's end, at the time its thread slice (which starts it) ends: Perfetto's
+            // importer reads events in time order, and takes the first of two slices that began together
+            // (they did) for the flow's start, so the thread slice's end, written earlier, must not come later.
+            let end_event =
+                self.out
+                    .push_event_owned(poll.end_ns, lane_track, EventKind::SliceEnd, poll_name, &mut end_fields);
+            end_event.flow_in = (poll.flow != 0).then_some(poll.flow);
         }
         self.polls_written += polls.len() as u64;
         polls.clear();
