@@ -10,7 +10,8 @@ usage: check_perfetto.py TRACE [--expect-slices NAME=COUNT ...] [--expect-total-
 
 Asserts, streaming packet by packet: a clock snapshot comes first and the first packet clears the incremental
 state; every track uuid is described before use; interned ids are defined before use; timestamps never go
-backwards per track; every slice begin has its end on the same track and nothing is left open; every flow
+backwards per track; no track but a thread's or a process's may be merged with a sibling of its name
+(sibling_merge_behavior NONE); every slice begin has its end on the same track and nothing is left open; every flow
 has both ends and is drawn: Perfetto's importer (trace_processor's FlowTracker) reads track events in timestamp
 order (ties in file order); an id in `flow_ids` starts a flow the first time and links the flow's last slice to
 this one after; an id in `terminating_flow_ids` ends a flow only if it started, else it is ignored. The check
@@ -42,6 +43,9 @@ from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb
 
 TYPE_SLICE_BEGIN, TYPE_SLICE_END, TYPE_INSTANT, TYPE_COUNTER = 1, 2, 3, 4
 SEQ_INCREMENTAL_STATE_CLEARED = 1
+# TrackDescriptor.SiblingMergeBehavior: every track tickline describes stands for one thing (Perfetto's default
+# merges siblings that share a name: two tasks, or two GPUs, of one name would share a track).
+SIBLING_MERGE_NONE = 2
 
 
 class TraceError(Exception):
@@ -156,6 +160,9 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
             if td.HasField("parent_uuid") and td.parent_uuid not in described:
                 raise TraceError(f"track {td.uuid} names parent {td.parent_uuid} before it is described")
             described[td.uuid] = td
+            if not td.HasField("thread") and not td.HasField("process") and td.sibling_merge_behavior != SIBLING_MERGE_NONE:
+                raise TraceError(f"track {td.uuid} ({td.name!r}) may be merged with a sibling of the same name: "
+                                 f"sibling_merge_behavior is not NONE")
             if td.description == GPU_DEVICE:
                 gpu_devices.add(td.uuid)
         if packet.HasField("interned_data"):

@@ -1106,6 +1106,8 @@ fn write_output(options: &MergeOptions, c: &Context<'_>) -> Result<usize, MergeE
             put_varint(&mut td, 5, proc.uuid);
             put_bytes(&mut td, 2, ALIGNMENT_TRACK.as_bytes());
             put_bytes(&mut td, 14, description.as_bytes());
+            // sibling_merge_behavior NONE, as the exporter writes its tracks: never merged by name.
+            put_varint(&mut td, 15, 2);
             let mut counter = Vec::new();
             put_bytes(&mut counter, 6, b"ns");
             put_bytes(&mut td, 8, &counter);

@@ -87,11 +87,13 @@ fn every_packet_tickline_writes_decodes_with_perfettos_schema() {
     for path in [&a, &b] {
         let s = tickline_cli::stats::read(path).unwrap();
         println!("{}:\n{s}", path.display());
-        // The GPU device and queue tracks say what they are in `description` (TrackDescriptor field 14), which
-        // is newer than perfetto_protos 0.51's schema; nothing else is unknown.
+        // The GPU device and queue tracks say what they are in `description` (TrackDescriptor field 14), and
+        // tracks other than threads' and processes' are never merged by name (`sibling_merge_behavior`, 15):
+        // both newer than perfetto_protos 0.51's schema (Perfetto's current one, which the Python checker uses,
+        // has them); nothing else is unknown.
         assert_eq!(
             s.unknown_field_numbers.iter().collect::<Vec<_>>(),
-            ["TrackDescriptor.14"],
+            ["TrackDescriptor.14", "TrackDescriptor.15"],
             "fields outside Perfetto's schema"
         );
         assert_eq!(s.open_slices, 0);
@@ -124,11 +126,11 @@ fn every_packet_tickline_writes_decodes_with_perfettos_schema() {
     assert_eq!(report.renumbered.len(), 1, "{report}");
     assert!(report.to_string().contains("shown as pid + 4194304"), "{report}");
     let s = tickline_cli::stats::read(&merged).unwrap();
-    // The alignment tracks' and GPU tracks' `description` (TrackDescriptor field 14) is newer than
-    // perfetto_protos 0.51's schema; nothing else is unknown.
+    // The alignment tracks' and GPU tracks' `description` (TrackDescriptor field 14) and
+    // `sibling_merge_behavior` (15) are newer than perfetto_protos 0.51's schema; nothing else is unknown.
     assert_eq!(
         s.unknown_field_numbers.iter().collect::<Vec<_>>(),
-        ["TrackDescriptor.14"]
+        ["TrackDescriptor.14", "TrackDescriptor.15"]
     );
     assert_eq!(s.slices_by_name.get("kernel"), Some(&40));
     assert!(s.counters.contains_key(tickline_cli::merge::ALIGNMENT_TRACK));

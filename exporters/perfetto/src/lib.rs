@@ -377,6 +377,9 @@ mod field {
         pub const THREAD_NAME: u32 = 5;
         pub const UNIT_NAME: u32 = 6;
         pub const DESCRIPTION: u32 = 14;
+        pub const SIBLING_MERGE_BEHAVIOR: u32 = 15;
+        /// `SiblingMergeBehavior.SIBLING_MERGE_BEHAVIOR_NONE`.
+        pub const SIBLING_MERGE_NONE: u64 = 2;
     }
 }
 
@@ -1037,6 +1040,11 @@ impl<W: Write + Send> PerfettoExporter<W> {
             put_varint_field(&mut self.body, field::track::PARENT_UUID, parent);
         }
         put_bytes_field(&mut self.body, field::track::NAME, name.as_bytes());
+        put_varint_field(
+            &mut self.body,
+            field::track::SIBLING_MERGE_BEHAVIOR,
+            field::track::SIBLING_MERGE_NONE,
+        );
         put_bytes_field(&mut self.packet, field::packet::TRACK_DESCRIPTOR, &self.body);
         put_varint_field(&mut self.packet, field::packet::TRUSTED_PACKET_SEQUENCE_ID, SEQUENCE_ID);
         self.commit_packet();
@@ -1245,6 +1253,15 @@ impl<W: Write + Send> PerfettoExporter<W> {
                 // A kind this exporter does not know yet still gets a named track.
                 put_bytes_field(&mut self.body, field::track::NAME, format!("{other:?}").as_bytes());
             }
+        }
+        if !matches!(track.kind, TrackKind::Process { .. } | TrackKind::Thread { .. }) {
+            // Each track stands for one thing: Perfetto merges siblings of the same name unless told not to,
+            // which would put two tasks of one name (or two GPUs of one model) on one track.
+            put_varint_field(
+                &mut self.body,
+                field::track::SIBLING_MERGE_BEHAVIOR,
+                field::track::SIBLING_MERGE_NONE,
+            );
         }
         put_bytes_field(&mut self.packet, field::packet::TRACK_DESCRIPTOR, &self.body);
         put_varint_field(&mut self.packet, field::packet::TRUSTED_PACKET_SEQUENCE_ID, SEQUENCE_ID);
