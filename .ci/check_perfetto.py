@@ -10,7 +10,7 @@ usage: check_perfetto.py TRACE [--expect-slices NAME=COUNT ...] [--expect-total-
 
 Asserts, streaming packet by packet: a clock snapshot comes first and the first packet clears the incremental
 state; every track uuid is described before use; interned ids are defined before use; timestamps never go
-backwards per track; no track but a thread's or a process's may be merged with a sibling of its name
+backwards per track nor clock snapshots' BOOTTIME in file order; no track but a thread's or a process's may be merged with a sibling of its name
 (sibling_merge_behavior NONE); every slice begin has its end on the same track and nothing is left open; every flow
 has both ends and is drawn: Perfetto's importer (trace_processor's FlowTracker) reads track events in timestamp
 order (ties in file order); an id in `flow_ids` starts a flow the first time and links the flow's last slice to
@@ -46,6 +46,7 @@ SEQ_INCREMENTAL_STATE_CLEARED = 1
 # TrackDescriptor.SiblingMergeBehavior: every track tickline describes stands for one thing (Perfetto's default
 # merges siblings that share a name: two tasks, or two GPUs, of one name would share a track).
 SIBLING_MERGE_NONE = 2
+BOOTTIME = 6
 
 
 class TraceError(Exception):
@@ -116,6 +117,7 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
     described = {}
     event_names, annotation_names = {}, {}
     last_ts = {}
+    last_snapshot_boottime = {}
     open_slices = collections.defaultdict(list)
     slice_counts = collections.Counter()
     # Flow id -> the events carrying it: (timestamp, packet index, slice, terminating).
@@ -153,6 +155,16 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
                 raise TraceError("the first packet is not a clock snapshot")
             if not packet.sequence_flags & SEQ_INCREMENTAL_STATE_CLEARED:
                 raise TraceError("the first packet does not carry SEQ_INCREMENTAL_STATE_CLEARED")
+        if packet.HasField("clock_snapshot"):
+            # Perfetto's importer rejects a snapshot whose trace clock (BOOTTIME) goes back from the previous one
+            # of the same set of clocks in file order ("the trace clock is not monotonic": an import error).
+            clocks = {c.clock_id: c.timestamp for c in packet.clock_snapshot.clocks}
+            key = frozenset(clocks)
+            if BOOTTIME in clocks:
+                if clocks[BOOTTIME] < last_snapshot_boottime.get(key, 0):
+                    raise TraceError(f"packet {index}: clock snapshot BOOTTIME {clocks[BOOTTIME]} goes back from "
+                                     f"{last_snapshot_boottime[key]}: Perfetto rejects it")
+                last_snapshot_boottime[key] = clocks[BOOTTIME]
         if packet.HasField("track_descriptor"):
             td = packet.track_descriptor
             if td.uuid in described:

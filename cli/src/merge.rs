@@ -952,6 +952,24 @@ fn without_field_flows(event: &[u8], trace_uuid: Option<u128>) -> Vec<u8> {
     out
 }
 
+/// The time of clock `clock_id` in a `ClockSnapshot` message (clocks 1: each `Clock { clock_id 1, timestamp
+/// 2 }`).
+fn snapshot_clock(snapshot: &[u8], clock_id: u64) -> Option<u64> {
+    wire::fields(snapshot).flatten().find_map(|(n, v, _)| {
+        let clock = v.as_bytes().filter(|_| n == 1)?;
+        let mut id = None;
+        let mut ts = None;
+        for (k, value, _) in wire::fields(clock).flatten() {
+            match k {
+                1 => id = value.as_u64(),
+                2 => ts = value.as_u64(),
+                _ => {}
+            }
+        }
+        (id == Some(clock_id)).then_some(ts).flatten()
+    })
+}
+
 fn mix(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
@@ -1018,6 +1036,42 @@ fn write_output(options: &MergeOptions, c: &Context<'_>) -> Result<usize, MergeE
     own_sequence(&mut p);
     frame(&mut out, &p);
     packets += 2;
+    // The reference machine's clock snapshots, from all its traces, in time order: Perfetto's importer rejects
+    // a snapshot whose trace clock (BOOTTIME) goes back from the one before it in the file (an import error),
+    // which each trace's own run of snapshots would do after the one before it. The other machines' are left
+    // out (their clocks are not the axis).
+    let mut snapshots: Vec<(u64, Vec<u8>)> = Vec::new();
+    for (ti, t) in traces.iter().enumerate() {
+        if machine_of[ti] != 0 {
+            continue;
+        }
+        for pi in 0..t.packets.len() {
+            let Some(snapshot) = t
+                .packet_fields(pi)
+                .find(|(n, ..)| *n == packet::CLOCK_SNAPSHOT)
+                .and_then(|(_, v, _)| v.as_bytes())
+            else {
+                continue;
+            };
+            let Some(boottime) = snapshot_clock(snapshot, 6) else {
+                continue;
+            };
+            let mut p = Vec::new();
+            put_varint(&mut p, packet::TIMESTAMP, boottime);
+            put_bytes(&mut p, packet::CLOCK_SNAPSHOT, snapshot);
+            own_sequence(&mut p);
+            snapshots.push((boottime, p));
+        }
+    }
+    snapshots.sort_by_key(|s| s.0);
+    let mut last_boottime = first.boottime_ns;
+    for (boottime, p) in snapshots {
+        if boottime > last_boottime {
+            last_boottime = boottime;
+            frame(&mut out, &p);
+            packets += 1;
+        }
+    }
     let salt = u64::from(uuid.salt32()) << 32;
 
     for (ti, t) in traces.iter().enumerate() {
@@ -1032,7 +1086,9 @@ fn write_output(options: &MergeOptions, c: &Context<'_>) -> Result<usize, MergeE
             let mut skip = false;
             for (n, v, raw) in t.packet_fields(pi) {
                 match n {
-                    packet::CLOCK_SNAPSHOT | packet::SYSTEM_INFO if !same_machine_as_reference => skip = true,
+                    // Snapshots went out after the head, in time order.
+                    packet::CLOCK_SNAPSHOT => skip = true,
+                    packet::SYSTEM_INFO if !same_machine_as_reference => skip = true,
                     packet::TRACE_UUID => skip = true,
                     packet::TIMESTAMP => {
                         let ts = v.as_u64().unwrap_or(0);

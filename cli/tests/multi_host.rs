@@ -472,3 +472,40 @@ fn merge_links_every_receiver_once_where_a_trace_already_linked_one() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Two processes on one machine recording at the same time, merged: each trace's clock snapshots run from its
+/// own start, so appended one after the other the second's would go back in time, which Perfetto's importer
+/// rejects ("the trace clock is not monotonic", an import error). The merge writes the machine's snapshots
+/// once, in time order; the checker replays that rule.
+#[test]
+fn traces_of_one_machine_recorded_at_once_merge_with_snapshots_in_time_order() {
+    let dir = scratch("one-machine");
+    let (a, b, merged) = (dir.join("a.pftrace"), dir.join("b.pftrace"), dir.join("ab.pftrace"));
+    let first = spawn("batch", "delta", "offset_ns=0", &a, None);
+    std::thread::sleep(Duration::from_millis(600));
+    let second = spawn("batch", "delta", "offset_ns=0", &b, None);
+    for child in [first, second] {
+        assert!(child.wait_with_output().unwrap().status.success());
+    }
+    // The earlier trace second: its snapshots start before the later trace's ended.
+    let out = tickline_cmd(&[
+        "merge",
+        b.to_str().unwrap(),
+        a.to_str().unwrap(),
+        "-o",
+        merged.to_str().unwrap(),
+    ]);
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{report}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(report.contains("from 1 machines"), "{report}");
+    let Some(script) = checker() else { return };
+    let out = Command::new("python3")
+        .arg(&script)
+        .arg(&merged)
+        .args(["--expect-processes", "2"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    let _ = std::fs::remove_dir_all(&dir);
+}
