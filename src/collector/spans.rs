@@ -87,6 +87,9 @@ pub(crate) struct Poll {
 #[derive(Debug)]
 pub(crate) struct TaskData {
     pub(crate) track: crate::export::TrackId,
+    /// Where its track sits: its depth under the process track (1 for a task without a parent task) and its
+    /// parent track.
+    pub(crate) place: TaskPlace,
     /// Polls not written yet (the first included once it is a task), in the order they ended.
     pub(crate) polls: Vec<Poll>,
     /// The values its lifetime slice began with, once that begin is written (a task with many polls is
@@ -99,6 +102,15 @@ pub(crate) struct TaskData {
     /// When its last poll ended (reference ns): a task still open at the end whose close may have been
     /// dropped after it ends there.
     pub(crate) last_poll: u64,
+}
+
+/// Where a task track sits (see `process/tasks.rs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct TaskPlace {
+    pub(crate) track: crate::export::TrackId,
+    /// Tracks above it, the process track's 0.
+    pub(crate) depth: u32,
+    pub(crate) parent: crate::export::TrackId,
 }
 
 /// A span's field values: as of creation (and every update folded in), and later updates `(ns, field)`,

@@ -726,3 +726,64 @@ fn a_span_polled_on_two_threads_at_once_gives_every_poll_its_flow() {
         assert_eq!(outs.len() as u64, 2 * SPANS, "{case}");
     }
 }
+
+/// A chain of nested tasks deeper than a viewer can nest tracks (Perfetto's importer drops a track with more than
+/// 100 ancestors, and everything on it) keeps every task: tracks nest to a fixed depth, and deeper tasks go
+/// beside their parent task there. Every task still has its lifetime and polls.
+#[test]
+fn a_chain_of_tasks_deeper_than_a_viewer_nests_keeps_every_task_within_its_depth() {
+    let _x = exclusive();
+    const CHAIN: usize = 130;
+    let memory = MemoryExporter::default();
+    let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
+    let subscriber = tracing_subscriber::registry().with(timeline.layer());
+    tracing::subscriber::with_default(subscriber, || {
+        // Each link created inside the one before and entered twice (a task).
+        fn link(depth: usize) {
+            if depth == CHAIN {
+                return;
+            }
+            let span = tracing::info_span!("link", depth);
+            span.in_scope(|| {});
+            span.in_scope(|| link(depth + 1));
+        }
+        link(0);
+    });
+    timeline.shutdown().unwrap();
+    let trace = memory.snapshot();
+    let depth_of = |mut track: TrackId| {
+        let mut depth = 0;
+        while let Some(parent) = trace.track(track).and_then(|t| t.parent) {
+            depth += 1;
+            track = parent;
+        }
+        depth
+    };
+    let tasks: Vec<_> = trace
+        .async_task_tracks()
+        .into_iter()
+        .filter(|t| matches!(&t.kind, TrackKind::AsyncTask { name } if name.starts_with("link")))
+        .collect();
+    assert_eq!(tasks.len(), CHAIN, "one track per task");
+    let deepest = tasks.iter().map(|t| depth_of(t.id)).max().unwrap();
+    assert!(
+        (60..=70).contains(&deepest),
+        "tracks nest to a fixed depth well under 100: {deepest}"
+    );
+    let slices = trace.slices();
+    for task in &tasks {
+        let on_it: Vec<_> = slices.iter().filter(|s| s.track == task.id).collect();
+        assert_eq!(
+            on_it.iter().filter(|s| s.name == "link").count(),
+            1,
+            "{:?}: one lifetime",
+            task.kind
+        );
+        assert_eq!(
+            on_it.iter().filter(|s| s.name == "poll").count(),
+            2,
+            "{:?}: its polls",
+            task.kind
+        );
+    }
+}

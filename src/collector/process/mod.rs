@@ -81,7 +81,7 @@ use super::drain::{Budget, ChunkPool};
 use super::input::{CallsiteDef, Chunk, Input};
 use super::output::Output;
 use super::process_gpu::GpuCollector;
-use super::spans::{IdMap, Spans};
+use super::spans::{IdMap, Spans, TaskPlace};
 use super::stats::SharedStats;
 use super::AsyncTasks;
 use crate::calibration::{CalibrationHistory, ClockDomain, HistoryConfig};
@@ -416,7 +416,7 @@ pub(crate) struct Processor {
     /// Task tracks of spans already written and forgotten, by serial: a child that outlives its parent still
     /// nests under it. The oldest are forgotten beyond
     /// [`WRITTEN_TASKS_KEPT`](tasks::WRITTEN_TASKS_KEPT).
-    written_tasks: IdMap<TrackId>,
+    written_tasks: IdMap<TaskPlace>,
     written_order: VecDeque<u64>,
     /// `"poll"`, for the task tracks' poll slices.
     task_names: Option<NameId>,

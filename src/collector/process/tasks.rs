@@ -17,11 +17,15 @@
 use super::slices::held_at;
 use super::{losses, EventSlot, HeldEvent, Processor, Track};
 use crate::codec::Item;
-use crate::collector::spans::TaskData;
+use crate::collector::spans::{TaskData, TaskPlace};
 use crate::export::{EventKind, FieldValue, TraceField, TrackId, TrackKind};
 
 /// Ancestors followed up from a span when its task track is placed (deeper nesting goes under the process).
 const MAX_TASK_DEPTH: usize = 64;
+/// Deepest a task track nests under the process track. Perfetto's importer drops a track with more than 100
+/// ancestors, and everything on it; a task deeper than this goes beside its parent task (under the
+/// grandparent), so a chain of any length keeps every track, the deepest tasks side by side.
+const MAX_TASK_TRACK_DEPTH: u32 = 64;
 /// Bytes of a task track's name (its span's name and creation values), beyond which it is cut.
 const MAX_TASK_NAME: usize = 80;
 /// Written tasks whose tracks are remembered for children that outlive them.
@@ -55,15 +59,20 @@ impl Processor {
         // The chain of spans without a track, innermost first, up to one that has a track (or none).
         let mut chain = Vec::new();
         let mut at = serial;
-        let mut parent_track = self.out.process_track();
+        let process = self.out.process_track();
+        let mut parent = TaskPlace {
+            track: process,
+            depth: 0,
+            parent: process,
+        };
         while at != 0 && chain.len() < MAX_TASK_DEPTH {
-            if let Some(&track) = self.written_tasks.get(&at) {
-                parent_track = track;
+            if let Some(&place) = self.written_tasks.get(&at) {
+                parent = place;
                 break;
             }
             let Some(span) = self.spans.get(at) else { break };
             if let Some(task) = &span.task {
-                parent_track = task.track;
+                parent = task.place;
                 break;
             }
             chain.push(at);
@@ -72,12 +81,24 @@ impl Processor {
         let mut track = None;
         for &s in chain.iter().rev() {
             let name = self.task_name(s);
-            let t = self.out.new_track(Some(parent_track), TrackKind::AsyncTask { name });
+            // As deep as a track may go: beside its parent task instead of under it.
+            let (under, depth) = if parent.depth >= MAX_TASK_TRACK_DEPTH {
+                (parent.parent, parent.depth)
+            } else {
+                (parent.track, parent.depth + 1)
+            };
+            let t = self.out.new_track(Some(under), TrackKind::AsyncTask { name });
+            let place = TaskPlace {
+                track: t,
+                depth,
+                parent: under,
+            };
             if let Some(span) = self.spans.get_mut(s) {
                 // Its first poll, kept in case it became a task, is now the task's.
                 let first = (span.first_poll.end_ns != 0).then_some(span.first_poll);
                 span.task = Some(Box::new(TaskData {
                     track: t,
+                    place,
                     polls: first.into_iter().collect(),
                     begun: None,
                     lanes: vec![(t, 0)],
@@ -86,7 +107,7 @@ impl Processor {
                 }));
             }
             self.spans.closed_task(s);
-            parent_track = t;
+            parent = place;
             track = Some(t);
         }
         track.or_else(|| self.spans.get(serial).and_then(|s| s.task.as_ref()).map(|t| t.track))
@@ -161,6 +182,7 @@ impl Processor {
         let Some(task) = span.task.as_mut() else { return };
         task.written = true;
         let track = task.track;
+        let place = task.place;
         let mut end_fields = if begun {
             // Its begin went out early with the values of then: the end carries what changed since.
             let sent = task.begun.take().unwrap_or_default();
@@ -185,7 +207,7 @@ impl Processor {
         self.out
             .push_event_owned(end, track, EventKind::SliceEnd, name, &mut end_fields);
         self.tasks_written += 1;
-        self.written_tasks.insert(serial, track);
+        self.written_tasks.insert(serial, place);
         self.written_order.push_back(serial);
         if self.written_order.len() > WRITTEN_TASKS_KEPT {
             if let Some(old) = self.written_order.pop_front() {
