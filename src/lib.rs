@@ -137,7 +137,9 @@
 //!   carries `tickline.dropped_inside` (records dropped while it was open). An async task's lifetime slice
 //!   carries it when records were dropped on any thread while the task lived, since its polls run on any
 //!   thread: their count there is of all of them, an upper bound of the task's own. A slice is never
-//!   stretched to cover a loss.
+//!   stretched to cover a loss. A span created while the enter of the span around it was dropped cannot be
+//!   known to be its child (the contextual parent is what its thread had entered, as recorded): its task
+//!   track, if it gets one, nests under the nearest task its thread is known to have entered, or the process.
 //! - **Span ids.** `tracing`'s registry reuses a span's id once it closes; tickline gives every span a serial
 //!   of its own instead (see [`TicklineLayer`]), so a slice always carries its own span's name and fields.
 //!   Track ids in exported traces are unique per timeline.

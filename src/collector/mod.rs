@@ -63,9 +63,13 @@ use stats::SharedStats;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum AsyncTasks {
-    /// A span becomes a task once it is entered a second time or entered on more than one thread: what a
-    /// future that is polled, awaits and is polled again looks like. A span entered once on one thread (an
-    /// ordinary synchronous scope) is shown exactly as with `Never`. The first poll's flow is drawn only once
+    /// A span becomes a task once it is entered again after an exit, or entered on more than one thread: what
+    /// a future that is polled, awaits and is polled again looks like. (Entering a span again while it is
+    /// entered on the same thread is not a new poll: the outer enter is the poll.) A span entered once on one
+    /// thread (an ordinary synchronous scope) is shown exactly as with `Never`, unless it holds child tasks
+    /// (spans created inside it, or naming it as their parent, that became tasks): it then gets a task track too,
+    /// from its creation to its close, with its poll, so that its children's tracks nest under it. The first
+    /// poll's flow is drawn only once
     /// the span is known to be a task, so a span that turns out to be synchronous gets no flow, nor does one
     /// cut short by its thread's end or the timeline's. One exception: a first poll still undecided when a
     /// [`flush`](crate::Timeline::flush) or the 200 ms hold limit sends it out keeps its flow's start, in case
