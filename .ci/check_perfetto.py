@@ -97,6 +97,9 @@ def packets(data, allow_cut=False):
 GPU_DEVICE = "tickline GPU device"
 GPU_QUEUE = "tickline GPU queue"
 ASYNC_TASK = "tickline async task"
+DEEPER = "tickline deeper slices"
+# trace_processor's SliceTracker::kMaxDepth: a deeper begin is dropped, and the end after it closes the wrong slice.
+MAX_DEPTH = 512
 UNCERTAINTY = "uncertainty_ns"
 POLL = "poll"
 FLOW_OUT_FIELD = "tickline.flow_out"
@@ -146,6 +149,12 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
             yield from packets(data, allow_cut)
         except CutTail as c:
             cut_at = c.args[0]
+
+    def base_track(uuid):
+        """The track whose slices `uuid` holds: itself, or for a track of deeper slices, its parent's."""
+        while described[uuid].description == DEEPER and described[uuid].HasField("parent_uuid"):
+            uuid = described[uuid].parent_uuid
+        return uuid
 
     for index, packet in enumerate(each_packet()):
         seq = packet.trusted_packet_sequence_id
@@ -235,7 +244,10 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
             open_slices[uuid].append(name)
             open_slice_ids[uuid].append(this_slice)
             slice_counts[name] += 1
-            td = described[uuid]
+            if len(open_slices[uuid]) > MAX_DEPTH:
+                raise TraceError(f"packet {index}: slice {name!r} nested {len(open_slices[uuid])} deep on track {uuid}: "
+                                 f"Perfetto drops slices deeper than {MAX_DEPTH}")
+            td = described[base_track(uuid)]
             if td.description == ASYNC_TASK:
                 # An async task track (or a lane of one): one lifetime slice, its polls as children, each
                 # ending the flow from its slice on a thread track.
@@ -272,7 +284,11 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
             if not described[uuid].HasField("counter"):
                 raise TraceError(f"packet {index}: counter value on non-counter track {uuid}")
             counters[uuid].append((ts, ev.double_counter_value))
-        elif ev.type != TYPE_INSTANT:
+        elif ev.type == TYPE_INSTANT:
+            if len(open_slices[uuid]) >= MAX_DEPTH:
+                raise TraceError(f"packet {index}: instant {name!r} nested {len(open_slices[uuid])} deep on track "
+                                 f"{uuid}: Perfetto drops slices deeper than {MAX_DEPTH}")
+        else:
             raise TraceError(f"packet {index}: unexpected track event type {ev.type}")
     # Replays the importer's flow rules (see the module docs): the arrows Perfetto draws, as (from, to) slices.
     drawn = collections.defaultdict(list)
@@ -299,14 +315,14 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
             linked[b].append(a)
     polls_with_flows = 0
     for index, poll in polls:
-        others = [o for o in linked.get(poll, []) if described[o[0]].HasField("thread")]
+        others = [o for o in linked.get(poll, []) if described[base_track(o[0])].HasField("thread")]
         if not others:
             if not allow_cut:
                 raise TraceError(f"packet {index}: Perfetto draws no flow between this poll and a thread slice")
             continue
         polls_with_flows += 1
     for index, name, gpu_slice in gpu_slice_ids:
-        if not any(described[o[0]].HasField("thread") for o in linked.get(gpu_slice, [])) and not allow_cut:
+        if not any(described[base_track(o[0])].HasField("thread") for o in linked.get(gpu_slice, [])) and not allow_cut:
             raise TraceError(f"packet {index}: Perfetto draws no flow from the CPU to GPU slice {name!r}")
     if expect_polls is not None and (len(polls), polls_with_flows) != (expect_polls, expect_polls):
         raise TraceError(f"expected {expect_polls} polls on task tracks, each ending a flow from a thread track; "

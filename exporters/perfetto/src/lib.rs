@@ -389,6 +389,10 @@ pub const DESCRIPTION_GPU_DEVICE: &str = "tickline GPU device";
 pub const DESCRIPTION_GPU_QUEUE: &str = "tickline GPU queue";
 /// The `TrackDescriptor.description` of an async task track (see `tickline::AsyncTasks`).
 pub const DESCRIPTION_ASYNC_TASK: &str = "tickline async task";
+/// The `TrackDescriptor.description` of a track holding its parent track's slices nested deeper than
+/// Perfetto shows on one track (512): a child of the track they belong to, named `nested deeper than 512`
+/// (1024, ...).
+pub const DESCRIPTION_DEEPER_SLICES: &str = "tickline deeper slices";
 
 /// Counts of what was written.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -461,7 +465,21 @@ pub struct PerfettoExporter<W: Write + Send = File> {
     replay: Option<std::collections::VecDeque<ClockReadings>>,
     /// Flows asked for by span and event fields.
     field_flows: FieldFlows,
+    /// Slices open on each track, by track id (see [`MAX_TRACK_DEPTH`]).
+    depths: Vec<u32>,
+    /// Overflow tracks described so far (see [`MAX_TRACK_DEPTH`]).
+    deep_tracks: std::collections::HashSet<u64>,
 }
+
+/// Most slices Perfetto nests on one track (trace_processor's `SliceTracker::kMaxDepth`): its importer drops a
+/// deeper begin, and the end that follows then closes the wrong slice, cutting the slices around it short.
+/// Slices (and instants) nested deeper go on a child track, [`MAX_TRACK_DEPTH`] levels each, so every slice
+/// keeps its place and duration.
+const MAX_TRACK_DEPTH: u32 = 512;
+/// Track ids beyond this are not depth-tracked (the timeline numbers its tracks from 1 up).
+const DEPTH_TRACKED_TRACKS: u64 = 1 << 24;
+/// The bit that marks an overflow track's id (with its level at bit 40 and its track's id below).
+const DEEP_TRACK_BIT: u64 = 1 << 62;
 
 impl<W: Write + Send> std::fmt::Debug for PerfettoExporter<W> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -759,6 +777,8 @@ impl<W: Write + Send> PerfettoExporter<W> {
             recorded_pid: std::process::id(),
             recorded_process: tickline::sync::process_name(),
             replay: None,
+            depths: Vec::new(),
+            deep_tracks: std::collections::HashSet::new(),
         }
     }
 
@@ -855,12 +875,75 @@ impl<W: Write + Send> PerfettoExporter<W> {
     /// The events of a batch, in order.
     fn write_events<const SIM: bool>(&mut self, batch: &Batch) -> Result<(), ExportError> {
         for event in &batch.events {
-            self.write_event::<SIM>(batch, event);
+            match self.overflow_level(event) {
+                0 => self.write_event::<SIM>(batch, event),
+                level => {
+                    let deep = self.deep_track(event.track, level);
+                    let moved = TraceEvent {
+                        track: deep,
+                        ..event.clone()
+                    };
+                    self.write_event::<SIM>(batch, &moved);
+                }
+            }
             if self.buf.len() >= FLUSH_AT_BYTES {
                 self.write_out()?;
             }
         }
         Ok(())
+    }
+
+    /// How many [`MAX_TRACK_DEPTH`]s of slices `event` sits under on its track (0 almost always), counting
+    /// the track's open slices as it goes.
+    #[inline]
+    fn overflow_level(&mut self, event: &TraceEvent) -> u32 {
+        let index = event.track.0;
+        if index >= DEPTH_TRACKED_TRACKS {
+            return 0;
+        }
+        let index = index as usize;
+        let Some(depth) = self.depths.get_mut(index) else {
+            if event.kind != EventKind::SliceBegin {
+                return 0;
+            }
+            self.depths.resize(index + 1, 0);
+            self.depths[index] = 1;
+            return 0;
+        };
+        match event.kind {
+            EventKind::SliceBegin => {
+                *depth += 1;
+                (*depth - 1) / MAX_TRACK_DEPTH
+            }
+            EventKind::SliceEnd => {
+                *depth = depth.saturating_sub(1);
+                *depth / MAX_TRACK_DEPTH
+            }
+            EventKind::Instant => *depth / MAX_TRACK_DEPTH,
+            _ => 0,
+        }
+    }
+
+    /// The child track of `track` that holds its slices nested `level` x [`MAX_TRACK_DEPTH`] deep and more,
+    /// described on first use.
+    #[cold]
+    fn deep_track(&mut self, track: tickline::export::TrackId, level: u32) -> tickline::export::TrackId {
+        let deep = tickline::export::TrackId(DEEP_TRACK_BIT | u64::from(level) << 40 | track.0);
+        if self.deep_tracks.insert(deep.0) {
+            let parent = if level == 1 {
+                track
+            } else {
+                tickline::export::TrackId(DEEP_TRACK_BIT | u64::from(level - 1) << 40 | track.0)
+            };
+            let name = format!("nested deeper than {}", u64::from(level) * u64::from(MAX_TRACK_DEPTH));
+            self.write_described_track(
+                self.uuid(deep),
+                Some(self.uuid(parent)),
+                &name,
+                Some(DESCRIPTION_DEEPER_SLICES),
+            );
+        }
+        deep
     }
 
     fn read_clocks(&self) -> ClockReadings {
@@ -1034,12 +1117,19 @@ impl<W: Write + Send> PerfettoExporter<W> {
     }
 
     fn write_named_track(&mut self, uuid: u64, parent: Option<u64>, name: &str) {
+        self.write_described_track(uuid, parent, name, None);
+    }
+
+    fn write_described_track(&mut self, uuid: u64, parent: Option<u64>, name: &str, description: Option<&str>) {
         self.body.clear();
         put_varint_field(&mut self.body, field::track::UUID, uuid);
         if let Some(parent) = parent {
             put_varint_field(&mut self.body, field::track::PARENT_UUID, parent);
         }
         put_bytes_field(&mut self.body, field::track::NAME, name.as_bytes());
+        if let Some(description) = description {
+            put_bytes_field(&mut self.body, field::track::DESCRIPTION, description.as_bytes());
+        }
         put_varint_field(
             &mut self.body,
             field::track::SIBLING_MERGE_BEHAVIOR,

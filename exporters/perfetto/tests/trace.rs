@@ -815,3 +815,48 @@ fn a_flow_links_a_sender_written_batches_after_its_receiver() {
     }
     let _ = std::fs::remove_file(&path);
 }
+
+/// Perfetto nests at most 512 slices on one track: its importer drops a deeper begin, and the end after it
+/// then closes the wrong slice, cutting every slice around it short. Slices nested deeper (recursion 1,200 deep
+/// here) go on child tracks of their thread's, 512 levels each, so the checker (which replays that rule) finds
+/// every slice, none deeper than 512 on its track, and an instant at the bottom on the right one.
+#[test]
+fn slices_nested_deeper_than_perfetto_shows_on_one_track_go_on_child_tracks() {
+    use tracing_subscriber::layer::SubscriberExt;
+    let _one_at_a_time = exclusive();
+    let path = std::env::temp_dir().join(format!("tickline-perfetto-{}-deep.pftrace", std::process::id()));
+    let timeline = tickline::Timeline::builder()
+        .exporter(PerfettoExporter::create(&path).unwrap())
+        .start()
+        .unwrap();
+    const DEPTH: usize = 1200;
+    // Deep recursion needs a big stack: its own thread.
+    let dispatch = tracing::Dispatch::new(tracing_subscriber::registry().with(timeline.layer()));
+    std::thread::Builder::new()
+        .stack_size(64 << 20)
+        .spawn(move || {
+            tracing::dispatcher::with_default(&dispatch, || {
+                fn recurse(depth: usize) {
+                    let _level = tracing::info_span!("deep").entered();
+                    if depth + 1 < DEPTH {
+                        recurse(depth + 1);
+                    } else {
+                        tracing::info!("bottom");
+                    }
+                }
+                recurse(0);
+            })
+        })
+        .unwrap()
+        .join()
+        .unwrap();
+    timeline.shutdown().unwrap();
+    let bytes = std::fs::read(&path).unwrap();
+    let events = named_flows(&bytes);
+    assert_eq!(events.iter().filter(|e| e.0 == "deep").count(), DEPTH, "every begin");
+    if let Some(out) = run_checker(&bytes, "deep", &["--expect-slices", "deep=1200"]) {
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    }
+    let _ = std::fs::remove_file(&path);
+}
