@@ -471,6 +471,10 @@ pub struct PerfettoExporter<W: Write + Send = File> {
     deep_tracks: std::collections::HashSet<u64>,
 }
 
+/// A flush writes a clock snapshot when the last one is older than this (see `flush`): at most ten a second
+/// however often the application flushes.
+const FLUSH_SNAPSHOT_AGE: Duration = Duration::from_millis(100);
+
 /// Most slices Perfetto nests on one track (trace_processor's `SliceTracker::kMaxDepth`): its importer drops a
 /// deeper begin, and the end that follows then closes the wrong slice, cutting the slices around it short.
 /// Slices (and instants) nested deeper go on a child track, [`MAX_TRACK_DEPTH`] levels each, so every slice
@@ -1670,8 +1674,12 @@ impl<W: Write + Send> Exporter for PerfettoExporter<W> {
         self.check_failed()?;
         if self.started && self.replay.is_none() {
             // A suspend since the last snapshot moves BOOTTIME against MONOTONIC: record it.
+            // And a flush may be the last thing the trace gets (the exit hook flushes, a killed process
+            // stops): a snapshot unless one is recent, so the end is bracketed too.
             let offset = clock_ns(libc::CLOCK_BOOTTIME) - clock_ns(libc::CLOCK_MONOTONIC);
-            if (offset - self.boot_offset_ns).abs() > SNAPSHOT_TOLERANCE_NS {
+            if (offset - self.boot_offset_ns).abs() > SNAPSHOT_TOLERANCE_NS
+                || self.last_snapshot.elapsed() >= FLUSH_SNAPSHOT_AGE
+            {
                 self.write_clock_snapshot(false);
             }
         }

@@ -5,6 +5,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 const CHILD: &str = "TICKLINE_DURABILITY_CHILD";
+/// Set: the child calls `std::process::exit` after this many ms instead of waiting to be killed.
+const EXIT_AFTER_MS: &str = "TICKLINE_DURABILITY_EXIT_AFTER_MS";
 
 /// The child: ~100 slices per second until it is killed.
 #[test]
@@ -14,7 +16,14 @@ fn child() {
         .unwrap()
         .flush_interval(Duration::from_millis(200));
     let _timeline = tickline::Timeline::builder().exporter(exporter).start().unwrap();
+    let exit_after = std::env::var(EXIT_AFTER_MS)
+        .ok()
+        .map(|ms| Duration::from_millis(ms.parse().unwrap()));
+    let started = Instant::now();
     loop {
+        if exit_after.is_some_and(|after| started.elapsed() >= after) {
+            std::process::exit(0);
+        }
         {
             let _tick = tickline::scope!("tick");
             std::thread::sleep(Duration::from_micros(200));
@@ -25,6 +34,13 @@ fn child() {
 
 /// Slices named "tick" begun in `bytes` (a cut tail ignored), and their first and last timestamps.
 fn ticks(bytes: &[u8]) -> (usize, u64, u64) {
+    let (n, first, last, _) = ticks_and_last_snapshot(bytes);
+    (n, first, last)
+}
+
+/// [`ticks`], and the timestamp of the last clock snapshot (TracePacket.timestamp, then clock_snapshot: 0x32).
+fn ticks_and_last_snapshot(bytes: &[u8]) -> (usize, u64, u64, u64) {
+    let mut last_snapshot = 0;
     // The name "tick" is interned once; the begins carry its iid. Count begins by walking the framing and
     // looking for TrackEvent.type = SLICE_BEGIN (0x48 0x01) with TracePacket.timestamp first.
     let (mut n, mut first, mut last, mut pos) = (0, u64::MAX, 0, 0);
@@ -58,10 +74,36 @@ fn ticks(bytes: &[u8]) -> (usize, u64, u64) {
                 first = first.min(ts);
                 last = last.max(ts);
             }
+            if body.get(q) == Some(&0x32) {
+                last_snapshot = last_snapshot.max(ts);
+            }
         }
         pos = end;
     }
-    (n, first, last)
+    (n, first, last, last_snapshot)
+}
+
+/// A process that calls `std::process::exit` keeps every slice (the exit hook flushes the timeline), and its
+/// trace's end is bracketed by a clock snapshot like a shut-down timeline's (`tickline merge` follows the
+/// clocks between snapshots).
+#[test]
+fn an_exiting_process_keeps_every_slice_and_a_closing_clock_snapshot() {
+    let path = std::env::temp_dir().join(format!("tickline-durability-exit-{}.pftrace", std::process::id()));
+    let status = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child", "--nocapture", "--test-threads", "1"])
+        .env(CHILD, &path)
+        .env(EXIT_AFTER_MS, "700")
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let bytes = std::fs::read(&path).unwrap();
+    let _ = std::fs::remove_file(&path);
+    let (n, _, last_tick, last_snapshot) = ticks_and_last_snapshot(&bytes);
+    assert!(n >= 20, "only {n} slices");
+    assert!(
+        last_snapshot >= last_tick,
+        "the last clock snapshot ({last_snapshot}) is before the last slice ({last_tick})"
+    );
 }
 
 #[test]
