@@ -787,3 +787,37 @@ fn a_chain_of_tasks_deeper_than_a_viewer_nests_keeps_every_task_within_its_depth
         );
     }
 }
+
+/// Spans exited out of stack order (`let a = s1.entered(); let b = s2.entered(); drop(a)`) are entered once:
+/// synchronous, so `Auto` gives them no task and no flow, split or not.
+#[test]
+fn spans_exited_out_of_order_are_synchronous() {
+    let _x = exclusive();
+    let memory = MemoryExporter::default();
+    let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
+    let subscriber = tracing_subscriber::registry().with(timeline.layer());
+    tracing::subscriber::with_default(subscriber, || {
+        for i in 0..100u64 {
+            let _frame = tracing::info_span!("frame", i).entered();
+            let a = tracing::info_span!("A", i).entered();
+            let b = tracing::info_span!("B", i).entered();
+            drop(a);
+            drop(b);
+        }
+    });
+    timeline.shutdown().unwrap();
+    let trace = memory.snapshot();
+    assert!(trace.async_task_tracks().is_empty());
+    let with_flows: Vec<_> = trace
+        .slices()
+        .into_iter()
+        .filter(|s| s.flow_out.is_some() || s.flow_in.is_some())
+        .map(|s| s.name)
+        .collect();
+    assert!(
+        with_flows.is_empty(),
+        "{} slices with a flow: {:?}",
+        with_flows.len(),
+        &with_flows[..5.min(with_flows.len())]
+    );
+}

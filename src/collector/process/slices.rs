@@ -104,6 +104,13 @@ impl Processor {
         }
         let slice = track.open.pop().expect("pos exists");
         self.end_slice(track, slice, ts_ns, false, false);
+        if let Some((serial, EventSlot::Batch(index))) = track.speculative {
+            // Its end carries a flow on speculation, taken back if the span turns out synchronous: parked now,
+            // while it is the batch's last event, before the reopened slices' begins go out behind it.
+            track.speculative = self
+                .park(track, serial, index)
+                .map(|seq| (serial, EventSlot::Held(seq)));
+        }
         for (kind, name, begin_ns) in reopen.into_iter().rev() {
             self.reopen(track, kind, name, ts_ns, begin_ns);
         }
