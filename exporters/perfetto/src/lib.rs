@@ -144,8 +144,8 @@ pub fn is_field_flow_id(trace_uuid: TraceUuid, flow_id: u64) -> bool {
 /// Flows asked for by [`FLOW_OUT_FIELD`] / [`FLOW_IN_FIELD`] fields, linked as the exporter writes events.
 /// Perfetto links flow ends by id after sorting by time, so a receiver may be written before its sender: in
 /// the same batch (tracks are not written in time order), or batches earlier (a sender span still open, its
-/// begin held for its values, after its receiver has ended). Such a receiver ends the flow at once; the
-/// sender, whenever it is written, starts it.
+/// begin held for its values, after its receiver has ended). Such a receiver carries the flow's id at once;
+/// the sender, whenever it is written, carries it too, and Perfetto links the two.
 #[derive(Default)]
 struct FieldFlows {
     /// The interned ids of the two field names, once the timeline used them.
