@@ -39,7 +39,7 @@ use tickline::{
     sync::{ExchangeSample, MachineId, TraceUuid},
 };
 
-use crate::tracefile::{packet, ReadError, Snapshot, TraceFile};
+use crate::tracefile::{packet, ReadError, Snapshot, TraceFile, CLOCK_BOOTTIME, CLOCK_REALTIME};
 use crate::wire::{self, put_bytes, put_fixed64, put_varint};
 
 /// The annotation that marks a span or event as a flow's sending end.
@@ -952,24 +952,6 @@ fn without_field_flows(event: &[u8], trace_uuid: Option<u128>) -> Vec<u8> {
     out
 }
 
-/// The time of clock `clock_id` in a `ClockSnapshot` message (clocks 1: each `Clock { clock_id 1, timestamp
-/// 2 }`).
-fn snapshot_clock(snapshot: &[u8], clock_id: u64) -> Option<u64> {
-    wire::fields(snapshot).flatten().find_map(|(n, v, _)| {
-        let clock = v.as_bytes().filter(|_| n == 1)?;
-        let mut id = None;
-        let mut ts = None;
-        for (k, value, _) in wire::fields(clock).flatten() {
-            match k {
-                1 => id = value.as_u64(),
-                2 => ts = value.as_u64(),
-                _ => {}
-            }
-        }
-        (id == Some(clock_id)).then_some(ts).flatten()
-    })
-}
-
 fn mix(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
@@ -1015,13 +997,13 @@ fn write_output(options: &MergeOptions, c: &Context<'_>) -> Result<usize, MergeE
     let first = reference.snapshots.first().copied().unwrap_or_default();
     let mut p = Vec::new();
     let mut snap = Vec::new();
-    for (id, ts) in [(6u64, first.boottime_ns), (1, first.realtime_ns)] {
+    for (id, ts) in [(CLOCK_BOOTTIME, first.boottime_ns), (CLOCK_REALTIME, first.realtime_ns)] {
         let mut clock = Vec::new();
         put_varint(&mut clock, 1, id);
         put_varint(&mut clock, 2, ts);
         put_bytes(&mut snap, 1, &clock);
     }
-    put_varint(&mut snap, 2, 6);
+    put_varint(&mut snap, 2, CLOCK_BOOTTIME);
     put_varint(&mut p, packet::TIMESTAMP, first.boottime_ns);
     put_bytes(&mut p, packet::CLOCK_SNAPSHOT, &snap);
     own_sequence(&mut p);
@@ -1045,15 +1027,12 @@ fn write_output(options: &MergeOptions, c: &Context<'_>) -> Result<usize, MergeE
         if machine_of[ti] != 0 {
             continue;
         }
-        for pi in 0..t.packets.len() {
+        for &(boottime, pi) in &t.clock_snapshot_packets {
             let Some(snapshot) = t
                 .packet_fields(pi)
                 .find(|(n, ..)| *n == packet::CLOCK_SNAPSHOT)
                 .and_then(|(_, v, _)| v.as_bytes())
             else {
-                continue;
-            };
-            let Some(boottime) = snapshot_clock(snapshot, 6) else {
                 continue;
             };
             let mut p = Vec::new();

@@ -23,6 +23,11 @@ pub mod packet {
     pub const TRACE_UUID: u32 = 89;
 }
 
+/// `BuiltinClock.BUILTIN_CLOCK_BOOTTIME`: the id of BOOTTIME in a `ClockSnapshot`, the trace's time axis.
+pub const CLOCK_BOOTTIME: u64 = 6;
+/// `BuiltinClock.BUILTIN_CLOCK_REALTIME`.
+pub const CLOCK_REALTIME: u64 = 1;
+
 /// The trace's identity, from its `tickline trace` instant (and `TraceUuid` packet).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct TraceIdentity {
@@ -97,6 +102,8 @@ pub struct TraceFile {
     pub trace_uuid: Option<u128>,
     /// Clock snapshots, in file order.
     pub snapshots: Vec<Snapshot>,
+    /// The `ClockSnapshot` packets with a BOOTTIME reading: `(BOOTTIME, packet index)`, in file order.
+    pub clock_snapshot_packets: Vec<(u64, usize)>,
     /// Clock-exchange rounds.
     pub exchange: Vec<ExchangeSample>,
     /// Cross-process flow marks.
@@ -199,6 +206,7 @@ impl TraceFile {
             identity: None,
             trace_uuid: None,
             snapshots: Vec::new(),
+            clock_snapshot_packets: Vec::new(),
             exchange: Vec::new(),
             flow_marks: Vec::new(),
             track_uuids: Vec::new(),
@@ -220,6 +228,11 @@ impl TraceFile {
                     packet::TIMESTAMP => ts = v.as_u64(),
                     packet::SEQUENCE_ID => seq = v.as_u64().unwrap_or(0),
                     packet::TRACK_EVENT => event = v.as_bytes(),
+                    packet::CLOCK_SNAPSHOT => {
+                        if let Some(boottime) = snapshot_clock(v.as_bytes().unwrap_or_default(), CLOCK_BOOTTIME) {
+                            t.clock_snapshot_packets.push((boottime, index));
+                        }
+                    }
                     packet::INTERNED_DATA => {
                         for f in wire::fields(v.as_bytes().unwrap_or_default()) {
                             let (n, v, _) = f.map_err(|e| err(format!("packet {index}: interned data: {e}")))?;
@@ -405,4 +418,22 @@ impl TraceFile {
     pub fn packet_fields(&self, i: usize) -> impl Iterator<Item = (u32, Value<'_>, &[u8])> {
         wire::fields(self.packet(i)).flatten()
     }
+}
+
+/// The time of clock `clock_id` in a `ClockSnapshot` message (clocks 1: each `Clock { clock_id 1, timestamp
+/// 2 }`).
+fn snapshot_clock(snapshot: &[u8], clock_id: u64) -> Option<u64> {
+    wire::fields(snapshot).flatten().find_map(|(n, v, _)| {
+        let clock = v.as_bytes().filter(|_| n == 1)?;
+        let mut id = None;
+        let mut ts = None;
+        for (k, value, _) in wire::fields(clock).flatten() {
+            match k {
+                1 => id = value.as_u64(),
+                2 => ts = value.as_u64(),
+                _ => {}
+            }
+        }
+        (id == Some(clock_id)).then_some(ts).flatten()
+    })
 }

@@ -906,14 +906,13 @@ impl<W: Write + Send> PerfettoExporter<W> {
             return 0;
         }
         let index = index as usize;
-        let Some(depth) = self.depths.get_mut(index) else {
+        if index >= self.depths.len() {
             if event.kind != EventKind::SliceBegin {
                 return 0;
             }
             self.depths.resize(index + 1, 0);
-            self.depths[index] = 1;
-            return 0;
-        };
+        }
+        let depth = &mut self.depths[index];
         match event.kind {
             EventKind::SliceBegin => {
                 *depth += 1;
@@ -932,13 +931,14 @@ impl<W: Write + Send> PerfettoExporter<W> {
     /// described on first use.
     #[cold]
     fn deep_track(&mut self, track: tickline::export::TrackId, level: u32) -> tickline::export::TrackId {
-        let deep = tickline::export::TrackId(DEEP_TRACK_BIT | u64::from(level) << 40 | track.0);
+        // Level 0 is the track itself.
+        let at_level = |level: u32| match level {
+            0 => track,
+            level => tickline::export::TrackId(DEEP_TRACK_BIT | u64::from(level) << 40 | track.0),
+        };
+        let deep = at_level(level);
         if self.deep_tracks.insert(deep.0) {
-            let parent = if level == 1 {
-                track
-            } else {
-                tickline::export::TrackId(DEEP_TRACK_BIT | u64::from(level - 1) << 40 | track.0)
-            };
+            let parent = at_level(level - 1);
             let name = format!("nested deeper than {}", u64::from(level) * u64::from(MAX_TRACK_DEPTH));
             self.write_described_track(
                 self.uuid(deep),
