@@ -525,6 +525,15 @@ fn task_lifetimes_around_a_loss_on_any_thread_are_marked() {
     assert!(checked > 0, "no task lived through a loss: {stats:?}");
 }
 
+/// `lifetime` ends within 2 µs of the clock reads `before_close` and `after_close` around its span's close.
+fn assert_ends_at_close(lifetime: &RecordedSlice, before_close: u64, after_close: u64, case: &str) {
+    assert!(
+        lifetime.end_ns + 2_000 >= before_close && lifetime.end_ns <= after_close + 2_000,
+        "{case}: the lifetime ends at {} ns, the span closed between {before_close} and {after_close}",
+        lifetime.end_ns
+    );
+}
+
 /// A task's lifetime runs to its span's close, even when the thread recorded nothing between the span's last
 /// exit and its close (a close there takes that exit's time, one clock read less, only for spans that cannot
 /// be tasks).
@@ -556,11 +565,11 @@ fn a_task_lifetime_ends_at_its_close_not_its_last_exit() {
             .iter()
             .find(|s| s.name == "held" && !trace.is_thread_track(s.track))
             .unwrap_or_else(|| panic!("{mode:?}, {enters} enters: no task lifetime in {slices:?}"));
-        assert!(
-            lifetime.end_ns + 2_000 >= before_close && lifetime.end_ns <= after_close + 2_000,
-            "{mode:?}, {enters} enters: the lifetime ends at {} ns, the span closed between {before_close} and \
-             {after_close}",
-            lifetime.end_ns
+        assert_ends_at_close(
+            lifetime,
+            before_close,
+            after_close,
+            &format!("{mode:?}, {enters} enters"),
         );
     }
 }
@@ -639,12 +648,7 @@ fn a_span_holding_child_tasks_lives_until_its_close_after_theirs() {
                 holder.end_ns
             );
         }
-        assert!(
-            holder.end_ns + 2_000 >= before_close && holder.end_ns <= after_close + 2_000,
-            "explicit {explicit}: the holder's lifetime ends at {} ns, it closed between {before_close} and \
-             {after_close}",
-            holder.end_ns
-        );
+        assert_ends_at_close(holder, before_close, after_close, &format!("explicit {explicit}"));
     }
 }
 
