@@ -142,6 +142,9 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
     cut_at = None
     task_lifetimes, task_names = collections.Counter(), collections.Counter()
     polls = []  # (packet index, slice)
+    # trace_processor's importer: a thread's TrackDescriptor read on a sequence whose incremental state is valid
+    # (it saw SEQ_INCREMENTAL_STATE_CLEARED) becomes that sequence's default thread (track_event_tokenizer.cc).
+    valid_sequences, default_thread = set(), {}
 
     def each_packet():
         nonlocal cut_at
@@ -156,9 +159,21 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
             uuid = described[uuid].parent_uuid
         return uuid
 
+    def thread_scoped(uuid):
+        """Whether the importer resolves `uuid` to a thread: it, or a track above it, is a thread's."""
+        while True:
+            td = described[uuid]
+            if td.HasField("thread"):
+                return True
+            if not td.HasField("parent_uuid"):
+                return False
+            uuid = td.parent_uuid
+
     for index, packet in enumerate(each_packet()):
         seq = packet.trusted_packet_sequence_id
         n_packets += 1
+        if packet.sequence_flags & SEQ_INCREMENTAL_STATE_CLEARED or packet.incremental_state_cleared:
+            valid_sequences.add(seq)
         if index == 0:
             if not packet.HasField("clock_snapshot"):
                 raise TraceError("the first packet is not a clock snapshot")
@@ -181,6 +196,8 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
             if td.HasField("parent_uuid") and td.parent_uuid not in described:
                 raise TraceError(f"track {td.uuid} names parent {td.parent_uuid} before it is described")
             described[td.uuid] = td
+            if td.HasField("thread") and seq in valid_sequences:
+                default_thread[seq] = td.uuid
             if not td.HasField("thread") and not td.HasField("process") and td.sibling_merge_behavior != SIBLING_MERGE_NONE:
                 raise TraceError(f"track {td.uuid} ({td.name!r}) may be merged with a sibling of the same name: "
                                  f"sibling_merge_behavior is not NONE")
@@ -198,6 +215,13 @@ def check(path, expect_slices, expect_total, expect_threads, require_annotations
         uuid = ev.track_uuid
         if uuid not in described:
             raise TraceError(f"packet {index}: track uuid {uuid} used before it is described")
+        # An event on a track of no thread (a GPU queue, a task, a counter) on a sequence with a default thread gets
+        # a `legacy_event.passthrough_utid` argument naming that thread (track_event_event_importer.h): shown
+        # with the slice as if that thread had done it.
+        if seq in default_thread and not thread_scoped(uuid):
+            raise TraceError(f"packet {index}: an event on track {uuid} (not a thread's) is on sequence {seq}, whose "
+                             f"default thread is track {default_thread[seq]}: Perfetto names that thread on it "
+                             f"(legacy_event.passthrough_utid)")
         ts = packet.timestamp
         if ts < last_ts.get(uuid, 0):
             raise TraceError(f"packet {index}: time goes backwards on track {uuid}: {ts} < {last_ts[uuid]}")

@@ -1053,14 +1053,19 @@ fn write_output(options: &MergeOptions, c: &Context<'_>) -> Result<usize, MergeE
     }
     let salt = u64::from(uuid.salt32()) << 32;
 
+    // Each input sequence gets an output sequence of its own (1 is ours), numbered in the order they appear: a
+    // tickline trace has two (its threads' track descriptors on the second, which never clears its incremental
+    // state, so Perfetto makes no thread the default of the sequence its GPU and task slices are on).
+    let mut next_sequence = 2u64;
     for (ti, t) in traces.iter().enumerate() {
         let mi = machine_of[ti];
         let same_machine_as_reference = mi == 0;
         let path = &paths[mi].0;
-        let seq = 2 + ti as u64;
-        let mut first_on_sequence = true;
+        // Input sequence id -> (output sequence id, whether a packet left out cleared its incremental state: the
+        // next one written carries that instead).
+        let mut sequences: HashMap<u64, (u64, bool)> = HashMap::new();
         for pi in 0..t.packets.len() {
-            let mut has_flags = false;
+            let (mut input_sequence, mut input_flags) = (0u64, None);
             let mut rebuilt = Vec::with_capacity(t.packets[pi].1 - t.packets[pi].0 + 32);
             let mut skip = false;
             for (n, v, raw) in t.packet_fields(pi) {
@@ -1083,19 +1088,13 @@ fn write_output(options: &MergeOptions, c: &Context<'_>) -> Result<usize, MergeE
                         };
                         put_varint(&mut rebuilt, packet::TIMESTAMP, mapped);
                     }
-                    packet::SEQUENCE_ID => {}
+                    packet::SEQUENCE_ID => input_sequence = v.as_u64().unwrap_or(0),
                     packet::TRACK_DESCRIPTOR if pid_offsets[mi] != 0 => {
                         let descriptor = renumber_track(v.as_bytes().unwrap_or_default(), pid_offsets[mi]);
                         put_bytes(&mut rebuilt, packet::TRACK_DESCRIPTOR, &descriptor);
                     }
-                    packet::SEQUENCE_FLAGS => {
-                        has_flags = true;
-                        let mut flags = v.as_u64().unwrap_or(0);
-                        if first_on_sequence {
-                            flags |= SEQ_INCREMENTAL_STATE_CLEARED;
-                        }
-                        put_varint(&mut rebuilt, packet::SEQUENCE_FLAGS, flags);
-                    }
+                    // Written with the sequence id below.
+                    packet::SEQUENCE_FLAGS => input_flags = Some(v.as_u64().unwrap_or(0)),
                     packet::TRACK_EVENT => match flows.at.get(&(ti, pi)) {
                         Some((outs, ins)) => {
                             let mut event = without_field_flows(v.as_bytes().unwrap_or_default(), t.trace_uuid);
@@ -1112,14 +1111,24 @@ fn write_output(options: &MergeOptions, c: &Context<'_>) -> Result<usize, MergeE
                     _ => rebuilt.extend_from_slice(raw),
                 }
             }
+            let (sequence, clear_pending) = sequences.entry(input_sequence).or_insert_with(|| {
+                next_sequence += 1;
+                (next_sequence - 1, false)
+            });
+            let clears = input_flags.is_some_and(|f| f & SEQ_INCREMENTAL_STATE_CLEARED != 0);
             if skip {
+                *clear_pending |= clears;
                 continue;
             }
-            put_varint(&mut rebuilt, packet::SEQUENCE_ID, seq);
-            if first_on_sequence && !has_flags {
-                put_varint(&mut rebuilt, packet::SEQUENCE_FLAGS, SEQ_INCREMENTAL_STATE_CLEARED);
+            put_varint(&mut rebuilt, packet::SEQUENCE_ID, *sequence);
+            let flags = match (input_flags, *clear_pending) {
+                (flags, true) => Some(flags.unwrap_or(0) | SEQ_INCREMENTAL_STATE_CLEARED),
+                (flags, false) => flags,
+            };
+            if let Some(flags) = flags {
+                put_varint(&mut rebuilt, packet::SEQUENCE_FLAGS, flags);
             }
-            first_on_sequence = false;
+            *clear_pending = false;
             frame(&mut out, &rebuilt);
             packets += 1;
         }

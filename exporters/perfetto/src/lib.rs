@@ -1,7 +1,9 @@
 //! tickline-perfetto: writes a tickline timeline as a Perfetto trace file (open it at ui.perfetto.dev).
 //!
-//! A streaming writer of `TracePacket`s on one packet sequence: a clock snapshot first, then track
-//! descriptors, interned names and track events, in the order the collector hands them over. Packets are
+//! A streaming writer of `TracePacket`s: a clock snapshot first, then track descriptors, interned names and
+//! track events, in the order the collector hands them over, on one packet sequence (threads' track descriptors
+//! on a second one that holds nothing else, so that Perfetto names no thread on a GPU queue's or a task's
+//! slices). Packets are
 //! encoded by hand with `prost::encoding` into reused buffers (no allocation per event in steady state) and
 //! written to the file in whole packets, so a trace cut short by a crash still loads up to its last packet.
 //!
@@ -276,8 +278,13 @@ impl FieldFlows {
     }
 }
 
-/// The one packet sequence this writer emits.
+/// The packet sequence of everything but threads' track descriptors.
 const SEQUENCE_ID: u64 = 1;
+/// Threads' track descriptors go on a sequence of their own, which never clears its incremental state: Perfetto's
+/// importer makes a thread described on a sequence with valid incremental state that sequence's default thread,
+/// and names it (`legacy_event.passthrough_utid`) on every event of the sequence that is not on a thread's track
+/// (GPU queues, async tasks, counters), as if that thread had done it.
+const THREAD_DESCRIPTOR_SEQUENCE_ID: u64 = 2;
 const SEQ_INCREMENTAL_STATE_CLEARED: u64 = 1;
 const SEQ_NEEDS_INCREMENTAL_STATE: u64 = 2;
 const CLOCK_REALTIME: u64 = 1;
@@ -1358,7 +1365,11 @@ impl<W: Write + Send> PerfettoExporter<W> {
             );
         }
         put_bytes_field(&mut self.packet, field::packet::TRACK_DESCRIPTOR, &self.body);
-        put_varint_field(&mut self.packet, field::packet::TRUSTED_PACKET_SEQUENCE_ID, SEQUENCE_ID);
+        let sequence = match track.kind {
+            TrackKind::Thread { .. } => THREAD_DESCRIPTOR_SEQUENCE_ID,
+            _ => SEQUENCE_ID,
+        };
+        put_varint_field(&mut self.packet, field::packet::TRUSTED_PACKET_SEQUENCE_ID, sequence);
         self.commit_packet();
     }
 

@@ -860,3 +860,52 @@ fn slices_nested_deeper_than_perfetto_shows_on_one_track_go_on_child_tracks() {
     }
     let _ = std::fs::remove_file(&path);
 }
+
+/// Perfetto's importer makes a thread described on a packet sequence whose incremental state is valid that
+/// sequence's default thread, and names it (`legacy_event.passthrough_utid`) on every event of the sequence on a
+/// track of no thread: a GPU slice would read as done by whichever thread was described last.
+#[test]
+fn no_thread_is_the_default_of_the_sequence_gpu_slices_are_on() {
+    const TRACK_EVENT: u32 = 11;
+    const TRACK_DESCRIPTOR: u32 = 60;
+    const SEQUENCE_ID: u32 = 10;
+    const SEQUENCE_FLAGS: u32 = 13;
+    const SEQ_INCREMENTAL_STATE_CLEARED: u64 = 1;
+    let bytes = encode(&gpu_batch(true));
+    // Per sequence: whether its incremental state was cleared, and whether a thread was described on it since.
+    let mut cleared = std::collections::HashSet::new();
+    let mut default_thread = std::collections::HashSet::new();
+    let (mut threads, mut events_off_threads) = (0, 0);
+    let mut thread_uuids = std::collections::HashSet::new();
+    for (start, end) in frames(&bytes) {
+        let packet = fields_of(&bytes[start..end]);
+        let field = |n: u32| packet.iter().find(|f| f.0 == n);
+        let sequence = field(SEQUENCE_ID).map_or(0, |f| f.1);
+        if field(SEQUENCE_FLAGS).is_some_and(|f| f.1 & SEQ_INCREMENTAL_STATE_CLEARED != 0) {
+            cleared.insert(sequence);
+        }
+        if let Some((_, _, descriptor)) = field(TRACK_DESCRIPTOR) {
+            let descriptor = fields_of(descriptor);
+            // TrackDescriptor.thread (4).
+            if descriptor.iter().any(|f| f.0 == 4) {
+                threads += 1;
+                thread_uuids.insert(descriptor.iter().find(|f| f.0 == 1).unwrap().1);
+                if cleared.contains(&sequence) {
+                    default_thread.insert(sequence);
+                }
+            }
+        }
+        if let Some((_, _, event)) = field(TRACK_EVENT) {
+            let track = fields_of(event).iter().find(|f| f.0 == 11).map(|f| f.1);
+            if track.is_some_and(|t| !thread_uuids.contains(&t)) {
+                events_off_threads += 1;
+                assert!(
+                    !default_thread.contains(&sequence),
+                    "an event on track {track:?} is on sequence {sequence}, whose default thread Perfetto would name on it"
+                );
+            }
+        }
+    }
+    assert_eq!(threads, 2, "both threads described");
+    assert!(events_off_threads >= 2, "the GPU slice's begin and end were checked");
+}
