@@ -75,7 +75,7 @@ pub(super) fn bracket_floor(mut line: LineFit, samples: &[CalibrationSample]) ->
 }
 
 /// A burst's point: the tightest sample's ticks, where most of the burst's brackets agree the true reference
-/// time lies there (each carried along the nominal rate: a burst spans microseconds), the middle of that
+/// time lies there (each carried along `ns_per_tick`: a burst spans microseconds), the middle of that
 /// agreement, and its variance (uniform across it). Marzullo's majority, so a few hidden outliers cannot
 /// move it; as narrow as the tightest bracket or narrower, far better than any one sample's midpoint. When no
 /// majority agrees, the median midpoint with the brackets' typical spread.

@@ -104,7 +104,7 @@ impl CalibrationHistory {
             }
         }
         let broken = 2 * above.max(below) > test.len();
-        let point = burst_point(burst, self.domain.nominal_ns_per_tick());
+        let point = burst_point(burst, self.burst_rate());
         let miss = (point.1 as i128 - fit.to_reference_ns(point.0 & mask) as i128) as f64;
         let sigmas = miss.abs() / (prediction_sigma.powi(2) + point.2).sqrt();
         let rated = broken || self.open().is_some_and(|s| s.has_rate);

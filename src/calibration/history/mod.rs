@@ -385,7 +385,7 @@ impl CalibrationHistory {
         }
 
         // The burst's point, from all its samples (before the tightest are kept for the fit).
-        let burst_point = burst_point(&burst, self.domain.nominal_ns_per_tick());
+        let burst_point = burst_point(&burst, self.burst_rate());
         let keep = ((burst.len() as f64 * self.config.burst_keep).ceil() as usize).clamp(1, burst.len());
         burst.truncate(keep);
         let suspect = check.suspect.filter(|_| !broken && !reported);
@@ -449,6 +449,19 @@ impl CalibrationHistory {
             },
         );
         result
+    }
+
+    /// The rate a burst's brackets are carried along to its point: the newest fit's, once it measured one (the
+    /// nominal rate can be hundreds of ppm off: over a burst of tens of µs, several ns that the point's stated
+    /// width would not hold), else the nominal one.
+    fn burst_rate(&self) -> f64 {
+        match self.open() {
+            Some(segment) if segment.has_rate => segment
+                .latest
+                .as_ref()
+                .map_or(self.domain.nominal_ns_per_tick(), |c| c.ns_per_tick()),
+            _ => self.domain.nominal_ns_per_tick(),
+        }
     }
 
     /// Unwraps a burst's ticks against the newest sample seen, so the history holds one continuous count.

@@ -84,20 +84,16 @@ impl CalibrationHistory {
         }
     }
 
-    /// How far one burst point says the segment's map may be off at its tick: the map's miss of the point, and
-    /// for a miss beyond the point's own noise (a misfit) up to two of the point's standard errors more (the
-    /// truth can lie that far beyond what was measured); a miss within the noise adds nothing to the model's
-    /// statement (blended in between, so the floor does not jump).
+    /// How far one burst point says the segment's map may be off at its tick: the map's miss of the point plus
+    /// the half-width of the region where the burst's brackets agree (the point is that region's middle, its
+    /// variance the region's as a uniform one: half-width² / 3), in which the truth lies if most brackets hold
+    /// it. A miss within the point's noise is no news, but the truth can still lie at the region's far edge:
+    /// brackets that all lean one way (a read made late in each) put every point, and every fit through them,
+    /// off to the same side, which neither the fit's residuals nor the misses show.
     fn point_floor(&self, segment: &Segment, (x, y, variance): (u64, u64, f64)) -> Option<f64> {
         let at = self.map_segment(segment, x)?;
         let miss = (y as i128 - at.ns as i128).unsigned_abs() as f64;
-        let sigma = variance.sqrt();
-        let beyond_noise = if sigma > 0.0 {
-            ((miss - sigma) / sigma).clamp(0.0, 1.0)
-        } else {
-            1.0
-        };
-        Some(miss + 2.0 * sigma * beyond_noise)
+        Some(miss + (3.0 * variance).sqrt())
     }
 
     /// Recomputes the open segment's cached point floors (after its map changed).
