@@ -1,5 +1,6 @@
 //! `tickline clock`: how well this machine's CPU clock can be read and how accurately tickline converts it.
 
+use std::fmt::Write as _;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -240,6 +241,8 @@ pub fn run(seconds: f64, json_out: bool) -> ExitCode {
     let stats = calibrator.history().stats();
     let span_s = (end_mono.reference_ns - start_mono.reference_ns) as f64 / 1e9;
 
+    // Written whole at the end: a closed pipe or a full disk is a clear outcome, never a panic.
+    let mut text = String::new();
     if args.1 {
         let out = json!({
             "source": format!("{source:?}"),
@@ -262,25 +265,30 @@ pub fn run(seconds: f64, json_out: bool) -> ExitCode {
             "decision": decision_json(&decision),
             "independent_reference": independent_json(&independent),
         });
-        println!("{out}");
+        let _ = writeln!(text, "{out}");
     } else {
-        println!("{decision}");
+        let _ = writeln!(text, "{decision}");
         if let Some(report) = decision.report() {
-            println!("{report}");
+            let _ = writeln!(text, "{report}");
         }
-        println!("{independent}");
-        println!();
-        println!("counter:            {source:?}");
-        println!(
+        let _ = writeln!(text, "{independent}");
+        text.push('\n');
+        let _ = writeln!(text, "counter:            {source:?}");
+        let _ = writeln!(
+            text,
             "rate:               {:.3} Hz ± {:.4} ppm (1σ, live fit over the last {} bursts)",
             latest.ticks_per_second(),
             latest.rate_sigma_ppm(),
             calibrator.history().config().window_bursts
         );
-        println!("measured over {span_s:.2} s at two independent check points (never fed to the calibration):");
-        println!("  vs CLOCK_MONOTONIC:     rate error {rate_error:+.4} ppm, error at start {error_start_ns:+} ns, at end {error_end_ns:+} ns (check points ±{} / ±{} ns)", start_mono.max_deviation_ns, end_mono.max_deviation_ns);
-        println!("  vs CLOCK_MONOTONIC_RAW: rate error {rate_error_raw:+.4} ppm (the difference is NTP's frequency correction)");
-        println!(
+        let _ = writeln!(
+            text,
+            "measured over {span_s:.2} s at two independent check points (never fed to the calibration):"
+        );
+        let _ = writeln!(text, "  vs CLOCK_MONOTONIC:     rate error {rate_error:+.4} ppm, error at start {error_start_ns:+} ns, at end {error_end_ns:+} ns (check points ±{} / ±{} ns)", start_mono.max_deviation_ns, end_mono.max_deviation_ns);
+        let _ = writeln!(text, "  vs CLOCK_MONOTONIC_RAW: rate error {rate_error_raw:+.4} ppm (the difference is NTP's frequency correction)");
+        let _ = writeln!(
+            text,
             "calibration:        {} bursts, {} knots, fit error bound ±{:.1} ns, max sample deviation {} ns",
             stats.bursts,
             stats.knots,
@@ -288,5 +296,5 @@ pub fn run(seconds: f64, json_out: bool) -> ExitCode {
             latest.max_deviation_ns()
         );
     }
-    ExitCode::SUCCESS
+    crate::output::print_report("clock", &text)
 }

@@ -1,8 +1,8 @@
 //! The `tickline` command.
 
-use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use tickline_cli::output::print_report;
 
 use clap::{Parser, Subcommand};
 
@@ -87,17 +87,16 @@ fn main() -> ExitCode {
         Command::Clock { seconds, json } => tickline_cli::clock::run(seconds, json),
         Command::Convert { input, output, json } => match tickline_cli::capture::convert(&input, &output) {
             Ok(summary) => {
-                let _ = if json {
-                    writeln!(std::io::stdout(), "{}", tickline_cli::capture::summary_json(&summary))
+                let report = if json {
+                    format!("{}\n", tickline_cli::capture::summary_json(&summary))
                 } else {
-                    write!(
-                        std::io::stdout(),
+                    format!(
                         "wrote {}\n{}",
                         output.display(),
                         tickline_cli::capture::summary_text(&summary)
                     )
                 };
-                ExitCode::SUCCESS
+                print_report("convert", &report)
             }
             Err(e) => {
                 eprintln!("tickline convert: {e}");
@@ -127,11 +126,7 @@ fn main() -> ExitCode {
                 flow_in,
             };
             match tickline_cli::merge::merge(&options) {
-                Ok(report) => {
-                    // A closed pipe (`| head`) is not an error worth a panic.
-                    let _ = write!(std::io::stdout(), "{report}");
-                    ExitCode::SUCCESS
-                }
+                Ok(report) => print_report("merge", &report.to_string()),
                 Err(e) => {
                     eprintln!("tickline merge: {e}");
                     ExitCode::FAILURE
@@ -144,12 +139,12 @@ fn main() -> ExitCode {
 fn capture_stats(file: &std::path::Path, json: bool) -> ExitCode {
     match tickline_cli::capture::stats(file) {
         Ok(summary) => {
-            let _ = if json {
-                writeln!(std::io::stdout(), "{}", tickline_cli::capture::summary_json(&summary))
+            let report = if json {
+                format!("{}\n", tickline_cli::capture::summary_json(&summary))
             } else {
-                write!(std::io::stdout(), "{}", tickline_cli::capture::summary_text(&summary))
+                tickline_cli::capture::summary_text(&summary)
             };
-            ExitCode::SUCCESS
+            print_report("stats", &report)
         }
         Err(e) => {
             eprintln!("tickline stats: {e}");
@@ -162,12 +157,12 @@ fn capture_stats(file: &std::path::Path, json: bool) -> ExitCode {
 fn stats(file: PathBuf, json: bool) -> ExitCode {
     match tickline_cli::stats::read(&file) {
         Ok(stats) => {
-            let _ = if json {
-                writeln!(std::io::stdout(), "{}", stats.to_json())
+            let report = if json {
+                format!("{}\n", stats.to_json())
             } else {
-                write!(std::io::stdout(), "{stats}")
+                stats.to_string()
             };
-            ExitCode::SUCCESS
+            print_report("stats", &report)
         }
         Err(e) => {
             eprintln!("tickline stats: {e}");

@@ -134,6 +134,8 @@ pub enum MergeError {
     Write(PathBuf, std::io::Error),
     /// `--reference` names no input.
     BadReference(PathBuf),
+    /// An input is a raw capture (`.tickline`), which merges once converted.
+    RawCapture(PathBuf),
     /// The output is one of the inputs (under another spelling, a symlink or a hard link included).
     OutputIsInput(crate::output::OutputIsInput),
 }
@@ -187,6 +189,12 @@ impl std::fmt::Display for MergeError {
             }
             MergeError::Write(p, e) => write!(f, "cannot write {}: {e}", p.display()),
             MergeError::BadReference(p) => write!(f, "--reference {} is not one of the inputs", p.display()),
+            MergeError::RawCapture(p) => write!(
+                f,
+                "{0}: a raw capture, not a Perfetto trace: convert it first (`tickline convert {0} -o \
+                 trace.pftrace`) and merge the converted trace",
+                p.display()
+            ),
             MergeError::OutputIsInput(e) => write!(f, "{e}"),
         }
     }
@@ -466,6 +474,9 @@ pub fn merge(options: &MergeOptions) -> Result<MergeReport, MergeError> {
         .map_err(MergeError::OutputIsInput)?;
     let mut traces = Vec::with_capacity(options.inputs.len());
     for path in &options.inputs {
+        if crate::capture::is_capture_file(path).unwrap_or(false) {
+            return Err(MergeError::RawCapture(path.clone()));
+        }
         let t = TraceFile::read(path, &options.flow_out, &options.flow_in).map_err(MergeError::Read)?;
         if t.identity.is_none() {
             return Err(MergeError::NotTickline(path.clone()));
@@ -478,7 +489,7 @@ pub fn merge(options: &MergeOptions) -> Result<MergeReport, MergeError> {
         Some(r) => options
             .inputs
             .iter()
-            .position(|p| p == r)
+            .position(|p| p == r || crate::output::is_same_file(p, r))
             .ok_or_else(|| MergeError::BadReference(r.clone()))?,
     };
 

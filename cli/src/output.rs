@@ -52,6 +52,31 @@ pub fn check_not_input<'a>(output: &Path, inputs: impl IntoIterator<Item = &'a P
     Ok(())
 }
 
+/// Whether two paths name the same existing file (by identity, as [`check_not_input`] compares them); false
+/// when either cannot be examined.
+pub fn is_same_file(a: &Path, b: &Path) -> bool {
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(ma), Ok(mb)) => same_file((a, &ma), (b, &mb)),
+        _ => false,
+    }
+}
+
+/// Writes a command's report to stdout and says how the command ends: a reader that closed the pipe early
+/// (`| head`) is no failure, but a report that could not be written (a full disk, `> /dev/full`) is one, said
+/// on stderr: the user would otherwise take an empty output for the command's answer.
+pub fn print_report(command: &str, report: &str) -> std::process::ExitCode {
+    use std::io::Write;
+    let mut stdout = io::stdout().lock();
+    match stdout.write_all(report.as_bytes()).and_then(|()| stdout.flush()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) if e.kind() == io::ErrorKind::BrokenPipe => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tickline {command}: cannot write the report to stdout: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
 #[cfg(unix)]
 fn same_file(a: (&Path, &Metadata), b: (&Path, &Metadata)) -> bool {
     use std::os::unix::fs::MetadataExt;

@@ -379,3 +379,92 @@ fn one_recording_converts_to_the_same_trace_and_merges_once() {
     assert!(!dir.join("all.pftrace").exists());
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A report that cannot be written is a clear failure (a full disk), a reader that closed the pipe early is
+/// none; neither is a panic (`tickline clock` printed with `println!`, which panics on both).
+#[test]
+fn a_report_that_cannot_be_written_is_a_clear_error_and_never_a_panic() {
+    let full = std::fs::OpenOptions::new().write(true).open("/dev/full");
+    if let Ok(full) = full {
+        let out = Command::new(env!("CARGO_BIN_EXE_tickline"))
+            .args(["clock", "--seconds", "0.5", "--json"])
+            .stdout(full)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(stderr.contains("cannot write the report"), "{stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tickline"))
+        .args(["clock", "--seconds", "0.5"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+/// `merge --reference` names an input by file identity, as the output check does, and a raw capture given to
+/// `merge` says to convert it first.
+#[test]
+fn merge_names_its_reference_by_identity_and_sends_raw_captures_to_convert() {
+    use tracing_subscriber::layer::SubscriberExt;
+    let dir = scratch("merge-reference");
+    {
+        let _one_at_a_time = exclusive();
+        for name in ["a", "b"] {
+            let timeline = tickline::Timeline::builder()
+                .exporter(tickline_perfetto::PerfettoExporter::create(dir.join(format!("{name}.pftrace"))).unwrap())
+                .raw_capture(dir.join(format!("{name}.tickline")))
+                .start()
+                .unwrap();
+            let subscriber = tracing_subscriber::registry().with(timeline.layer());
+            tracing::subscriber::with_default(subscriber, || drop(tracing::info_span!("work").entered()));
+            timeline.shutdown().unwrap();
+        }
+    }
+    let absolute = dir.join("b.pftrace");
+    for reference in ["./b.pftrace", absolute.to_str().unwrap()] {
+        let out = tickline_in(
+            &dir,
+            &[
+                "merge",
+                "a.pftrace",
+                "b.pftrace",
+                "-o",
+                "all.pftrace",
+                "--reference",
+                reference,
+            ],
+        );
+        assert!(
+            out.status.success(),
+            "{reference}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let out = tickline_in(
+        &dir,
+        &[
+            "merge",
+            "a.pftrace",
+            "c.pftrace",
+            "-o",
+            "x.pftrace",
+            "--reference",
+            "b.pftrace",
+        ],
+    );
+    assert!(!out.status.success());
+    let out = tickline_in(&dir, &["merge", "a.pftrace", "b.tickline", "-o", "raw.pftrace"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("convert it first"), "{stderr}");
+    assert!(!dir.join("raw.pftrace").exists());
+    std::fs::remove_dir_all(&dir).ok();
+}
