@@ -402,6 +402,7 @@ impl LocalRing {
         let pushed = self.producer.try_push_keeping(gap, records.len() + keep)
             && self.producer.try_push_all_keeping(records, keep);
         debug_assert!(pushed, "room was checked above and only this thread pushes");
+        self.producer.count_marker();
         self.unreported_drops = 0;
         self.slack &= !GAP_PENDING;
         pushed
@@ -415,6 +416,7 @@ impl LocalRing {
         let gap = Record::timed(Kind::Gap, self.now(), self.unreported_drops);
         if self.producer.try_push_keeping(gap, 0) {
             self.unreported_drops = 0;
+            self.producer.count_marker();
         }
     }
 

@@ -74,6 +74,8 @@ struct LiveRing {
     /// are sent in an empty chunk, so the processing stage can show them: a ring that drops and then stays
     /// idle, or ends, writes no `Gap` record for them).
     reported_dropped: u64,
+    /// The ring's loss-marker count (`Consumer::markers`) already added to `SharedStats::markers_drained`.
+    reported_markers: u64,
 }
 
 /// The drain stage's state. Runs on its own thread; see the module docs.
@@ -235,6 +237,13 @@ impl Drain {
             let closed = ring.consumer.is_closed();
             if !(over_budget || paused) || closed {
                 taken += drain_ring(ring, &self.pool, self.source, &mut self.chunks);
+                // The loss markers among the records taken, which the program did not make: `records` leaves
+                // them out even when no processing stage decodes the records (a raw capture alone).
+                let markers = ring.consumer.markers();
+                self.stats
+                    .markers_drained
+                    .fetch_add(markers.saturating_sub(ring.reported_markers), Ordering::Relaxed);
+                ring.reported_markers = ring.reported_markers.max(markers);
             }
             if closed {
                 closed_rings.push(index);
@@ -260,6 +269,7 @@ impl Drain {
                         consumer,
                         dropped_base: (0, 0),
                         reported_dropped: 0,
+                        reported_markers: 0,
                     });
                 }
                 Control::TracingCallsite(meta) => {
@@ -484,6 +494,7 @@ pub fn drain_bench(capacity: usize, rounds: usize) -> (u64, std::time::Duration)
         consumer,
         dropped_base: (0, 0),
         reported_dropped: 0,
+        reported_markers: 0,
     };
     let pool = ChunkPool::new(4);
     let mut out = Vec::new();
@@ -521,6 +532,7 @@ mod tests {
             consumer,
             dropped_base: (0, 0),
             reported_dropped: 0,
+            reported_markers: 0,
         });
         producer
     }

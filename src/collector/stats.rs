@@ -140,6 +140,9 @@ macro_rules! shared_stats {
             $(pub(crate) $field: AtomicU64,)*
             /// Gap markers processed: records the drain took (`records`) that the program did not make.
             pub(crate) gap_markers: AtomicU64,
+            /// The same, counted by the rings' producers as the drain takes their records: known without a
+            /// processing stage (a raw capture alone) and as soon as `records` counts them.
+            pub(crate) markers_drained: AtomicU64,
             first_export_error: Mutex<Option<FirstExportError>>,
         }
 
@@ -148,7 +151,10 @@ macro_rules! shared_stats {
                 let mut stats = TimelineStats {
                     $($field: self.$field.load(Ordering::Relaxed),)*
                 };
-                stats.records = stats.records.saturating_sub(self.gap_markers.load(Ordering::Relaxed));
+                // Converting a capture has no drain stage, and the processing stage may lag the drain: the
+                // larger count is the one that matches `records`.
+                let markers = self.gap_markers.load(Ordering::Relaxed).max(self.markers_drained.load(Ordering::Relaxed));
+                stats.records = stats.records.saturating_sub(markers);
                 stats
             }
         }

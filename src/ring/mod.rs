@@ -70,6 +70,7 @@ pub(crate) fn channel<T: Copy + Send>(capacity: usize) -> (Producer<T>, Consumer
         tail: CachePadded(AtomicUsize::new(0)),
         dropped: CachePadded(AtomicU64::new(0)),
         dropped_units: AtomicU64::new(0),
+        markers: AtomicU64::new(0),
         producer_alive: AtomicBool::new(true),
         consumer_alive: AtomicBool::new(true),
         slots,
@@ -82,6 +83,7 @@ pub(crate) fn channel<T: Copy + Send>(capacity: usize) -> (Producer<T>, Consumer
         mask,
         dropped: 0,
         dropped_units: 0,
+        markers: 0,
     };
     let consumer = Consumer {
         shared,
@@ -157,6 +159,9 @@ struct Shared<T> {
     /// Units of the caller's own (for the recorder: whole slices) whose records were dropped. Written only
     /// by the [`Producer`], like `dropped`.
     dropped_units: AtomicU64,
+    /// Records of the caller's own bookkeeping (for the recorder: loss markers) it pushed. Written only by the
+    /// [`Producer`], like `dropped`.
+    markers: AtomicU64,
     /// Cleared when the [`Producer`] is dropped (its thread exited).
     producer_alive: AtomicBool,
     /// Cleared when the [`Consumer`] is dropped (the collector is gone).
@@ -181,6 +186,8 @@ pub(crate) struct Producer<T> {
     dropped: u64,
     /// Mirrored into `shared.dropped_units`.
     dropped_units: u64,
+    /// Mirrored into `shared.markers`.
+    markers: u64,
 }
 
 // SAFETY: a Producer is the producer *role* of the protocol (sole writer of `tail`, `dropped` and of
@@ -299,6 +306,14 @@ impl<T: Copy + Send> Producer<T> {
         self.dropped_units += 1;
         // Relaxed: as in `count_drops`.
         self.shared.dropped_units.store(self.dropped_units, Ordering::Relaxed);
+    }
+
+    /// Adds one to the count of bookkeeping records (loss markers) the caller pushed.
+    #[cold]
+    pub(crate) fn count_marker(&mut self) {
+        self.markers += 1;
+        // Relaxed: as in `count_drops`.
+        self.shared.markers.store(self.markers, Ordering::Relaxed);
     }
 
     /// Whether `n` slots from `tail` on are free. Reloads the consumer's head only when the cached
@@ -541,6 +556,14 @@ impl<T: Copy + Send> Consumer<T> {
     pub(crate) fn dropped_units(&self) -> u64 {
         // Relaxed: see `Producer::count_dropped_unit`.
         self.shared.dropped_units.load(Ordering::Relaxed)
+    }
+
+    /// How many bookkeeping records (loss markers) the producer counted as pushed; exact like
+    /// [`dropped_records`](Self::dropped_records) once the ring is closed, and otherwise at most a few behind or
+    /// ahead of the records drained.
+    pub(crate) fn markers(&self) -> u64 {
+        // Relaxed: see `Producer::count_marker`.
+        self.shared.markers.load(Ordering::Relaxed)
     }
 
     /// Whether the [`Producer`] has been dropped (its thread exited). Once true, stays true.
