@@ -216,6 +216,18 @@ impl ClockCalibration {
     }
 
     /// Builds the fixed-point segment from a fitted line (whose ticks are unwrapped).
+    /// The same calibration for a count `by` ticks ahead (every tick it knows moved by `by`, modulo the
+    /// domain's range): a history that counts from its own origin gives out its fits in the source's ticks.
+    pub(crate) fn with_ticks_shifted(self, by: u64) -> Self {
+        let mask = self.domain.mask();
+        ClockCalibration {
+            anchor_ticks: self.anchor_ticks.wrapping_add(by) & mask,
+            first_ticks: self.first_ticks.wrapping_add(by) & mask,
+            last_ticks: self.last_ticks.wrapping_add(by) & mask,
+            ..self
+        }
+    }
+
     pub(crate) fn from_line(
         line: &LineFit,
         domain: ClockDomain,

@@ -39,6 +39,7 @@ impl CalibrationHistory {
             segment.knots.pop_back();
         }
         segment.latest = suspect.pre_fit;
+        segment.latest_public = suspect.pre_fit.map(|c| c.with_ticks_shifted(self.origin));
         segment.has_rate = suspect.pre_has_rate;
         segment.last_burst = suspect.pre_last_burst;
         self.refresh_floors();
@@ -47,7 +48,7 @@ impl CalibrationHistory {
     /// Closes the open segment and opens a new one, carrying the old rate as a loose prior.
     pub(super) fn start_segment(&mut self) {
         let prior = self
-            .latest()
+            .latest_internal()
             .map(|c| (c.ns_per_tick(), self.config.break_rate_sigma_ppm));
         self.segments
             .push_back(Segment::new(self.next_segment, prior, self.config.window_bursts));
@@ -59,7 +60,7 @@ impl CalibrationHistory {
 
     /// Checks a burst (unwrapped, widened, tightest first) against the open segment's prediction.
     pub(super) fn check_burst(&self, burst: &[CalibrationSample]) -> BurstCheck {
-        let Some(fit) = self.latest() else {
+        let Some(fit) = self.latest_internal() else {
             return BurstCheck::default();
         };
         let mask = self.domain.mask();

@@ -210,6 +210,11 @@ pub struct CalibrationHistory {
     next_segment: u64,
     /// The newest sample's raw (masked) and unwrapped ticks: the unwrapping reference.
     unwrap_ref: Option<(u64, u64)>,
+    /// The source tick the history's own count starts from: unwrapped ticks are `raw - origin` (wrapping), so
+    /// that a 64-bit counter first seen in the top half of its range (an arbitrary epoch) is not counted past
+    /// 2^64 as it wraps, which would put every later tick before the earlier ones. 0 otherwise (a counter of
+    /// fewer bits, or one read low: 2^63 ticks from overflowing), so the count is the source's ticks.
+    origin: u64,
     /// A reset was reported: the next burst starts a segment.
     reset_pending: bool,
     /// Recent second differences of burst points: `(squared miss, the brackets' share of it)`, both in units
@@ -270,6 +275,7 @@ impl CalibrationHistory {
             segments: VecDeque::new(),
             next_segment: 0,
             unwrap_ref: None,
+            origin: 0,
             reset_pending: false,
             innovations: VecDeque::new(),
             stats: HistoryStats::default(),
@@ -292,6 +298,11 @@ impl CalibrationHistory {
 
     /// The newest fit, passing through the newest knot: what converts ticks after it.
     pub fn latest(&self) -> Option<&ClockCalibration> {
+        self.open().and_then(|s| s.latest_public.as_ref())
+    }
+
+    /// The newest fit in the history's own count (see `origin`).
+    fn latest_internal(&self) -> Option<&ClockCalibration> {
         self.open().and_then(|s| s.latest.as_ref())
     }
 
@@ -312,7 +323,9 @@ impl CalibrationHistory {
 
     /// The unwrapped tick of the newest knot of the current segment: ticks up to here convert two-sided.
     pub fn newest_knot_ticks(&self) -> Option<u64> {
-        self.open().and_then(|s| s.knots.back()).map(|k| k.ticks)
+        self.open()
+            .and_then(|s| s.knots.back())
+            .map(|k| k.ticks.wrapping_add(self.origin))
     }
 
     /// The reference time (ns) of the newest burst, `None` before the first: a tick read before it converts
@@ -478,13 +491,20 @@ impl CalibrationHistory {
             Some((prev_raw, prev_ext)) => prev_ext
                 .wrapping_add(self.domain.delta_ticks(prev_raw, first_raw) as u64)
                 .wrapping_sub(first_raw),
-            None => 0,
+            None => {
+                const TOP_HALF: u64 = 1 << 63;
+                if mask == u64::MAX && first_raw >= TOP_HALF {
+                    // Counted from 2^62 below the first tick: 2^62 ticks of room either way.
+                    self.origin = first_raw - (1 << 62);
+                }
+                0u64.wrapping_sub(self.origin)
+            }
         };
         for s in &mut sorted {
             s.source_ticks = s.source_ticks.wrapping_add(shift);
         }
         if let Some(last) = sorted.last() {
-            self.unwrap_ref = Some((last.source_ticks & mask, last.source_ticks));
+            self.unwrap_ref = Some((last.source_ticks.wrapping_add(self.origin) & mask, last.source_ticks));
         }
         sorted
     }

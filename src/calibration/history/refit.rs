@@ -77,7 +77,7 @@ impl CalibrationHistory {
             ns: fitted.anchor_ns(),
             sigma_ns,
         };
-        let max_knots = self.config.max_knots;
+        let (max_knots, origin) = (self.config.max_knots, self.origin);
         let segment = self.segments.back_mut().expect("refit after a burst");
         let mut place_knot = true;
         if let Some(prev) = segment.knots.back() {
@@ -96,6 +96,7 @@ impl CalibrationHistory {
         }
         segment.has_rate = has_rate;
         segment.latest = Some(fitted);
+        segment.latest_public = Some(fitted.with_ticks_shifted(origin));
         self.stats.window_bursts = bursts;
         self.stats.drift_ppm = fitted.drift_ppm();
         self.stats.error_bound_ns = fitted.error_bound_ns();

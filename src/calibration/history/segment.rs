@@ -22,6 +22,8 @@ pub(super) struct Segment {
     pub(super) window: VecDeque<Vec<CalibrationSample>>,
     pub(super) knots: VecDeque<Knot>,
     pub(super) latest: Option<ClockCalibration>,
+    /// `latest` in the source's own ticks (see `CalibrationHistory::origin`), as `latest()` gives it out.
+    pub(super) latest_public: Option<ClockCalibration>,
     /// Whether `latest` fitted a rate (false: offset only, with the prior or nominal rate).
     pub(super) has_rate: bool,
     /// `(unwrapped ticks, reference ns)` of the tightest sample of the first and of the newest burst.
@@ -48,6 +50,7 @@ impl Segment {
             window: VecDeque::new(),
             knots: VecDeque::new(),
             latest: None,
+            latest_public: None,
             has_rate: false,
             first_burst: (0, 0),
             last_burst: (0, 0),

@@ -486,3 +486,49 @@ fn one_sided_brackets_of_varied_width_are_covered_in_every_second() {
         }
     }
 }
+
+/// A 64-bit counter with an epoch near the top of its range (a device counter's arbitrary start) wraps to 0
+/// while the history runs: conversions stay right and monotonic across the wrap, and the newest fit given
+/// out (`latest`) converts the source's own ticks. Counted past 2^64, every tick after the wrap came out as 0.
+#[test]
+fn a_64_bit_counter_wrapping_past_2_to_the_64_converts_across_the_wrap() {
+    let start_ticks = u64::MAX - 30 * S; // wraps 30 s in
+    let ticks_at = |t: u64| start_ticks.wrapping_add(t - S);
+    let mut history = CalibrationHistory::new(ClockDomain::new(64, 1.0).unwrap(), HistoryConfig::default());
+    let mut rng = crate::calibration::SplitMix64(5);
+    let mut last_ns = 0;
+    let mut t = S;
+    while t < 61 * S {
+        let burst: Vec<CalibrationSample> = (0..16u64)
+            .map(|i| {
+                let read = t + i * 3_000;
+                let before = read - 100 - rng.next_u64() % 400;
+                CalibrationSample::from_bracket(ticks_at(read), before, read + 100 + rng.next_u64() % 400)
+            })
+            .collect();
+        history.add_burst(&burst).unwrap();
+        let event = t + 100 * MS;
+        let converted = history.convert(ticks_at(event)).unwrap();
+        assert!(
+            converted.ns.abs_diff(event) <= converted.uncertainty_ns,
+            "at {:.2} s: {converted:?}",
+            (event - S) as f64 / S as f64
+        );
+        assert!(converted.ns >= last_ns, "went back at {event}");
+        last_ns = converted.ns;
+        let latest = history.latest().unwrap();
+        assert!(
+            latest.to_reference_ns(ticks_at(event)).abs_diff(event) < 1_000,
+            "{latest:?}"
+        );
+        t += 250 * MS;
+    }
+    assert_eq!(history.stats().breaks, 0);
+    // Before the wrap, two-sided now.
+    let before_wrap = S + 20 * S;
+    assert!(history.peek(ticks_at(before_wrap)).unwrap().ns.abs_diff(before_wrap) < 500);
+    assert!(
+        history.newest_knot_ticks().unwrap() < 40 * S,
+        "in the source's ticks, after the wrap"
+    );
+}
