@@ -217,6 +217,16 @@ impl CalibrationHistory {
     /// Converts `ticks` to reference ns with its uncertainty, choosing among segments by what `window`
     /// (reference ns, `(earliest, latest)`) says of the true time, without the monotonic guard. `None` until
     /// the first successful fit.
+    ///
+    /// Limits:
+    /// - A counter of fewer than 64 bits is unwrapped to the count nearest the newest sample's: a tick read
+    ///   more than half the counter's range (2^(valid_bits − 1) ticks: 34 s for a 36-bit counter of 1 ns ticks)
+    ///   before or after the newest burst is taken a whole wrap away, with no sign of it. Convert ticks within
+    ///   that distance of the calibration.
+    /// - After a reset to a lower count, a tick of the new count may also be one the old segment would have
+    ///   shown long before the history began (extrapolated back): both segments claim it and, with no window,
+    ///   the answer is their hull, [`Placement::ambiguous`]. A window (a GPU timestamp's `[recorded, read
+    ///   back]`) tells them apart.
     pub fn place(&self, ticks: u64, window: Option<(u64, u64)>) -> Option<Placement> {
         let ext = self.extend(ticks)?;
         let candidates = self.candidates(ext);

@@ -532,3 +532,38 @@ fn a_64_bit_counter_wrapping_past_2_to_the_64_converts_across_the_wrap() {
         "in the source's ticks, after the wrap"
     );
 }
+
+/// Bursts seconds apart at irregular gaps (a backend calibrating only now and then) still measure the wander:
+/// the second differences take the points as far apart as the bursts are, with the exact variance of an
+/// unequal triple. Only triples about 2 s apart and within 0.5 s of equal counted, so such a history kept the
+/// prior (0.05 ppm/√s) for a clock wandering 20-100 times more.
+#[test]
+fn the_wander_is_measured_from_sparse_irregular_bursts() {
+    for (wander, lo, hi) in [(0.05, 0.0, 0.3), (1.0, 0.5, 3.0), (5.0, 2.5, 15.0)] {
+        let mut p = SimClockPair::new(SimClockConfig {
+            drift_ppm: 100.0,
+            wander_ppm_per_sqrt_s: wander,
+            jitter_ns: 200.0,
+            seed: 11,
+            ..Default::default()
+        })
+        .unwrap();
+        let mut h = CalibrationHistory::new(p.domain(), HistoryConfig::default());
+        let mut rng = crate::calibration::SplitMix64(3);
+        for _ in 0..120 {
+            let burst: Vec<_> = (0..16)
+                .map(|_| {
+                    let s = p.sample();
+                    let next = p.now_ns() + 3_000;
+                    p.advance_to(next);
+                    s
+                })
+                .collect();
+            let _ = h.add_burst(&burst);
+            let next = p.now_ns() + 2 * S + rng.next_u64() % (8 * S);
+            p.advance_to(next);
+        }
+        let measured = h.stats().wander_ppm_per_sqrt_s;
+        assert!((lo..=hi).contains(&measured), "true {wander}: measured {measured}");
+    }
+}

@@ -38,18 +38,28 @@ pub(super) const MIN_WINDOW: usize = 3;
 /// The most wander the estimate may state, ppm/√s.
 const MAX_WANDER: f64 = 100.0;
 
-/// The newest point's triple about [`WANDER_LAG_NS`] apart: how far the middle point misses the chord of the
-/// outer two (a straight line, whatever its slope, misses by nothing), squared, and the part of that the
-/// points' own variances explain, both in units of what a 1 ppm/√s wander gives: `Var = τ³ / 6` for a
-/// symmetric triple of half-span τ seconds, times 10⁶ ns² per ppm²·s.
+/// The newest point's triple at least about [`WANDER_LAG_NS`] apart (further when the bursts are: the points
+/// before the newest that lie nearest that far back): how far the middle point misses the chord of the outer
+/// two (a straight line, whatever its slope, misses by nothing), squared, and the part of that the points' own
+/// variances explain, both in units of what a 1 ppm/√s wander gives: `Var = a²·b² / (3·(a + b))` for gaps of
+/// `a` and `b` seconds (`τ³ / 6` for a symmetric triple of half-span τ), times 10⁶ ns² per ppm²·s.
 pub(super) fn second_difference(points: &VecDeque<(u64, u64, f64)>) -> Option<(f64, f64)> {
     let &(x3, t3, v3) = points.back()?;
-    let closest = |target: u64| points.iter().min_by_key(|p| p.1.abs_diff(target)).copied();
-    let (x2, t2, v2) = closest(t3.checked_sub(WANDER_LAG_NS)?)?;
-    let (x1, t1, v1) = closest(t2.checked_sub(t3 - t2)?)?;
-    let (a, b) = (t2.checked_sub(t1)? as f64, t3.checked_sub(t2)? as f64);
+    // The point before `before` nearest to `target`.
+    let closest = |target: u64, before: u64| {
+        points
+            .iter()
+            .filter(|p| p.1 < before)
+            .min_by_key(|p| p.1.abs_diff(target))
+            .copied()
+    };
+    let (x2, t2, v2) = closest(t3.saturating_sub(WANDER_LAG_NS), t3)?;
+    let (x1, t1, v1) = closest(t2.saturating_sub(t3 - t2), t2)?;
+    let (a, b) = ((t2 - t1) as f64, (t3 - t2) as f64);
     let lag = WANDER_LAG_NS as f64;
-    if a < 0.75 * lag || b < 0.75 * lag || (a - b).abs() > 0.25 * lag {
+    // Gaps shorter than the lag carry little wander beside the points' noise; very unequal ones weigh one
+    // outer point far more than the other.
+    if a < 0.75 * lag || b < 0.75 * lag || a.max(b) > 4.0 * a.min(b) {
         return None;
     }
     let (dx1, dx3) = (x2 as i128 - x1 as i128, x3 as i128 - x2 as i128);
@@ -59,8 +69,8 @@ pub(super) fn second_difference(points: &VecDeque<(u64, u64, f64)>) -> Option<(f
     let (w1, w3) = (dx3 as f64 / (dx1 + dx3) as f64, dx1 as f64 / (dx1 + dx3) as f64);
     let chord = w1 * (t1 as i128 - t2 as i128) as f64 + w3 * (t3 as i128 - t2 as i128) as f64;
     let miss = -chord;
-    let tau_s = (a + b) / 2.0 * 1e-9;
-    let unit = tau_s.powi(3) / 6.0 * 1e6;
+    let (a_s, b_s) = (a * 1e-9, b * 1e-9);
+    let unit = a_s * a_s * b_s * b_s / (3.0 * (a_s + b_s)) * 1e6;
     Some((miss * miss / unit, (v2 + w1 * w1 * v1 + w3 * w3 * v3) / unit))
 }
 
