@@ -189,10 +189,14 @@ fn run(path: &Path, exporter: Box<dyn Exporter>) -> Result<CaptureSummary, Captu
     // A capture without a host frame (none is written before it) is taken to come from this machine.
     let mut host = None;
     let mut clocks = Vec::new();
+    let mut clock_sync = Vec::new();
     for frame in reader.by_ref() {
         match frame {
             Frame::Host(h) => host = Some(h),
-            Frame::HostClocks(readings) => clocks.push(readings),
+            Frame::HostClocks(readings, sync) => {
+                clocks.push(readings);
+                clock_sync.push(sync);
+            }
             Frame::Input(Input::CpuCalibration(samples)) => {
                 summary.cpu_calibration_bursts += 1;
                 let _ = cpu.add_burst(&samples);
@@ -266,6 +270,7 @@ fn run(path: &Path, exporter: Box<dyn Exporter>) -> Result<CaptureSummary, Captu
         pid: header.pid,
         process_name: header.process_name.clone(),
         clocks,
+        clock_sync,
         replay: true,
         recording,
     };

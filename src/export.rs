@@ -286,6 +286,9 @@ pub struct RecordingOrigin {
     /// The host clocks read together while recording (at its start, about every second, at its end), oldest
     /// first; empty for a live timeline, whose exporters read the clocks themselves.
     pub clocks: Vec<crate::ClockReadings>,
+    /// The host's time-sync state (`adjtimex`) read with each of [`clocks`](Self::clocks), where the recording
+    /// kept it (`None` for a reading without it; shorter than `clocks`, or empty, for a capture from before it).
+    pub clock_sync: Vec<Option<crate::sync::TimeSyncState>>,
     /// The events are a capture converted after the fact: the exporting process is not the recording one.
     pub replay: bool,
     /// Identifies the recording: drawn when a timeline starts, and kept in its raw capture, so every trace
@@ -308,6 +311,7 @@ impl RecordingOrigin {
             pid: std::process::id(),
             process_name: crate::process_name(),
             clocks: Vec::new(),
+            clock_sync: Vec::new(),
             replay: false,
             recording: crate::sync::TraceUuid::new_random(),
         }

@@ -468,3 +468,41 @@ fn merge_names_its_reference_by_identity_and_sends_raw_captures_to_convert() {
     assert!(!dir.join("raw.pftrace").exists());
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A converted capture carries the recording host's time-sync state with each clock snapshot, as the live trace
+/// does: `tickline merge` trusts a host's REALTIME by it (a converted trace had none: "time-sync state unknown").
+#[test]
+fn a_converted_capture_keeps_the_hosts_time_sync_state() {
+    use tracing_subscriber::layer::SubscriberExt;
+    if tickline::sync::time_sync_state().is_none() {
+        eprintln!("skipped: this machine has no adjtimex state");
+        return;
+    }
+    let dir = scratch("sync-state");
+    {
+        let _one_at_a_time = exclusive();
+        let timeline = tickline::Timeline::builder()
+            .exporter(tickline_perfetto::PerfettoExporter::create(dir.join("live.pftrace")).unwrap())
+            .raw_capture(dir.join("run.tickline"))
+            .start()
+            .unwrap();
+        let subscriber = tracing_subscriber::registry().with(timeline.layer());
+        tracing::subscriber::with_default(subscriber, || drop(tracing::info_span!("work").entered()));
+        timeline.shutdown().unwrap();
+    }
+    let out = tickline_in(&dir, &["convert", "run.tickline", "-o", "converted.pftrace"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let count = |name: &str| {
+        let data = std::fs::read(dir.join(name)).unwrap();
+        data.windows(b"sync_max_error_ns".len())
+            .filter(|w| *w == b"sync_max_error_ns")
+            .count()
+    };
+    let (live, converted) = (count("live.pftrace"), count("converted.pftrace"));
+    assert!(live > 0, "the live trace states the sync state");
+    assert!(
+        converted >= 2,
+        "the converted trace states it with each snapshot: {converted} (live {live})"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -46,7 +46,7 @@
 //! | 15 | CPU clock note | fallback u8, doubt u8, text str: the tick-source decision in words |
 //! | 16 | host | machine id u64, machine id source u8 (0 boot id, 1 override, 2 host name), boot id str, host name str |
 //! | 18 | GPU reset | device u16: the backend reported a reset of the device clock |
-//! | 17 | host clocks | BOOTTIME, MONOTONIC, MONOTONIC_RAW, REALTIME ns u64 each, bracket ns u64: read together (at the start, with each write-out, at the end) |
+//! | 17 | host clocks | BOOTTIME, MONOTONIC, MONOTONIC_RAW, REALTIME ns u64 each, bracket ns u64: read together (at the start, with each write-out, at the end); then, where the kernel's time-sync state could be read, 1 u8, synchronized u8, estimated error ns u64, maximum error ns u64, status i32, clock state i32 (absent in older captures, whose readers ignore it) |
 //! | 19 | slices dropped | ring u32, dropped slices total u64: after a chunk whose ring's count of slices dropped whole changed |
 //!
 //! The records inside chunks are the ring format of [`crate::codec`]. A reader stops at the first frame that
@@ -253,6 +253,10 @@ impl CaptureWriter {
     /// The host's clocks read together: Perfetto's clock snapshots of the converted trace.
     fn write_clocks(&mut self) -> std::io::Result<()> {
         let r = crate::read_real_clocks();
+        // With the readings, the kernel's time-sync state: a converted trace states how far the recording
+        // host's REALTIME could be trusted, which merging across hosts needs (readers before it stop at the
+        // readings).
+        let sync = crate::time_sync_state();
         self.emit(frame::HOST_CLOCKS, |b| {
             for v in [
                 r.boottime_ns,
@@ -262,6 +266,14 @@ impl CaptureWriter {
                 r.bracket_ns,
             ] {
                 b.extend_from_slice(&v.to_le_bytes());
+            }
+            if let Some(sync) = sync {
+                b.push(1);
+                b.push(u8::from(sync.synchronized));
+                b.extend_from_slice(&sync.est_error_ns.to_le_bytes());
+                b.extend_from_slice(&sync.max_error_ns.to_le_bytes());
+                b.extend_from_slice(&sync.status.to_le_bytes());
+                b.extend_from_slice(&sync.clock_state.to_le_bytes());
             }
         })
     }
@@ -561,7 +573,8 @@ impl<'a> Payload<'a> {
 pub(crate) enum Frame {
     Header(CaptureHeader),
     Host(crate::HostInfo),
-    HostClocks(crate::ClockReadings),
+    /// The host's clocks, and its time-sync state when the capture has it.
+    HostClocks(crate::ClockReadings, Option<crate::TimeSyncState>),
     Input(Input),
     /// A ring's count of slices dropped whole, so far.
     SlicesDropped {
@@ -852,13 +865,27 @@ impl<R: Read> CaptureReader<R> {
                     host_name: p.str()?,
                 })
             }
-            frame::HOST_CLOCKS => Frame::HostClocks(crate::ClockReadings {
-                boottime_ns: p.u64()?,
-                monotonic_ns: p.u64()?,
-                monotonic_raw_ns: p.u64()?,
-                realtime_ns: p.u64()?,
-                bracket_ns: p.u64()?,
-            }),
+            frame::HOST_CLOCKS => {
+                let readings = crate::ClockReadings {
+                    boottime_ns: p.u64()?,
+                    monotonic_ns: p.u64()?,
+                    monotonic_raw_ns: p.u64()?,
+                    realtime_ns: p.u64()?,
+                    bracket_ns: p.u64()?,
+                };
+                // Absent in captures from before it, and where the writer could not read it.
+                let sync = match p.u8() {
+                    Some(1) => Some(crate::TimeSyncState {
+                        synchronized: p.u8()? != 0,
+                        est_error_ns: p.u64()?,
+                        max_error_ns: p.u64()?,
+                        status: p.u32()? as i32,
+                        clock_state: p.u32()? as i32,
+                    }),
+                    _ => None,
+                };
+                Frame::HostClocks(readings, sync)
+            }
             frame::SLICES_DROPPED => Frame::SlicesDropped {
                 ring: p.u32()?,
                 total: p.u64()?,
@@ -1073,7 +1100,7 @@ mod tests {
         let clocks: Vec<crate::ClockReadings> = frames
             .iter()
             .filter_map(|f| match f {
-                Frame::HostClocks(r) => Some(*r),
+                Frame::HostClocks(r, _) => Some(*r),
                 _ => None,
             })
             .collect();
@@ -1083,7 +1110,9 @@ mod tests {
                 && clocks[0].boottime_ns + clocks[0].bracket_ns >= clocks[0].monotonic_ns,
             "{clocks:?}"
         );
-        assert!(matches!(frames[2], Frame::HostClocks(_)) && matches!(frames[frames.len() - 2], Frame::HostClocks(_)));
+        assert!(
+            matches!(frames[2], Frame::HostClocks(..)) && matches!(frames[frames.len() - 2], Frame::HostClocks(..))
+        );
         let read: Vec<String> = frames[3..frames.len() - 2]
             .iter()
             .map(|f| match f {

@@ -412,7 +412,10 @@ fn a_capture_alone_counts_the_records_the_program_made() {
         let stats = timeline.shutdown().unwrap();
         let summary = tickline::capture::summarize(&path).unwrap();
         std::fs::remove_file(&path).ok();
-        assert!(ring.is_none() || stats.dropped_records > 0, "the tiny ring dropped nothing: {stats:?}");
+        assert!(
+            ring.is_none() || stats.dropped_records > 0,
+            "the tiny ring dropped nothing: {stats:?}"
+        );
         assert_eq!(
             (summary.records, summary.dropped_records),
             (stats.records, stats.dropped_records),

@@ -101,7 +101,8 @@ use tickline::{
         TrackKind,
     },
     sync::{
-        ClockExchange, ClockReadings, ExchangeSample, HostInfo, MachineId, MachineIdSource, SimulatedClock, TraceUuid,
+        ClockExchange, ClockReadings, ExchangeSample, HostInfo, MachineId, MachineIdSource, SimulatedClock,
+        TimeSyncState, TraceUuid,
     },
 };
 
@@ -463,13 +464,14 @@ pub struct PerfettoExporter<W: Write + Send = File> {
     exchange_tracks: Vec<(MachineId, u64)>,
     last_clock_ts: u64,
     /// Snapshots' readings written before the clock track exists to hold their instants.
-    pending_snapshots: Vec<ClockReadings>,
+    pending_snapshots: Vec<(ClockReadings, Option<TimeSyncState>)>,
     /// The recording process (this one, or a converted capture's), for the `tickline trace` instant.
     recorded_pid: u32,
     recorded_process: String,
     /// Converting a capture: the recording's clock readings not written yet, oldest first. The exporter
     /// then never reads this process's clocks (they say nothing about when the capture was recorded).
-    replay: Option<std::collections::VecDeque<ClockReadings>>,
+    /// Each with the recording host's time-sync state read with it, where the capture has it.
+    replay: Option<std::collections::VecDeque<(ClockReadings, Option<TimeSyncState>)>>,
     /// Flows asked for by span and event fields.
     field_flows: FieldFlows,
     /// Slices open on each track, by track id (see [`MAX_TRACK_DEPTH`]).
@@ -981,16 +983,16 @@ impl<W: Write + Send> PerfettoExporter<W> {
             Some(sim) => sim.apply(real),
             None => real,
         };
-        self.write_snapshot_of(r, first);
+        self.write_snapshot_of(r, None, first);
     }
 
     /// Converting a capture: the recording's readings up to `until_mono_ns` (all with `None`) as snapshots.
     /// Events are placed on BOOTTIME with the offset of the latest one, as the live exporter does.
     fn replay_snapshots(&mut self, until_mono_ns: Option<u64>) {
-        while let Some(r) = self.replay.as_mut().and_then(|q| {
+        while let Some((r, sync)) = self.replay.as_mut().and_then(|q| {
             let due = q
                 .front()
-                .is_some_and(|r| until_mono_ns.is_none_or(|t| r.monotonic_ns <= t));
+                .is_some_and(|(r, _)| until_mono_ns.is_none_or(|t| r.monotonic_ns <= t));
             if due {
                 q.pop_front()
             } else {
@@ -998,11 +1000,13 @@ impl<W: Write + Send> PerfettoExporter<W> {
             }
         }) {
             self.boot_offset_ns = r.boottime_ns as i64 - r.monotonic_ns as i64;
-            self.write_snapshot_of(r, false);
+            self.write_snapshot_of(r, sync, false);
         }
     }
 
-    fn write_snapshot_of(&mut self, r: ClockReadings, first: bool) {
+    /// `sync`: the time-sync state recorded with `r` (a converted capture's); a live snapshot's is read when its
+    /// instant is written.
+    fn write_snapshot_of(&mut self, r: ClockReadings, sync: Option<TimeSyncState>, first: bool) {
         self.body.clear();
         for (id, ts) in [
             (CLOCK_BOOTTIME, r.boottime_ns),
@@ -1030,16 +1034,17 @@ impl<W: Write + Send> PerfettoExporter<W> {
         self.stats.clock_snapshots += 1;
         self.last_snapshot = Instant::now();
         if self.clock_track_described {
-            self.write_snapshot_instant(&r);
+            self.write_snapshot_instant(&r, sync);
         } else {
-            self.pending_snapshots.push(r);
+            self.pending_snapshots.push((r, sync));
         }
     }
 
-    fn write_snapshot_instant(&mut self, r: &ClockReadings) {
-        // This machine's time-sync state says nothing about a converted capture's recording.
+    fn write_snapshot_instant(&mut self, r: &ClockReadings, recorded_sync: Option<TimeSyncState>) {
+        // This machine's time-sync state says nothing about a converted capture's recording: the recording
+        // host's, as its capture kept it.
         let sync = if self.replay.is_some() {
-            None
+            recorded_sync
         } else {
             tickline::sync::time_sync_state()
         };
@@ -1102,9 +1107,9 @@ impl<W: Write + Send> PerfettoExporter<W> {
         self.clock_track_described = true;
         let mut pending = std::mem::take(&mut self.pending_snapshots);
         if pending.is_empty() {
-            pending.push(self.read_clocks());
+            pending.push((self.read_clocks(), None));
         }
-        let first = pending[0];
+        let first = pending[0].0;
         let (uuid_text, machine) = (self.trace_uuid.to_string(), self.host.machine_id.to_string());
         let recording = self.recording.map(|r| r.to_string()).unwrap_or_default();
         let host = self.host.clone();
@@ -1122,8 +1127,8 @@ impl<W: Write + Send> PerfettoExporter<W> {
         ];
         self.last_clock_ts = first.boottime_ns;
         self.write_own_instant(first.boottime_ns, uuid, TRACE_INFO_EVENT, &annotations);
-        for r in &pending {
-            self.write_snapshot_instant(r);
+        for (r, sync) in &pending {
+            self.write_snapshot_instant(r, *sync);
         }
     }
 
@@ -1249,9 +1254,9 @@ impl<W: Write + Send> PerfettoExporter<W> {
             // A converted capture starts with its first reading (one written before readings were
             // captured has none: this machine's clocks now are the best there is).
             match self.replay.as_mut().and_then(|q| q.pop_front()) {
-                Some(r) => {
+                Some((r, sync)) => {
                     self.boot_offset_ns = r.boottime_ns as i64 - r.monotonic_ns as i64;
-                    self.write_snapshot_of(r, true);
+                    self.write_snapshot_of(r, sync, true);
                 }
                 None => self.write_clock_snapshot(true),
             }
@@ -1627,7 +1632,8 @@ impl<W: Write + Send> Exporter for PerfettoExporter<W> {
         self.recording = Some(origin.recording);
         if origin.replay {
             self.host = origin.host.clone();
-            self.replay = Some(origin.clocks.iter().copied().collect());
+            let sync = origin.clock_sync.iter().copied().chain(std::iter::repeat(None));
+            self.replay = Some(origin.clocks.iter().copied().zip(sync).collect());
             if !self.started {
                 // The same trace each time the capture is converted (its ids are salted with the UUID).
                 let recording = origin.recording.0;
