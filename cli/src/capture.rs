@@ -81,7 +81,9 @@ pub fn summary_text(s: &CaptureSummary) -> String {
         match (&s.stopped_early, s.complete) {
             (Some(why), _) => format!("cut short: {why} (read up to its last whole frame)"),
             (None, true) => "complete".to_owned(),
-            (None, false) => "not finished by its writer (the process ended without stopping the timeline)".to_owned(),
+            (None, false) =>
+                "not finished by its writer (still being written, or the process ended without stopping the timeline)"
+                    .to_owned(),
         }
     );
     let _ = writeln!(t, "threads:       {} ({} call sites)", s.threads, s.callsites);

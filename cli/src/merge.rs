@@ -136,6 +136,13 @@ pub enum MergeError {
     BadReference(PathBuf),
     /// An input is a raw capture (`.tickline`), which merges once converted.
     RawCapture(PathBuf),
+    /// The flow annotations are empty or the same: a flow needs a sending and a receiving end.
+    BadFlowFields {
+        /// `--flow-out`.
+        flow_out: String,
+        /// `--flow-in`.
+        flow_in: String,
+    },
     /// The output is one of the inputs (under another spelling, a symlink or a hard link included).
     OutputIsInput(crate::output::OutputIsInput),
 }
@@ -189,6 +196,11 @@ impl std::fmt::Display for MergeError {
             }
             MergeError::Write(p, e) => write!(f, "cannot write {}: {e}", p.display()),
             MergeError::BadReference(p) => write!(f, "--reference {} is not one of the inputs", p.display()),
+            MergeError::BadFlowFields { flow_out, flow_in } => write!(
+                f,
+                "--flow-out {flow_out:?} and --flow-in {flow_in:?}: each must name an annotation, and not the same \
+                 one (a flow's sending end and its receiving end)"
+            ),
             MergeError::RawCapture(p) => write!(
                 f,
                 "{0}: a raw capture, not a Perfetto trace: convert it first (`tickline convert {0} -o \
@@ -245,10 +257,13 @@ pub struct MergeReport {
 impl std::fmt::Display for MergeReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let traces: usize = self.machines.iter().map(|m| m.traces.len()).sum();
+        let plural = |n: usize, one: &'static str, many: &'static str| if n == 1 { one } else { many };
+        let machines = self.machines.len();
         writeln!(
             f,
-            "merged {traces} traces from {} machines into {}: {} packets, {} flows ({} across processes)",
-            self.machines.len(),
+            "merged {traces} {} from {machines} {} into {}: {} packets, {} flows ({} across processes)",
+            plural(traces, "trace", "traces"),
+            plural(machines, "machine", "machines"),
             self.output.display(),
             self.packets,
             self.flows,
@@ -469,6 +484,12 @@ impl ExchangeLink {
 
 /// Merges the traces of `options.inputs` into `options.output`.
 pub fn merge(options: &MergeOptions) -> Result<MergeReport, MergeError> {
+    if options.flow_out.is_empty() || options.flow_in.is_empty() || options.flow_out == options.flow_in {
+        return Err(MergeError::BadFlowFields {
+            flow_out: options.flow_out.clone(),
+            flow_in: options.flow_in.clone(),
+        });
+    }
     // Before anything is read or written: the merged trace would replace that input.
     crate::output::check_not_input(&options.output, options.inputs.iter().map(PathBuf::as_path))
         .map_err(MergeError::OutputIsInput)?;

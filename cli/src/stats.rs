@@ -124,6 +124,14 @@ pub fn read(path: &Path) -> Result<TraceStats, String> {
         ));
     }
     let framing = wire::framing(&data).map_err(|e| format!("{}: {e}", path.display()))?;
+    if framing.packets.is_empty() {
+        // A trace cut inside its first packet holds nothing to report; a file that is not a trace looks the same.
+        return Err(format!(
+            "{}: no whole packet in {} bytes: not a Perfetto trace, or one cut inside its first packet",
+            path.display(),
+            data.len()
+        ));
+    }
     let mut s = TraceStats {
         bytes: data.len() as u64,
         cut_at: framing.cut_at.map(|c| c as u64),

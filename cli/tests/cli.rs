@@ -506,3 +506,36 @@ fn a_converted_capture_keeps_the_hosts_time_sync_state() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Options and files that cannot give a right answer are refused: one annotation for both flow ends (every
+/// flow was then "without exactly one sender and a receiver"), an empty one, a "trace" with no whole packet
+/// (`stats` reported a one-byte file as a cut trace of 0 packets and exited 0).
+#[test]
+fn merge_flow_options_and_packetless_files_are_clear_errors() {
+    let dir = scratch("refusals");
+    for (out_field, in_field) in [("i", "i"), ("", "x"), ("x", "")] {
+        let out = tickline_in(
+            &dir,
+            &[
+                "merge",
+                "a.pftrace",
+                "b.pftrace",
+                "-o",
+                "m.pftrace",
+                "--flow-out",
+                out_field,
+                "--flow-in",
+                in_field,
+            ],
+        );
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{out_field:?} {in_field:?}: {stderr}");
+        assert!(stderr.contains("--flow-out"), "{stderr}");
+    }
+    std::fs::write(dir.join("newline.pftrace"), b"\n").unwrap();
+    let out = tickline_in(&dir, &["stats", "newline.pftrace"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("no whole packet"), "{stderr}");
+    std::fs::remove_dir_all(&dir).ok();
+}

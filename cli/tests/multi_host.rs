@@ -497,7 +497,7 @@ fn traces_of_one_machine_recorded_at_once_merge_with_snapshots_in_time_order() {
     ]);
     let report = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{report}{}", String::from_utf8_lossy(&out.stderr));
-    assert!(report.contains("from 1 machines"), "{report}");
+    assert!(report.contains("from 1 machine into"), "{report}");
     let Some(script) = checker() else { return };
     let out = Command::new("python3")
         .arg(&script)
