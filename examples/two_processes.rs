@@ -80,7 +80,7 @@ fn server(dir: &Path) -> Result<(), Box<dyn Error>> {
 fn client(dir: &Path, app: &str, exchange_addr: &str) -> Result<(), Box<dyn Error>> {
     let exchange = ClockExchange::connect(exchange_addr)?;
     let timeline = start(&dir.join("client.pftrace"), exchange.clone())?;
-    let stream = TcpStream::connect(app)?;
+    let stream = TcpStream::connect(app).map_err(|e| format!("cannot connect to the server at {app}: {e}"))?;
     stream.set_nodelay(true)?;
     let (mut reader, mut writer) = (BufReader::new(stream.try_clone()?), stream);
     let (begin, mut n, mut line) = (Instant::now(), 0u64, String::new());
@@ -108,7 +108,7 @@ fn client(dir: &Path, app: &str, exchange_addr: &str) -> Result<(), Box<dyn Erro
 
 /// Starts the server (as a pretend other host) and the client as children of this process.
 fn both(dir: &Path) -> Result<(), Box<dyn Error>> {
-    std::fs::create_dir_all(dir)?;
+    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create the directory {}: {e}", dir.display()))?;
     let me = std::env::current_exe()?;
     let mut server = Command::new(&me)
         .arg("server")
@@ -144,7 +144,18 @@ fn both(dir: &Path) -> Result<(), Box<dyn Error>> {
     Ok(())
 }
 
-fn main() -> Result<(), Box<dyn Error>> {
+fn main() -> std::process::ExitCode {
+    // Errors in words (returned from `main`, they would print as `Debug`).
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("two_processes: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<(), Box<dyn Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.iter().map(String::as_str).collect::<Vec<_>>().as_slice() {
         ["server", dir] => server(Path::new(dir)),
