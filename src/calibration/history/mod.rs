@@ -94,9 +94,11 @@ pub struct HistoryConfig {
     ///
     /// The measurement needs five second differences of burst points at least about 1.5 s apart: about 5 s of
     /// bursts at 250 ms, seven bursts when they come seconds apart. Until then the stated uncertainty allows
-    /// for five times this prior, so a clock that wanders more than that is understated in its first seconds
-    /// (an audit's clock at 5 ppm/√s with bursts 2-10 s apart: seconds with no truth inside during the first
-    /// minute, none after): set the prior near what the clock is known to do.
+    /// for five times this prior, and the estimate takes a few more to settle, so a clock that wanders far
+    /// more than that is understated in its first seconds (an audit's clocks at 1 and 5 ppm/√s, 20-100 times
+    /// the default prior, converted live with 250 ms bursts: seconds with 77-87 % of truths inside up to 11 s
+    /// in; at 5 ppm/√s with bursts 2-10 s apart, such seconds during the first minute, none after): set the
+    /// prior near what the clock is known to do.
     pub wander_ppm_per_sqrt_s: f64,
     /// Until the window spans this much reference time, only the offset is fitted and the rate is the
     /// previous segment's (or the domain's nominal one): a rate fitted over a few microseconds is worse.
