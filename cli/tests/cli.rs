@@ -409,24 +409,30 @@ fn a_report_that_cannot_be_written_is_a_clear_error_and_never_a_panic() {
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
+/// One recording of one span, written live to `trace` and raw to `capture`.
+fn record_trace_and_capture(trace: &std::path::Path, capture: &std::path::Path) {
+    use tracing_subscriber::layer::SubscriberExt;
+    let _one_at_a_time = exclusive();
+    let timeline = tickline::Timeline::builder()
+        .exporter(tickline_perfetto::PerfettoExporter::create(trace).unwrap())
+        .raw_capture(capture)
+        .start()
+        .unwrap();
+    let subscriber = tracing_subscriber::registry().with(timeline.layer());
+    tracing::subscriber::with_default(subscriber, || drop(tracing::info_span!("work").entered()));
+    timeline.shutdown().unwrap();
+}
+
 /// `merge --reference` names an input by file identity, as the output check does, and a raw capture given to
 /// `merge` says to convert it first.
 #[test]
 fn merge_names_its_reference_by_identity_and_sends_raw_captures_to_convert() {
-    use tracing_subscriber::layer::SubscriberExt;
     let dir = scratch("merge-reference");
-    {
-        let _one_at_a_time = exclusive();
-        for name in ["a", "b"] {
-            let timeline = tickline::Timeline::builder()
-                .exporter(tickline_perfetto::PerfettoExporter::create(dir.join(format!("{name}.pftrace"))).unwrap())
-                .raw_capture(dir.join(format!("{name}.tickline")))
-                .start()
-                .unwrap();
-            let subscriber = tracing_subscriber::registry().with(timeline.layer());
-            tracing::subscriber::with_default(subscriber, || drop(tracing::info_span!("work").entered()));
-            timeline.shutdown().unwrap();
-        }
+    for name in ["a", "b"] {
+        record_trace_and_capture(
+            &dir.join(format!("{name}.pftrace")),
+            &dir.join(format!("{name}.tickline")),
+        );
     }
     let absolute = dir.join("b.pftrace");
     for reference in ["./b.pftrace", absolute.to_str().unwrap()] {
@@ -473,23 +479,12 @@ fn merge_names_its_reference_by_identity_and_sends_raw_captures_to_convert() {
 /// does: `tickline merge` trusts a host's REALTIME by it (a converted trace had none: "time-sync state unknown").
 #[test]
 fn a_converted_capture_keeps_the_hosts_time_sync_state() {
-    use tracing_subscriber::layer::SubscriberExt;
     if tickline::sync::time_sync_state().is_none() {
         eprintln!("skipped: this machine has no adjtimex state");
         return;
     }
     let dir = scratch("sync-state");
-    {
-        let _one_at_a_time = exclusive();
-        let timeline = tickline::Timeline::builder()
-            .exporter(tickline_perfetto::PerfettoExporter::create(dir.join("live.pftrace")).unwrap())
-            .raw_capture(dir.join("run.tickline"))
-            .start()
-            .unwrap();
-        let subscriber = tracing_subscriber::registry().with(timeline.layer());
-        tracing::subscriber::with_default(subscriber, || drop(tracing::info_span!("work").entered()));
-        timeline.shutdown().unwrap();
-    }
+    record_trace_and_capture(&dir.join("live.pftrace"), &dir.join("run.tickline"));
     let out = tickline_in(&dir, &["convert", "run.tickline", "-o", "converted.pftrace"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let count = |name: &str| {
