@@ -136,6 +136,32 @@ use tracy_client::{Client, PlotName};
 use gpu::{GpuZones, Lane};
 use live::TracyLive;
 
+/// Why Tracy could not be used.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TracyError {
+    /// No Tracy profiler connected within the time given ([`TracyExporter::wait_for_connection`]).
+    NotConnected {
+        /// How long it was waited for.
+        waited: std::time::Duration,
+    },
+}
+
+impl std::fmt::Display for TracyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TracyError::NotConnected { waited } => write!(
+                f,
+                "no Tracy profiler connected to this process within {:.1} s (start the Tracy profiler and \
+                 connect it to this process's address, port 8086 by default)",
+                waited.as_secs_f64()
+            ),
+        }
+    }
+}
+
+impl std::error::Error for TracyError {}
+
 /// What the exporter did so far. Read with [`TracyExporter::stats`].
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct TracyStats {
@@ -244,6 +270,32 @@ impl TracyExporter {
     /// Whether a Tracy profiler is connected to this process now.
     pub fn is_connected() -> bool {
         Client::is_connected()
+    }
+
+    /// Waits up to `timeout` for a Tracy profiler to connect to this process: for a program that should record
+    /// only while someone is watching (with `ondemand`, nothing is captured before), or that must not run
+    /// unobserved. A profiler that does not come is an error that says so, never a hang.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// // No profiler runs beside the doc tests.
+    /// let err = tickline_tracy::TracyExporter::wait_for_connection(Duration::from_millis(50)).unwrap_err();
+    /// assert!(err.to_string().contains("no Tracy profiler connected"));
+    /// ```
+    pub fn wait_for_connection(timeout: std::time::Duration) -> Result<(), TracyError> {
+        // Tracy's client starts with the process (or here, if it was not running yet).
+        let _client = Client::start();
+        let start = std::time::Instant::now();
+        loop {
+            if Client::is_connected() {
+                return Ok(());
+            }
+            let waited = start.elapsed();
+            if waited >= timeout {
+                return Err(TracyError::NotConnected { waited });
+            }
+            std::thread::sleep((timeout - waited).min(std::time::Duration::from_millis(5)));
+        }
     }
 
     fn add_track(&mut self, track: &tickline::export::TrackDescriptor) {

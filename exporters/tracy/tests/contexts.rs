@@ -48,3 +48,17 @@ fn timelines_one_after_another_reuse_their_lanes_tracy_gpu_contexts() {
     let fewer = one_scope_per_queue(10);
     assert_eq!((fewer.gpu_zones, fewer.gpu_zones_without_context), (10, 0), "{fewer:?}");
 }
+
+/// No profiler connects in this test: waiting for one is a clear error after the time given, not a hang.
+#[test]
+fn waiting_for_a_profiler_that_never_comes_is_a_clear_error() {
+    let begin = std::time::Instant::now();
+    let err = TracyExporter::wait_for_connection(Duration::from_millis(200)).unwrap_err();
+    let waited = begin.elapsed();
+    assert!(
+        waited >= Duration::from_millis(200) && waited < Duration::from_secs(5),
+        "{waited:?}"
+    );
+    assert!(matches!(err, tickline_tracy::TracyError::NotConnected { waited } if waited >= Duration::from_millis(200)));
+    assert!(err.to_string().contains("no Tracy profiler connected"), "{err}");
+}

@@ -124,11 +124,7 @@ fn app() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(4.0);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !tickline_tracy::TracyExporter::is_connected() {
-        assert!(Instant::now() < deadline, "app: no Tracy server connected");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    tickline_tracy::TracyExporter::wait_for_connection(Duration::from_secs(10)).expect("app: the Tracy server");
     let lines = Arc::new(Mutex::new(Vec::new()));
     let truth = Truth {
         lines: lines.clone(),
