@@ -402,7 +402,9 @@ impl LocalRing {
         let pushed = self.producer.try_push_keeping(gap, records.len() + keep)
             && self.producer.try_push_all_keeping(records, keep);
         debug_assert!(pushed, "room was checked above and only this thread pushes");
-        self.producer.count_marker();
+        if pushed {
+            self.producer.count_marker();
+        }
         self.unreported_drops = 0;
         self.slack &= !GAP_PENDING;
         pushed
