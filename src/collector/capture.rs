@@ -74,6 +74,8 @@ pub(crate) const VERSION: u32 = 4;
 const WRITE_OUT_BYTES: usize = 1 << 20;
 /// Write the buffer out at least this often, so a killed process loses at most about this much.
 const FLUSH_INTERVAL: Duration = Duration::from_millis(500);
+/// At most one pass end in this long while passes bring nothing (see the `PassEnd` frame's writing).
+const IDLE_PASS_END_INTERVAL: Duration = Duration::from_millis(100);
 
 mod frame {
     pub(super) const PROCESS: u8 = 1;
@@ -145,7 +147,11 @@ pub(crate) struct CaptureWriter {
     last_flush: Instant,
     failed: bool,
     /// Each ring's count of slices dropped whole, as last written (a frame is written when it changes).
-    slices_dropped: Vec<(u32, u64)>,
+    slices_dropped: std::collections::HashMap<u32, u64>,
+    /// A frame other than a pass end was written since the last pass end written.
+    since_pass_end: bool,
+    /// When the last pass end was written.
+    last_pass_end: Instant,
 }
 
 fn put_str(buf: &mut Vec<u8>, s: &str) {
@@ -185,19 +191,16 @@ impl CaptureWriter {
             buf,
             last_flush: Instant::now(),
             failed: false,
-            slices_dropped: Vec::new(),
+            slices_dropped: std::collections::HashMap::new(),
+            since_pass_end: true,
+            last_pass_end: Instant::now(),
         })
     }
 
     /// A ring's count of slices dropped whole, when it changed: a chunk frame carries only its dropped records.
     fn write_slices_dropped(&mut self, ring: u32, total: u64) -> std::io::Result<()> {
-        let known = match self.slices_dropped.iter_mut().find(|(r, _)| *r == ring) {
-            Some((_, known)) => known,
-            None => {
-                self.slices_dropped.push((ring, 0));
-                &mut self.slices_dropped.last_mut().expect("just pushed").1
-            }
-        };
+        // A map: a program that starts threads all the time has a ring per thread.
+        let known = self.slices_dropped.entry(ring).or_insert(0);
         if *known == total {
             return Ok(());
         }
@@ -209,6 +212,7 @@ impl CaptureWriter {
     }
 
     fn emit(&mut self, kind: u8, payload: impl FnOnce(&mut Vec<u8>)) -> std::io::Result<()> {
+        self.since_pass_end |= kind != frame::PASS_END;
         let start = self.buf.len();
         self.buf.push(kind);
         self.buf.extend_from_slice(&[0; 4]);
@@ -351,7 +355,10 @@ impl CaptureWriter {
                     }
                 })
                 .and_then(|()| self.write_slices_dropped(chunk.ring, chunk.dropped_slices_total)),
-            Input::ThreadEnd { ring } => self.emit(frame::THREAD_END, |b| b.extend_from_slice(&ring.to_le_bytes())),
+            Input::ThreadEnd { ring } => {
+                self.slices_dropped.remove(ring);
+                self.emit(frame::THREAD_END, |b| b.extend_from_slice(&ring.to_le_bytes()))
+            }
             Input::CpuCalibration(samples) => self.emit(frame::CPU_CALIBRATION, |b| put_samples(b, samples)),
             Input::CpuClockNote { fallback, doubt, text } => self.emit(frame::CPU_CLOCK_NOTE, |b| {
                 b.push(*fallback as u8);
@@ -365,12 +372,23 @@ impl CaptureWriter {
                 buffered_bytes,
                 rings_drained,
             } => {
-                let result = self.emit(frame::PASS_END, |b| {
-                    b.extend_from_slice(&drain_ns.to_le_bytes());
-                    b.extend_from_slice(&drain_ticks.to_le_bytes());
-                    b.extend_from_slice(&buffered_bytes.to_le_bytes());
-                    b.push(u8::from(*rings_drained));
-                });
+                // A pass that brought nothing since the last pass end written is left out, but for one every
+                // IDLE_PASS_END_INTERVAL: an idle program's capture must not grow by a frame per pass (a
+                // thousand a second). Converting sees fewer empty passes, which only delays what waits for one.
+                let idle = !self.since_pass_end && self.last_pass_end.elapsed() < IDLE_PASS_END_INTERVAL;
+                let result = if idle {
+                    Ok(())
+                } else {
+                    self.last_pass_end = Instant::now();
+                    let result = self.emit(frame::PASS_END, |b| {
+                        b.extend_from_slice(&drain_ns.to_le_bytes());
+                        b.extend_from_slice(&drain_ticks.to_le_bytes());
+                        b.extend_from_slice(&buffered_bytes.to_le_bytes());
+                        b.push(u8::from(*rings_drained));
+                    });
+                    self.since_pass_end = false;
+                    result
+                };
                 if result.is_ok() && self.last_flush.elapsed() >= FLUSH_INTERVAL {
                     self.last_flush = Instant::now();
                     self.write_clocks().and_then(|()| self.write_out())
@@ -1192,6 +1210,45 @@ mod tests {
         assert!(
             from_mixed.is_empty() && stopped.as_deref().is_some_and(|s| s.contains("check")),
             "{stopped:?}"
+        );
+    }
+
+    /// An idle program's capture does not grow by a pass end per pass: passes that bring nothing are left out
+    /// but for one every `IDLE_PASS_END_INTERVAL`; a pass after anything else is written.
+    #[test]
+    fn idle_passes_are_not_written_one_by_one() {
+        let dir = std::env::temp_dir();
+        let path = dir.join(format!("idle-{}.tickline", std::process::id()));
+        let stats = SharedStats::default();
+        let mut writer = CaptureWriter::create(&path).unwrap();
+        let pass = |ns: u64| Input::PassEnd {
+            drain_ns: ns,
+            drain_ticks: ns,
+            buffered_bytes: 0,
+            rings_drained: true,
+        };
+        writer.write(&Input::CpuCalibration(Vec::new()), &stats);
+        for k in 0..1_000 {
+            writer.write(&pass(k), &stats);
+        }
+        writer.write(&Input::ThreadEnd { ring: 3 }, &stats);
+        writer.write(&pass(2_000), &stats);
+        writer.finish(&stats).unwrap();
+        let frames: Vec<Frame> = CaptureReader::new(std::fs::File::open(&path).unwrap())
+            .unwrap()
+            .collect();
+        std::fs::remove_file(&path).ok();
+        let pass_ends = frames
+            .iter()
+            .filter(|f| matches!(f, Frame::Input(Input::PassEnd { .. })))
+            .count();
+        // The first after the calibration, the one after the thread end, and (a slow machine) a few idle ones.
+        assert!((2..=10).contains(&pass_ends), "{pass_ends} pass ends written");
+        assert!(
+            frames
+                .iter()
+                .any(|f| matches!(f, Frame::Input(Input::PassEnd { drain_ns: 2_000, .. }))),
+            "the pass after the thread end is written"
         );
     }
 

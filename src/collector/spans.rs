@@ -255,12 +255,22 @@ pub(crate) struct Spans {
 /// One ring's spans: `slots[k]` holds span `n = base + k`.
 #[derive(Default)]
 struct SpanWindow {
+    /// The ring's number (the key of `ring_index` pointing here).
+    ring: u64,
     base: u64,
     slots: VecDeque<Option<SpanState>>,
+    /// Sweeps in a row that found the window empty.
+    empty_sweeps: u32,
 }
 
-/// Slots a ring's window may hold behind a span still open before that span moves to the spilled map.
-const WINDOW_MAX: usize = 1 << 16;
+/// Sweeps in a row a window stays empty before it is let go: a thread that ended (or went quiet) costs the
+/// sweep nothing after, and a busy thread whose window empties between bursts keeps its allocation.
+const EMPTY_SWEEPS_BEFORE_FORGET: u32 = 64;
+
+/// Slots a ring's window may hold behind a span still open before that span moves to the spilled map: 16,384
+/// slots of 112 bytes, about 2 MB per ring at most (65,536 left 15-20 MB more per thread that held a span open
+/// around a busy loop, measured).
+const WINDOW_MAX: usize = 1 << 14;
 
 /// Passes a closed span is kept (its last exits may still be on rings processed later).
 const KEEP_CLOSED_PASSES: u64 = 2;
@@ -314,22 +324,28 @@ impl Spans {
         }
     }
 
+    /// Where span `serial` sits in its ring's window, `(window, slot)`; `None` when it is not in one (spilled,
+    /// forgotten, or its ring's window was let go).
+    fn place_of(&self, serial: u64, index: Option<usize>) -> Option<(usize, usize)> {
+        let (_, n) = split(serial);
+        let index = index?;
+        let window = &self.windows[index];
+        let k = n.checked_sub(window.base)? as usize;
+        (k < window.slots.len()).then_some((index, k))
+    }
+
     pub(crate) fn get(&self, serial: u64) -> Option<&SpanState> {
-        let (ring, n) = split(serial);
-        let window = &self.windows[self.window_of_shared(ring)?];
-        match n.checked_sub(window.base) {
-            Some(k) if (k as usize) < window.slots.len() => window.slots[k as usize].as_ref(),
-            _ => self.spilled.get(&serial),
+        match self.place_of(serial, self.window_of_shared(split(serial).0)) {
+            Some((index, k)) => self.windows[index].slots[k].as_ref(),
+            None => self.spilled.get(&serial),
         }
     }
 
     pub(crate) fn get_mut(&mut self, serial: u64) -> Option<&mut SpanState> {
-        let (ring, n) = split(serial);
-        let index = self.window_of(ring)?;
-        let window = &mut self.windows[index];
-        match n.checked_sub(window.base) {
-            Some(k) if (k as usize) < window.slots.len() => window.slots[k as usize].as_mut(),
-            _ => self.spilled.get_mut(&serial),
+        let index = self.window_of(split(serial).0);
+        match self.place_of(serial, index) {
+            Some((index, k)) => self.windows[index].slots[k].as_mut(),
+            None => self.spilled.get_mut(&serial),
         }
     }
 
@@ -342,8 +358,10 @@ impl Spans {
             None => {
                 let index = self.windows.len();
                 self.windows.push(SpanWindow {
+                    ring,
                     base: n,
                     slots: VecDeque::new(),
+                    empty_sweeps: 0,
                 });
                 self.ring_index.insert(ring, index as u32);
                 self.last = Some((ring, index));
@@ -471,6 +489,29 @@ impl Spans {
         if !self.spilled.is_empty() {
             self.spilled.retain(|_, span| !span.forgettable(pass));
         }
+        // Windows empty for a while are let go, so that every thread that ever recorded does not cost each
+        // sweep (a program that starts threads all the time). A span its ring makes later opens a new window.
+        let mut index = 0;
+        while index < self.windows.len() {
+            let window = &mut self.windows[index];
+            if !window.slots.is_empty() {
+                window.empty_sweeps = 0;
+                index += 1;
+                continue;
+            }
+            window.empty_sweeps += 1;
+            if window.empty_sweeps < EMPTY_SWEEPS_BEFORE_FORGET {
+                index += 1;
+                continue;
+            }
+            let ring = window.ring;
+            self.windows.swap_remove(index);
+            self.ring_index.remove(&ring);
+            if let Some(moved) = self.windows.get(index) {
+                self.ring_index.insert(moved.ring, index as u32);
+            }
+            self.last = None;
+        }
     }
 
     /// Spans held now (tests).
@@ -562,6 +603,44 @@ mod tests {
         assert!(spans.get(serial(1, 1)).is_none());
         assert!(spans.get(serial(3, 1)).is_none());
         assert!(spans.get(serial(1, WINDOW_MAX as u64 * 10)).is_none());
+    }
+
+    /// A program that starts threads all the time: each ring's window is let go once it stays empty, so the
+    /// sweep's cost follows the rings in use, not every ring ever seen. A ring's spans after that, and one of
+    /// its spans spilled before, are still found.
+    #[test]
+    fn windows_of_rings_gone_quiet_are_let_go() {
+        let mut spans = Spans::default();
+        let state = || SpanState::new(NameId(1), 0, 0, None, None);
+        // Ring 1 holds a span that spills (more than WINDOW_MAX behind it), then goes quiet.
+        spans.insert(serial(1, 1), state());
+        for n in 2..=(WINDOW_MAX as u64 + 2) {
+            spans.insert(serial(1, n), state());
+            spans.close(serial(1, n), 1, 0, false, false);
+        }
+        for ring in 2..1_002 {
+            spans.insert(serial(ring, 1), state());
+            spans.close(serial(ring, 1), 1, 0, false, false);
+        }
+        assert_eq!(spans.windows.len(), 1_001);
+        for pass in 10..10 + u64::from(EMPTY_SWEEPS_BEFORE_FORGET) + 1 {
+            spans.sweep(pass);
+        }
+        assert_eq!(spans.windows.len(), 0, "every window stayed empty");
+        assert_eq!(spans.ring_index.len(), 0);
+        assert!(spans.get(serial(1, 1)).is_some(), "the spilled span is still found");
+        // A ring let go records again: a new window, and lookups of every ring stay right.
+        spans.insert(serial(7, 2), state());
+        spans.insert(serial(9, 2), state());
+        assert!(spans.get(serial(7, 2)).is_some() && spans.get(serial(9, 2)).is_some());
+        assert!(spans.get(serial(7, 1)).is_none(), "forgotten before");
+        // One busy window among quiet ones: removing the others keeps the index right for it.
+        spans.close(serial(9, 2), 100, 0, false, false);
+        for pass in 200..200 + u64::from(EMPTY_SWEEPS_BEFORE_FORGET) {
+            spans.sweep(pass);
+        }
+        assert_eq!(spans.windows.len(), 1, "ring 7's span is open");
+        assert!(spans.get(serial(7, 2)).is_some());
     }
 
     #[test]

@@ -383,6 +383,8 @@ pub(crate) struct Processor {
     ring_slots: IdMap<u32>,
     /// Slots of the rings still live.
     active: Vec<u32>,
+    /// The last value written on the buffered-records counter track.
+    buffered_shown: Option<u64>,
     spans: Spans,
     cpu: Option<CpuTime>,
     gpu: GpuCollector,
@@ -485,6 +487,7 @@ impl Processor {
             leaf_spans_with_fields_taken: 0,
             rings: Vec::new(),
             ring_slots: IdMap::default(),
+            buffered_shown: None,
             active: Vec::new(),
             spans: Spans::default(),
             cpu: None,
@@ -606,9 +609,14 @@ impl Processor {
                 ..
             } => {
                 self.pass_end(drain_ns, rings_drained);
-                let value = self.out.value_name();
-                self.out
-                    .push_counter(self.tracks.buffered, drain_ns, value, buffered_bytes as f64);
+                // Only when it changed: a counter holds its value until the next, and an idle program's trace
+                // must not grow by a value per pass (a thousand a second).
+                if self.buffered_shown != Some(buffered_bytes) {
+                    self.buffered_shown = Some(buffered_bytes);
+                    let value = self.out.value_name();
+                    self.out
+                        .push_counter(self.tracks.buffered, drain_ns, value, buffered_bytes as f64);
+                }
                 self.export(drain_ns, false);
             }
             Input::Flush(reply) => {

@@ -1552,3 +1552,40 @@ fn a_span_entered_on_two_threads_at_once_is_a_task_whichever_ring_is_processed_f
         }
     }
 }
+
+/// An idle program's trace does not grow by a counter value per pass: the buffered-records counter is written
+/// when its value changes (a counter holds its value until the next), not on each of a thousand passes a
+/// second.
+#[test]
+fn idle_passes_add_nothing_to_the_trace() {
+    let memory = MemoryExporter::default();
+    let mut p = processor(&memory);
+    let pass_with = |p: &mut Processor, ns: u64, bytes: u64| {
+        p.input(Input::PassEnd {
+            drain_ns: ns,
+            drain_ticks: ns,
+            buffered_bytes: bytes,
+            rings_drained: true,
+        })
+    };
+    pass_with(&mut p, 1_000, 0);
+    let counters = |m: &MemoryExporter| {
+        m.snapshot()
+            .events
+            .iter()
+            .filter(|e| matches!(e.kind, EventKind::Counter(_)))
+            .count()
+    };
+    let before = counters(&memory);
+    for k in 0..1_000 {
+        pass_with(&mut p, 2_000 + k * 1_000_000, 0);
+    }
+    assert_eq!(counters(&memory), before, "1,000 idle passes wrote counter values");
+    pass_with(&mut p, 2_000_000_000, 4096);
+    pass_with(&mut p, 2_001_000_000, 4096);
+    pass_with(&mut p, 2_002_000_000, 0);
+    // (What a pass writes goes out with the passes after it.)
+    pass_with(&mut p, 3_000_000_000, 0);
+    pass_with(&mut p, 4_000_000_000, 0);
+    assert_eq!(counters(&memory), before + 2, "a change is written, once");
+}
