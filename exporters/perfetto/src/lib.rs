@@ -90,6 +90,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
 
+use std::collections::HashMap;
 use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -476,6 +477,8 @@ pub struct PerfettoExporter<W: Write + Send = File> {
     field_flows: FieldFlows,
     /// Slices open on each track, by track id (see [`MAX_TRACK_DEPTH`]).
     depths: Vec<u32>,
+    /// The same for track ids from [`DEPTH_TRACKED_TRACKS`] on, while they have slices open.
+    far_depths: HashMap<u64, u32>,
     /// Overflow tracks described so far (see [`MAX_TRACK_DEPTH`]).
     deep_tracks: std::collections::HashSet<u64>,
 }
@@ -489,7 +492,9 @@ const FLUSH_SNAPSHOT_AGE: Duration = Duration::from_millis(100);
 /// Slices (and instants) nested deeper go on a child track, [`MAX_TRACK_DEPTH`] levels each, so every slice
 /// keeps its place and duration.
 const MAX_TRACK_DEPTH: u32 = 512;
-/// Track ids beyond this are not depth-tracked (the timeline numbers its tracks from 1 up).
+/// Track ids below this keep their open-slice count in a vector slot (the timeline numbers its tracks from 1
+/// up: 4 bytes per track, at most 64 MiB); beyond it (a program that made 16 million async tasks), in a map
+/// that holds only tracks with slices open.
 const DEPTH_TRACKED_TRACKS: u64 = 1 << 24;
 /// The bit that marks an overflow track's id (with its level at bit 40 and its track's id below).
 const DEEP_TRACK_BIT: u64 = 1 << 62;
@@ -791,6 +796,7 @@ impl<W: Write + Send> PerfettoExporter<W> {
             recorded_process: tickline::sync::process_name(),
             replay: None,
             depths: Vec::new(),
+            far_depths: HashMap::new(),
             deep_tracks: std::collections::HashSet::new(),
         }
     }
@@ -912,7 +918,7 @@ impl<W: Write + Send> PerfettoExporter<W> {
     fn overflow_level(&mut self, event: &TraceEvent) -> u32 {
         let index = event.track.0;
         if index >= DEPTH_TRACKED_TRACKS {
-            return 0;
+            return self.far_overflow_level(event);
         }
         let index = index as usize;
         if index >= self.depths.len() {
@@ -921,8 +927,29 @@ impl<W: Write + Send> PerfettoExporter<W> {
             }
             self.depths.resize(index + 1, 0);
         }
-        let depth = &mut self.depths[index];
-        match event.kind {
+        Self::count_depth(&mut self.depths[index], event.kind)
+    }
+
+    /// [`overflow_level`](Self::overflow_level) for a track id beyond [`DEPTH_TRACKED_TRACKS`].
+    #[cold]
+    fn far_overflow_level(&mut self, event: &TraceEvent) -> u32 {
+        let Some(depth) = (match event.kind {
+            EventKind::SliceBegin => Some(self.far_depths.entry(event.track.0).or_insert(0)),
+            _ => self.far_depths.get_mut(&event.track.0),
+        }) else {
+            return 0;
+        };
+        let level = Self::count_depth(depth, event.kind);
+        if *depth == 0 {
+            self.far_depths.remove(&event.track.0);
+        }
+        level
+    }
+
+    /// Counts `kind` into a track's open slices `depth`; the overflow level it sits at.
+    #[inline(always)]
+    fn count_depth(depth: &mut u32, kind: EventKind) -> u32 {
+        match kind {
             EventKind::SliceBegin => {
                 *depth += 1;
                 (*depth - 1) / MAX_TRACK_DEPTH

@@ -909,3 +909,37 @@ fn no_thread_is_the_default_of_the_sequence_gpu_slices_are_on() {
     assert_eq!(threads, 2, "both threads described");
     assert!(events_off_threads >= 2, "the GPU slice's begin and end were checked");
 }
+
+/// A track whose id lies beyond the ones kept in the exporter's vector of open-slice counts (a program that
+/// made 16 million tracks: async tasks) still has its slices deeper than 512 moved to child tracks.
+#[test]
+fn a_track_made_after_sixteen_million_others_still_splits_deep_nesting() {
+    const FAR: u64 = (1 << 24) + 5;
+    let mut b = sample_batch(false);
+    b.new_tracks.push(TrackDescriptor {
+        id: TrackId(FAR),
+        parent: Some(TrackId(1)),
+        kind: TrackKind::Thread {
+            pid: 42,
+            tid: 99,
+            name: "late".into(),
+        },
+    });
+    const DEPTH: u64 = 600;
+    for k in 0..DEPTH {
+        b.events.push(event(10_000 + k, FAR, EventKind::SliceBegin, 1));
+    }
+    for k in 0..DEPTH {
+        b.events.push(event(20_000 + k, FAR, EventKind::SliceEnd, 1));
+    }
+    let bytes = encode(&b);
+    let text = String::from_utf8_lossy(&bytes);
+    assert!(
+        text.contains("nested deeper than 512"),
+        "no child track for the deep slices"
+    );
+    if let Some(out) = run_checker(&bytes, "far", &[]) {
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    }
+}
