@@ -429,9 +429,41 @@ impl std::fmt::Display for TraceStats {
         if !self.counters.is_empty() {
             writeln!(f, "counters (last / max):")?;
             for (k, c) in &self.counters {
-                writeln!(f, "  {k}: {} / {} {} ({} values)", c.last, c.max, c.unit, c.samples)?;
+                if c.samples == 0 {
+                    writeln!(f, "  {k}: no values")?;
+                } else {
+                    writeln!(
+                        f,
+                        "  {k}: {} / {} {} ({} values)",
+                        shown(c.last),
+                        shown(c.max),
+                        c.unit,
+                        c.samples
+                    )?;
+                }
             }
         }
         Ok(())
+    }
+}
+
+/// A counter value for people: whole numbers as such, others to 4 decimals (`-0.2647`, not
+/// `-0.2647122443466543`); the JSON output keeps them whole.
+fn shown(v: f64) -> String {
+    if v.fract() == 0.0 && v.abs() < 1e15 {
+        format!("{v:.0}")
+    } else {
+        format!("{v:.4}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn counter_values_are_shown_rounded_and_whole_numbers_as_such() {
+        assert_eq!(super::shown(-0.2647122443466543), "-0.2647");
+        assert_eq!(super::shown(28752.0), "28752");
+        assert_eq!(super::shown(0.0), "0");
+        assert_eq!(super::shown(1e20), "100000000000000000000.0000");
     }
 }
