@@ -86,9 +86,8 @@ pub(crate) struct Poll {
 /// A span shown as an async task: its track, and its polls not yet written.
 #[derive(Debug)]
 pub(crate) struct TaskData {
-    pub(crate) track: crate::export::TrackId,
-    /// Where its track sits: its depth under the process track (1 for a task without a parent task) and its
-    /// parent track.
+    /// Its track (`place.track`), its depth under the process track (1 for a task without a parent task) and
+    /// its parent track.
     pub(crate) place: TaskPlace,
     /// Polls not written yet (the first included once it is a task), in the order they ended.
     pub(crate) polls: Vec<Poll>,
@@ -460,17 +459,19 @@ impl Spans {
     }
 
     /// Forgets spans closed a few passes ago that no open slice refers to: each window's front, and spilled
-    /// spans. A window that grew long behind a span still open moves that span to the spilled map.
+    /// spans. A window that grew long behind a span still open moves that span to the spilled map; a window
+    /// empty for [`EMPTY_SWEEPS_BEFORE_FORGET`] sweeps is let go.
     pub(crate) fn sweep(&mut self, pass: u64) {
-        for (&ring, &index) in &self.ring_index {
-            let window = &mut self.windows[index as usize];
+        let mut index = 0;
+        while index < self.windows.len() {
+            let window = &mut self.windows[index];
             loop {
                 match window.slots.front() {
                     Some(None) => {}
                     Some(Some(span)) if span.forgettable(pass) => {}
                     Some(Some(span)) if window.slots.len() > WINDOW_MAX && !span.is_closed() => {
                         let span = window.slots.pop_front().flatten().expect("checked above");
-                        self.spilled.insert(span_serial(ring, window.base), span);
+                        self.spilled.insert(span_serial(window.ring, window.base), span);
                         window.base += 1;
                         continue;
                     }
@@ -485,32 +486,27 @@ impl Spans {
                 }
                 window.base += 1;
             }
+            // A window empty for a while is let go, so that every thread that ever recorded does not cost each
+            // sweep (a program that starts threads all the time). A span its ring makes later opens a new one.
+            if !window.slots.is_empty() {
+                window.empty_sweeps = 0;
+            } else {
+                window.empty_sweeps += 1;
+                if window.empty_sweeps >= EMPTY_SWEEPS_BEFORE_FORGET {
+                    let ring = window.ring;
+                    self.windows.swap_remove(index);
+                    self.ring_index.remove(&ring);
+                    if let Some(moved) = self.windows.get(index) {
+                        self.ring_index.insert(moved.ring, index as u32);
+                    }
+                    self.last = None;
+                    continue;
+                }
+            }
+            index += 1;
         }
         if !self.spilled.is_empty() {
             self.spilled.retain(|_, span| !span.forgettable(pass));
-        }
-        // Windows empty for a while are let go, so that every thread that ever recorded does not cost each
-        // sweep (a program that starts threads all the time). A span its ring makes later opens a new window.
-        let mut index = 0;
-        while index < self.windows.len() {
-            let window = &mut self.windows[index];
-            if !window.slots.is_empty() {
-                window.empty_sweeps = 0;
-                index += 1;
-                continue;
-            }
-            window.empty_sweeps += 1;
-            if window.empty_sweeps < EMPTY_SWEEPS_BEFORE_FORGET {
-                index += 1;
-                continue;
-            }
-            let ring = window.ring;
-            self.windows.swap_remove(index);
-            self.ring_index.remove(&ring);
-            if let Some(moved) = self.windows.get(index) {
-                self.ring_index.insert(moved.ring, index as u32);
-            }
-            self.last = None;
         }
     }
 

@@ -97,7 +97,6 @@ impl Processor {
                 // Its first poll, kept in case it became a task, is now the task's.
                 let first = (span.first_poll.end_ns != 0).then_some(span.first_poll);
                 span.task = Some(Box::new(TaskData {
-                    track: t,
                     place,
                     polls: first.into_iter().collect(),
                     begun: None,
@@ -110,7 +109,12 @@ impl Processor {
             parent = place;
             track = Some(t);
         }
-        track.or_else(|| self.spans.get(serial).and_then(|s| s.task.as_ref()).map(|t| t.track))
+        track.or_else(|| {
+            self.spans
+                .get(serial)
+                .and_then(|s| s.task.as_ref())
+                .map(|t| t.place.track)
+        })
     }
 
     /// A task track's name: the span's name and its creation values.
@@ -181,8 +185,8 @@ impl Processor {
         span.values_at(end, &mut fields);
         let Some(task) = span.task.as_mut() else { return };
         task.written = true;
-        let track = task.track;
         let place = task.place;
+        let track = place.track;
         let mut end_fields = if begun {
             // Its begin went out early with the values of then: the end carries what changed since.
             let sent = task.begun.take().unwrap_or_default();
@@ -228,7 +232,7 @@ impl Processor {
         let begin = span.created_ns.min(first_begin);
         let mut fields = Vec::new();
         span.values_at(values_ns, &mut fields);
-        let (name, track) = (span.name, task.track);
+        let (name, track) = (span.name, task.place.track);
         if let Some(task) = span.task.as_mut() {
             task.begun = Some(fields.clone());
         }
