@@ -495,10 +495,13 @@ pub fn merge(options: &MergeOptions) -> Result<MergeReport, MergeError> {
         .map_err(MergeError::OutputIsInput)?;
     let mut traces = Vec::with_capacity(options.inputs.len());
     for path in &options.inputs {
-        if crate::capture::is_capture_file(path).unwrap_or(false) {
-            return Err(MergeError::RawCapture(path.clone()));
-        }
-        let t = TraceFile::read(path, &options.flow_out, &options.flow_in).map_err(MergeError::Read)?;
+        let t = TraceFile::read(path, &options.flow_out, &options.flow_in).map_err(|e| {
+            // A raw capture is no Perfetto trace; say what to do with it.
+            match crate::capture::is_capture_file(path) {
+                Ok(true) => MergeError::RawCapture(path.clone()),
+                _ => MergeError::Read(e),
+            }
+        })?;
         if t.identity.is_none() {
             return Err(MergeError::NotTickline(path.clone()));
         }
@@ -1153,9 +1156,10 @@ fn write_output(options: &MergeOptions, c: &Context<'_>) -> Result<usize, MergeE
                 continue;
             }
             put_varint(&mut rebuilt, packet::SEQUENCE_ID, *sequence);
-            let flags = match (input_flags, *clear_pending) {
-                (flags, true) => Some(flags.unwrap_or(0) | SEQ_INCREMENTAL_STATE_CLEARED),
-                (flags, false) => flags,
+            let flags = if *clear_pending {
+                Some(input_flags.unwrap_or(0) | SEQ_INCREMENTAL_STATE_CLEARED)
+            } else {
+                input_flags
             };
             if let Some(flags) = flags {
                 put_varint(&mut rebuilt, packet::SEQUENCE_FLAGS, flags);
