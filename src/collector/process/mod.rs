@@ -383,6 +383,9 @@ pub(crate) struct Processor {
     ring_slots: IdMap<u32>,
     /// Slots of the rings still live.
     active: Vec<u32>,
+    /// Slots of finished rings, for the next rings registered: a program that starts and ends threads for
+    /// hours keeps as many slots as it had threads at once (a slot is 248 bytes).
+    free_slots: Vec<u32>,
     /// The last value written on the buffered-records counter track.
     buffered_shown: Option<u64>,
     spans: Spans,
@@ -487,6 +490,7 @@ impl Processor {
             leaf_spans_with_fields_taken: 0,
             rings: Vec::new(),
             ring_slots: IdMap::default(),
+            free_slots: Vec::new(),
             buffered_shown: None,
             active: Vec::new(),
             spans: Spans::default(),
@@ -645,8 +649,10 @@ impl Processor {
         let slot = match self.slot_of(ring) {
             Some(slot) => slot,
             None => {
-                self.rings.push(None);
-                let slot = self.rings.len() - 1;
+                let slot = self.free_slots.pop().map(|s| s as usize).unwrap_or_else(|| {
+                    self.rings.push(None);
+                    self.rings.len() - 1
+                });
                 self.ring_slots.insert(u64::from(ring), slot as u32);
                 slot
             }
@@ -954,6 +960,10 @@ impl Processor {
             }
             self.release(&mut r.track, Release::All, end);
             self.active.swap_remove(k);
+            // Its number is forgotten: a later chunk of it (corrupt input) is a framing error, as one of a
+            // ring never registered, and never lands on the ring that takes the slot next.
+            self.ring_slots.remove(&u64::from(r.track.ring));
+            self.free_slots.push(slot);
         }
     }
 

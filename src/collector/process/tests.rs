@@ -1589,3 +1589,58 @@ fn idle_passes_add_nothing_to_the_trace() {
     pass_with(&mut p, 4_000_000_000, 0);
     assert_eq!(counters(&memory), before + 2, "a change is written, once");
 }
+
+#[test]
+fn a_finished_rings_slot_is_reused_and_its_number_forgotten() {
+    // A program that starts and ends threads for hours must not keep a slot per thread it ever had.
+    let memory = MemoryExporter::default();
+    let mut p = processor(&memory);
+    p.input(Input::ThreadEnd { ring: 1 });
+    pass(&mut p);
+    pass(&mut p);
+    for n in 2..1_002u32 {
+        ring(&mut p, n);
+        chunk(
+            &mut p,
+            n,
+            vec![
+                Record::timed(Kind::ScopeBegin, 100 + u64::from(n), KNOWN),
+                Record::timed(Kind::ScopeEnd, 200 + u64::from(n), KNOWN),
+            ],
+        );
+        p.input(Input::ThreadEnd { ring: n });
+        pass(&mut p);
+        pass(&mut p);
+        assert!(p.rings.len() <= 2, "{} slots after {n} threads", p.rings.len());
+        assert!(
+            p.ring_slots.len() <= 2,
+            "{} ring numbers kept after {n} threads",
+            p.ring_slots.len()
+        );
+    }
+    let trace = memory.snapshot();
+    assert_eq!(trace.slice_count("known"), 1_000);
+    assert_eq!(p.stats.snapshot().framing_errors, 0);
+
+    // A chunk of a ring that ended (corrupt input) never lands on the thread that took its slot.
+    ring(&mut p, 5_000);
+    chunk(&mut p, 1_001, vec![Record::timed(Kind::ScopeBegin, 9_000, KNOWN)]);
+    chunk(
+        &mut p,
+        5_000,
+        vec![
+            Record::timed(Kind::ScopeBegin, 10_000, KNOWN),
+            Record::timed(Kind::ScopeEnd, 10_100, KNOWN),
+        ],
+    );
+    pass(&mut p);
+    pass(&mut p);
+    shutdown(&mut p);
+    let trace = memory.snapshot();
+    assert_eq!(trace.slice_count("known"), 1_001);
+    assert!(
+        trace.slices().iter().all(|s| s.begin_ns != 9_000),
+        "a finished ring's chunk was processed"
+    );
+    assert_eq!(p.stats.snapshot().framing_errors, 1);
+}
