@@ -131,7 +131,7 @@ impl DecisionFigures {
     fn from_report(report: &TscReport, shift_limit_ns: u64) -> Self {
         DecisionFigures {
             passes: report.passes.len() as u32,
-            check_time: report.passes.iter().map(|p| p.elapsed).sum(),
+            check_time: report.passes_time(),
             cpus_tested: report.cpus_tested,
             max_shift_ns: report.max_shift_ns,
             proven_shift_ns: report.proven_shift_ns,
@@ -362,7 +362,7 @@ impl fmt::Display for TickSourceDecision {
         if self.figures.passes > 0 {
             write!(
                 f,
-                "\n  checked:  {} pass(es), {:.1} ms",
+                "\n  checked:  {} pass(es), {:.1} ms in all",
                 self.figures.passes,
                 self.figures.check_time.as_secs_f64() * 1e3
             )?;

@@ -278,7 +278,9 @@ pub struct TscReport {
     pub rate_spread_ppm: f64,
     /// Bound of the spread's measurement error (twice the largest per-CPU uncertainty), in ppm.
     pub rate_uncertainty_ppm: f64,
-    /// How long the check took, every pass included.
+    /// How long this run of the check took: the passes it ran and the pauses between them. Passes in
+    /// [`passes`](Self::passes) from an earlier check of the same process (a quick check when the first
+    /// timeline started, then the full one) are not in it; the report's text gives the passes' time in all.
     pub elapsed: Duration,
     /// Every pass's verdicts, first pass first; the numbers above are the last pass's.
     pub passes: Vec<PassSummary>,
@@ -293,6 +295,11 @@ impl TscReport {
     /// Whether the decision is [`TscDecision::UseTsc`].
     pub fn is_reliable(&self) -> bool {
         self.decision == TscDecision::UseTsc
+    }
+
+    /// The time every pass in [`passes`](Self::passes) took, earlier checks' passes included.
+    pub fn passes_time(&self) -> Duration {
+        self.passes.iter().map(|p| p.elapsed).sum()
     }
 
     /// A report with the source set and nothing measured yet.
@@ -374,11 +381,11 @@ impl fmt::Display for TscReport {
         };
         writeln!(
             f,
-            "TSC reliability check: counter {source}, {} of {} allowed CPUs tested, {} pass(es), {:.1} ms",
+            "TSC reliability check: counter {source}, {} of {} allowed CPUs tested, {} pass(es), {:.1} ms in all",
             self.cpus_tested,
             self.cpus_allowed.len(),
             self.passes.len(),
-            self.elapsed.as_secs_f64() * 1e3
+            self.passes_time().as_secs_f64() * 1e3
         )?;
         writeln!(
             f,
@@ -576,5 +583,26 @@ mod tests {
         assert_eq!(r.interrupted_rounds(), 3);
         r.shifts[0] = CpuShift::unmeasured(1);
         assert_eq!(r.interrupted_rounds(), 0);
+    }
+
+    #[test]
+    fn the_reports_time_is_every_passes_time_as_the_decision_says() {
+        // A quick check when the first timeline started (22 ms), the full one later (361 ms, this run).
+        let mut r = TscReport::empty(Some(TickSource::Tsc));
+        r.passes = [22, 361]
+            .iter()
+            .enumerate()
+            .map(|(k, &ms)| PassSummary {
+                attempt: k as u32 + 1,
+                elapsed: Duration::from_millis(ms),
+                interrupted_rounds: 0,
+                timed_out_rounds: 0,
+                verdicts: Vec::new(),
+            })
+            .collect();
+        r.elapsed = Duration::from_millis(361);
+        let text = r.to_string();
+        assert!(text.contains("2 pass(es), 383.0 ms in all"), "{text}");
+        assert_eq!(r.passes_time(), Duration::from_millis(383), "the decision's check time");
     }
 }
