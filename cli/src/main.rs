@@ -88,7 +88,9 @@ fn main() -> ExitCode {
         Command::Convert { input, output, json } => match tickline_cli::capture::convert(&input, &output) {
             Ok(summary) => {
                 let report = if json {
-                    format!("{}\n", tickline_cli::capture::summary_json(&summary))
+                    let mut summary = tickline_cli::capture::summary_json(&summary);
+                    summary["output"] = serde_json::json!(output.display().to_string());
+                    format!("{summary}\n")
                 } else {
                     format!(
                         "wrote {}\n{}",

@@ -165,6 +165,20 @@ fn a_raw_capture_is_summarised_and_converted_with_its_recording_process_identity
     // The `stats` text of a .pftrace names the CPU clock decision too.
     let out = tickline(&["stats", converted.to_str().unwrap()]);
     assert!(String::from_utf8_lossy(&out.stdout).contains("CPU clock:"));
+
+    // `convert --json` names the file it wrote, as the text does.
+    let again = dir.join("again.pftrace");
+    let out = tickline(&[
+        "convert",
+        "--json",
+        capture.to_str().unwrap(),
+        "-o",
+        again.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    assert_eq!(v["output"], again.to_str().unwrap(), "{v}");
+    assert_eq!(v["slices"], 125, "{v}");
     std::fs::remove_dir_all(&dir).ok();
 }
 
