@@ -100,8 +100,31 @@ impl Clone for TicklineLayer {
     }
 }
 
-/// What a [`LiveSink`] keeps with a span, in the span's registry extensions.
-struct LiveData(Option<LiveSpanData>);
+/// What [`LiveSink`]s keep with a span, in the span's registry extensions: one entry per timeline whose layer
+/// has a sink (a registry's extensions hold one value per type, and two timelines' layers may share a
+/// subscriber).
+#[derive(Default)]
+struct LiveData(Vec<(u64, Option<LiveSpanData>)>);
+
+impl LiveData {
+    fn of(&self, timeline: u64) -> Option<&LiveSpanData> {
+        self.0
+            .iter()
+            .find(|(id, _)| *id == timeline)
+            .and_then(|(_, data)| data.as_ref())
+    }
+
+    fn of_mut(&mut self, timeline: u64) -> &mut Option<LiveSpanData> {
+        let at = match self.0.iter().position(|(id, _)| *id == timeline) {
+            Some(at) => at,
+            None => {
+                self.0.push((timeline, None));
+                self.0.len() - 1
+            }
+        };
+        &mut self.0[at].1
+    }
+}
 
 impl std::fmt::Debug for TicklineLayer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -174,7 +197,11 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for TicklineLayer {
     fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, ctx: Context<'_, S>) {
         if let Some(live) = self.live {
             if let (Some(data), Some(span)) = (live.span_new(attrs), ctx.span(id)) {
-                span.extensions_mut().insert(LiveData(Some(data)));
+                let mut extensions = span.extensions_mut();
+                match extensions.get_mut::<LiveData>() {
+                    Some(kept) => *kept.of_mut(self.id.get()) = Some(data),
+                    None => extensions.insert(LiveData(vec![(self.id.get(), Some(data))])),
+                }
             }
         }
         let callsite = metadata_key(attrs.metadata());
@@ -204,11 +231,11 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for TicklineLayer {
         if let (Some(live), Some(span)) = (self.live, ctx.span(id)) {
             let mut extensions = span.extensions_mut();
             match extensions.get_mut::<LiveData>() {
-                Some(LiveData(data)) => live.span_record(span.metadata(), data, values),
+                Some(kept) => live.span_record(span.metadata(), kept.of_mut(self.id.get()), values),
                 None => {
-                    let mut data = None;
-                    live.span_record(span.metadata(), &mut data, values);
-                    extensions.insert(LiveData(data));
+                    let mut kept = LiveData::default();
+                    live.span_record(span.metadata(), kept.of_mut(self.id.get()), values);
+                    extensions.insert(kept);
                 }
             }
         }
@@ -231,7 +258,7 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for TicklineLayer {
             recorder::span_enter(self, serial);
         }
         if let Some(live) = self.live {
-            live_enter(live, id, &ctx);
+            live_enter(live, self.id.get(), id, &ctx);
         }
     }
 
@@ -253,10 +280,15 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for TicklineLayer {
 }
 
 /// Calls the sink for an enter: the span's metadata and what the sink kept with it.
-fn live_enter<S: Subscriber + for<'a> LookupSpan<'a>>(live: &dyn LiveSink, id: &Id, ctx: &Context<'_, S>) {
+fn live_enter<S: Subscriber + for<'a> LookupSpan<'a>>(
+    live: &dyn LiveSink,
+    timeline: u64,
+    id: &Id,
+    ctx: &Context<'_, S>,
+) {
     let Some(span) = ctx.span(id) else { return };
     let extensions = span.extensions();
-    let data = extensions.get::<LiveData>().and_then(|d| d.0.as_ref());
+    let data = extensions.get::<LiveData>().and_then(|d| d.of(timeline));
     live.span_enter(span.metadata(), data);
 }
 

@@ -9,21 +9,35 @@ use tracing::{Event, Metadata};
 use tracing_subscriber::layer::SubscriberExt;
 
 #[derive(Default)]
-struct Log(Mutex<Vec<String>>);
+struct Log {
+    lines: Mutex<Vec<String>>,
+    /// Put before what the sink keeps with a span (to tell two sinks' data apart).
+    tag: &'static str,
+}
 
 impl Log {
+    fn tagged(tag: &'static str) -> Self {
+        Log {
+            lines: Mutex::default(),
+            tag,
+        }
+    }
     fn push(&self, s: String) {
-        self.0.lock().unwrap().push(s);
+        self.lines.lock().unwrap().push(s);
     }
     fn take(&self) -> Vec<String> {
-        std::mem::take(&mut *self.0.lock().unwrap())
+        std::mem::take(&mut *self.lines.lock().unwrap())
     }
 }
 
 impl LiveSink for Log {
     fn span_new(&self, attrs: &Attributes<'_>) -> Option<LiveSpanData> {
         self.push(format!("new {}", attrs.metadata().name()));
-        Some(Box::new(attrs.metadata().name().to_uppercase()))
+        Some(Box::new(format!(
+            "{}{}",
+            self.tag,
+            attrs.metadata().name().to_uppercase()
+        )))
     }
     fn span_record(&self, meta: &'static Metadata<'static>, data: &mut Option<LiveSpanData>, _: &Record<'_>) {
         let kept = data.as_ref().and_then(|d| d.downcast_ref::<String>()).cloned();
@@ -101,4 +115,33 @@ fn a_scope_open_when_its_timeline_stops_ends_on_the_sink_that_saw_it_begin() {
     drop(scope);
     assert_eq!(log.take(), ["begin spanning", "end spanning"]);
     plain.shutdown().unwrap();
+}
+
+#[test]
+fn two_timelines_with_sinks_on_one_subscriber_each_keep_their_own_span_data() {
+    // A registry keeps one extension value per type: the second layer's must not replace (or, as
+    // `tracing-subscriber` asserts, panic on) the first's.
+    let _one_at_a_time = crate::exclusive();
+    let (a, b) = (Arc::new(Log::tagged("a:")), Arc::new(Log::tagged("b:")));
+    let first = Timeline::builder().live_sink(a.clone()).start().unwrap();
+    let second = Timeline::builder().live_sink(b.clone()).start().unwrap();
+    let subscriber = tracing_subscriber::registry().with(first.layer()).with(second.layer());
+    tracing::subscriber::with_default(subscriber, || {
+        let span = tracing::info_span!("job", n = 1, late = tracing::field::Empty);
+        span.record("late", 2);
+        span.in_scope(|| {});
+    });
+    for (log, tag) in [(&a, "a:"), (&b, "b:")] {
+        assert_eq!(
+            log.take(),
+            [
+                "new job".to_string(),
+                format!("record job Some(\"{tag}JOB\")"),
+                format!("enter job Some(\"{tag}JOB\")"),
+                "exit".to_string(),
+            ]
+        );
+    }
+    second.shutdown().unwrap();
+    first.shutdown().unwrap();
 }
