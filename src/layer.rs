@@ -1,5 +1,6 @@
 //! [`TicklineLayer`]: the `tracing_subscriber::Layer` that records spans and events into tickline.
 
+use std::cell::RefCell;
 use std::num::NonZeroU64;
 use std::sync::Arc;
 
@@ -98,6 +99,13 @@ impl Clone for TicklineLayer {
     fn clone(&self) -> Self {
         TicklineLayer::new(self.shared.clone(), self.live)
     }
+}
+
+thread_local! {
+    /// The spans this thread entered through layers with a live sink, innermost last: `(timeline, span id)`.
+    /// `tracing` lets a program exit a span on another thread than the one that entered it (`Dispatch::exit`);
+    /// a sink's begins and ends pair per thread, so such an exit must not end this thread's innermost zone.
+    static LIVE_ENTERED: RefCell<Vec<(u64, u64)>> = const { RefCell::new(Vec::new()) };
 }
 
 /// What [`LiveSink`]s keep with a span, in the span's registry extensions: one entry per timeline whose layer
@@ -258,6 +266,7 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for TicklineLayer {
             recorder::span_enter(self, serial);
         }
         if let Some(live) = self.live {
+            let _ = LIVE_ENTERED.try_with(|entered| entered.borrow_mut().push((self.id.get(), id.into_u64())));
             live_enter(live, self.id.get(), id, &ctx);
         }
     }
@@ -265,7 +274,17 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for TicklineLayer {
     #[inline]
     fn on_exit(&self, id: &Id, _ctx: Context<'_, S>) {
         if let Some(live) = self.live {
-            live.span_exit();
+            let key = (self.id.get(), id.into_u64());
+            let entered_here = LIVE_ENTERED
+                .try_with(|entered| {
+                    let mut entered = entered.borrow_mut();
+                    let at = entered.iter().rposition(|&e| e == key);
+                    at.map(|at| entered.remove(at)).is_some()
+                })
+                .unwrap_or(true);
+            if entered_here {
+                live.span_exit();
+            }
         }
         if let Some(serial) = self.serial(id) {
             recorder::span_exit(self, serial);

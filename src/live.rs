@@ -42,7 +42,9 @@ pub type LiveSpanData = Box<dyn Any + Send + Sync>;
 /// Every method is called on the hot path of the application: keep them short, never block, never panic.
 /// Enters and exits (begins and ends) come in pairs per thread and nest like a stack, except that `tracing`
 /// lets a program exit spans out of order; a sink that keeps a per-thread stack then closes the innermost
-/// one. A pair is always completed on the sink that saw its first half, even when the timeline stops between
+/// one. An exit on a thread that did not enter the span (possible through `Dispatch::exit`) is not passed
+/// on: it would end that thread's innermost zone, an unrelated one. The entering thread's pair stays open, as
+/// the span stays that thread's current span in `tracing`'s registry. A pair is always completed on the sink that saw its first half, even when the timeline stops between
 /// the two.
 ///
 /// ```

@@ -145,3 +145,40 @@ fn two_timelines_with_sinks_on_one_subscriber_each_keep_their_own_span_data() {
     second.shutdown().unwrap();
     first.shutdown().unwrap();
 }
+
+#[test]
+fn an_exit_on_another_thread_than_the_enter_ends_nothing_on_that_thread() {
+    // Only `Dispatch::exit` can do this (tracing's guards are not `Send`); passed on, it would end the exiting
+    // thread's own innermost zone, an unrelated span.
+    let _one_at_a_time = crate::exclusive();
+    let log = Arc::new(Log::default());
+    let timeline = Timeline::builder().live_sink(log.clone()).start().unwrap();
+    let dispatch = tracing::Dispatch::new(tracing_subscriber::registry().with(timeline.layer()));
+    let crossed = tracing::dispatcher::with_default(&dispatch, || {
+        let span = tracing::info_span!("crossed");
+        tracing::dispatcher::get_default(|d| d.enter(&span.id().unwrap()));
+        span
+    });
+    let on_b = dispatch.clone();
+    std::thread::spawn(move || {
+        tracing::dispatcher::with_default(&on_b, || {
+            let _outer = tracing::info_span!("b_outer").entered();
+            tracing::dispatcher::get_default(|d| d.exit(&crossed.id().unwrap()));
+        });
+    })
+    .join()
+    .unwrap();
+    assert_eq!(
+        log.take(),
+        [
+            "new crossed",
+            "enter crossed Some(\"CROSSED\")",
+            "new b_outer",
+            "enter b_outer Some(\"B_OUTER\")",
+            "exit"
+        ],
+        "one exit on the second thread: its own span's"
+    );
+    drop(dispatch);
+    timeline.shutdown().unwrap();
+}

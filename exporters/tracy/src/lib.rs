@@ -92,7 +92,10 @@
 //! - The layer needs a `LookupSpan` subscriber (any `tracing_subscriber::registry()` stack) to find a span's
 //!   call site at enter.
 //! - `tracing` allows exiting spans out of order; Tracy zones nest strictly, so such an exit closes the
-//!   innermost zone (tickline's own timeline closes and reopens instead).
+//!   innermost zone (tickline's own timeline closes and reopens instead). A span exited on another thread
+//!   than the one that entered it (only `Dispatch::exit` can) ends no zone there; its zone on the entering
+//!   thread stays open, as it stays that thread's current span in `tracing` (tickline's own timeline ends it
+//!   at that thread's last record, marked truncated).
 //! - Plots are stamped by Tracy when the collector exports them (a millisecond or two after the value was
 //!   recorded): Tracy's C API has no plot call with a timestamp.
 //! - GPU zones show the collector thread's upload time as their CPU-side time, and carry no fields (Tracy has
