@@ -69,6 +69,12 @@ pub type LiveSpanData = Box<dyn Any + Send + Sync>;
 /// assert_eq!(count.0.load(Ordering::Relaxed), 1);
 /// ```
 pub trait LiveSink: Send + Sync + 'static {
+    /// This thread is about to record into the sink's timeline for the first time: called once per thread
+    /// and timeline, before the time of the thread's first record is read, so per-thread set-up done here
+    /// (naming the thread for the viewer, allocating its queues) is not counted inside its first span or
+    /// scope.
+    fn thread_started(&self) {}
+
     /// A span was created (`tracing`'s `new_span`). What it returns is kept with the span and handed to
     /// [`span_enter`](Self::span_enter) and [`span_record`](Self::span_record) until the span closes.
     fn span_new(&self, attrs: &Attributes<'_>) -> Option<LiveSpanData> {

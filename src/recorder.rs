@@ -64,6 +64,8 @@ pub(crate) struct Shared {
     pub(crate) budget_full: AtomicBool,
     /// Test hook: while set, the processing stage takes no input (a collector that lags).
     pub(crate) processing_paused: AtomicBool,
+    /// The timeline's live sink, told of each thread before that thread's first record (set once at start).
+    pub(crate) live: OnceLock<&'static dyn LiveSink>,
 }
 
 impl Shared {
@@ -102,6 +104,7 @@ impl Shared {
             drain_paused: AtomicBool::new(false),
             budget_full: AtomicBool::new(false),
             processing_paused: AtomicBool::new(false),
+            live: OnceLock::new(),
         }
     }
 }
@@ -753,6 +756,11 @@ fn register(shared: &Arc<Shared>, rings: &mut Vec<OwnedRing>) -> Option<NonNull<
             shared: shared.clone(),
         }),
     );
+    // Before the first record's time is read: a sink's per-thread set-up (Tracy names the thread) is not
+    // inside this thread's first slice.
+    if let Some(live) = shared.live.get() {
+        live.thread_started();
+    }
     Some(rings[0].ring)
 }
 

@@ -282,6 +282,9 @@ impl TimelineBuilder {
         let collector =
             collector::spawn(&shared, inbox, setup, stats.clone()).map_err(TicklineError::CollectorSpawn)?;
         let live = self.live.map(live::leak);
+        if let Some(live) = live {
+            let _ = shared.live.set(live);
+        }
         recorder::started(&shared, live);
         register_exit_flush();
         Ok(Timeline {

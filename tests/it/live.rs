@@ -28,9 +28,16 @@ impl Log {
     fn take(&self) -> Vec<String> {
         std::mem::take(&mut *self.lines.lock().unwrap())
     }
+    /// What the sink saw, leaving out which threads started.
+    fn take_records(&self) -> Vec<String> {
+        self.take().into_iter().filter(|l| !l.starts_with("thread ")).collect()
+    }
 }
 
 impl LiveSink for Log {
+    fn thread_started(&self) {
+        self.push(format!("thread {}", std::thread::current().name().unwrap_or("?")));
+    }
     fn span_new(&self, attrs: &Attributes<'_>) -> Option<LiveSpanData> {
         self.push(format!("new {}", attrs.metadata().name()));
         Some(Box::new(format!(
@@ -84,7 +91,7 @@ fn a_live_sink_sees_spans_scopes_events_and_frames_in_order() {
         tickline::frame_mark!("physics");
     });
     assert_eq!(
-        log.take(),
+        log.take_records(),
         [
             "new outer",
             "record outer Some(\"OUTER\")",
@@ -113,7 +120,7 @@ fn a_scope_open_when_its_timeline_stops_ends_on_the_sink_that_saw_it_begin() {
     let plain = Timeline::builder().start().unwrap();
     drop(tickline::scope!("unseen"));
     drop(scope);
-    assert_eq!(log.take(), ["begin spanning", "end spanning"]);
+    assert_eq!(log.take_records(), ["begin spanning", "end spanning"]);
     plain.shutdown().unwrap();
 }
 
@@ -133,7 +140,7 @@ fn two_timelines_with_sinks_on_one_subscriber_each_keep_their_own_span_data() {
     });
     for (log, tag) in [(&a, "a:"), (&b, "b:")] {
         assert_eq!(
-            log.take(),
+            log.take_records(),
             [
                 "new job".to_string(),
                 format!("record job Some(\"{tag}JOB\")"),
@@ -169,7 +176,7 @@ fn an_exit_on_another_thread_than_the_enter_ends_nothing_on_that_thread() {
     .join()
     .unwrap();
     assert_eq!(
-        log.take(),
+        log.take_records(),
         [
             "new crossed",
             "enter crossed Some(\"CROSSED\")",
@@ -181,4 +188,41 @@ fn an_exit_on_another_thread_than_the_enter_ends_nothing_on_that_thread() {
     );
     drop(dispatch);
     timeline.shutdown().unwrap();
+}
+
+#[test]
+fn a_sink_hears_of_each_thread_once_before_its_first_record() {
+    // Before the first record's time is read: Tracy names the thread there, a system call that would
+    // otherwise sit inside the thread's first zone.
+    let _one_at_a_time = crate::exclusive();
+    let log = Arc::new(Log::default());
+    let timeline = Timeline::builder().live_sink(log.clone()).start().unwrap();
+    for name in ["w1", "w2"] {
+        std::thread::Builder::new()
+            .name(name.into())
+            .spawn(|| {
+                drop(tickline::scope!("first"));
+                drop(tickline::scope!("second"));
+            })
+            .unwrap()
+            .join()
+            .unwrap();
+    }
+    let lines = log.take();
+    timeline.shutdown().unwrap();
+    assert_eq!(
+        lines,
+        [
+            "thread w1",
+            "begin first",
+            "end first",
+            "begin second",
+            "end second",
+            "thread w2",
+            "begin first",
+            "end first",
+            "begin second",
+            "end second"
+        ]
+    );
 }
