@@ -14,6 +14,7 @@
 //! It polls every `poll_interval`, and sooner when a producer finds its ring half full (the producer unparks
 //! this thread) or a control message arrives (its sender unparks it).
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -178,23 +179,31 @@ impl Drain {
             .drain_priority
             .store(raise_priority() as u64, Ordering::Relaxed);
         loop {
-            let requests = self.pass(false);
-            for request in requests {
+            // Requests read by the passes a request makes are taken in turn after it (one thread's flush
+            // may arrive while another's is served): none is left unanswered.
+            let mut requests = VecDeque::from(self.pass(false));
+            while let Some(request) = requests.pop_front() {
                 match request {
                     Request::Flush(reply) => {
                         // Everything recorded before the flush was pushed before its message was sent, and
                         // the message was read after this pass's drain: drain once more to take it all.
-                        self.pass(true);
+                        requests.extend(self.pass(true));
                         // And once again: a slice that ended before the flush was called is in that pass or
                         // earlier, so values recorded on other threads before its end are all in this one
                         // (they may have been pushed after their ring was read in the first). A slice that
                         // ends only in this pass ended after the call: the processing stage sends out its
                         // begin with the flush and keeps its end for the next pass.
-                        self.pass(true);
+                        requests.extend(self.pass(true));
                         self.send(Input::Flush(reply));
                     }
                     Request::Shutdown(reply) => {
-                        self.finish();
+                        requests.extend(self.finish());
+                        // Flushes asked for before the end are served by it: everything is drained.
+                        for request in requests {
+                            if let Request::Flush(flush) = request {
+                                self.send(Input::Flush(flush));
+                            }
+                        }
                         self.send(Input::Shutdown(reply));
                         return;
                     }
@@ -358,8 +367,9 @@ impl Drain {
     }
 
     /// Shutdown: a last pass over every ring, GPU scopes in flight waited for (bounded), a last pass.
-    fn finish(&mut self) {
-        self.pass(true);
+    /// The last passes; returns the requests they read.
+    fn finish(&mut self) -> Vec<Request> {
+        let mut requests = self.pass(true);
         let deadline = monotonic_ns().0 + GPU_SHUTDOWN_WAIT.as_nanos() as u64;
         while self.gpu.busy() && monotonic_ns().0 < deadline {
             std::thread::sleep(Duration::from_millis(1));
@@ -371,7 +381,8 @@ impl Drain {
         }
         self.gpu.settle_calibration(deadline, &mut self.tail);
         self.gpu.retire_in_flight(&mut self.tail);
-        self.pass(true);
+        requests.extend(self.pass(true));
+        requests
     }
 }
 

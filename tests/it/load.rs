@@ -810,3 +810,64 @@ fn rings_stop_growing_while_the_chunk_budget_is_full() {
     let begins: u64 = counting.0.lock().unwrap().begins.values().sum();
     assert_eq!(begins + stats.dropped_slices, N, "{stats:?}");
 }
+
+/// Flushes from several threads at once while threads record: each is answered, none with a spurious
+/// "collector gone" (a flush read while another was being served was once dropped unanswered).
+#[test]
+fn concurrent_flushes_are_each_answered_while_threads_record() {
+    struct Nothing;
+    impl Exporter for Nothing {
+        fn export(&mut self, _: &Batch) -> Result<(), ExportError> {
+            Ok(())
+        }
+        fn flush(&mut self) -> Result<(), ExportError> {
+            Ok(())
+        }
+    }
+    let _x = exclusive();
+    let timeline = Timeline::builder().exporter(Nothing).start().unwrap();
+    let dispatch = tracing::Dispatch::new(tracing_subscriber::registry().with(timeline.layer()));
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let failed = Mutex::new(Vec::new());
+    std::thread::scope(|scope| {
+        for _ in 0..2 {
+            let dispatch = dispatch.clone();
+            let stop = &stop;
+            scope.spawn(move || {
+                tracing::dispatcher::with_default(&dispatch, || {
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        for _ in 0..20 {
+                            tracing::info_span!("rec").in_scope(|| {});
+                        }
+                        std::thread::sleep(Duration::from_micros(50));
+                    }
+                });
+            });
+        }
+        let flushers: Vec<_> = (0..8)
+            .map(|_| {
+                scope.spawn(|| {
+                    for _ in 0..150 {
+                        if let Err(e) = timeline.flush() {
+                            failed.lock().unwrap().push(e.to_string());
+                        }
+                    }
+                })
+            })
+            .collect();
+        for f in flushers {
+            f.join().unwrap();
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+    let failed = failed.into_inner().unwrap();
+    assert!(
+        failed.is_empty(),
+        "{} of 1200 flushes failed: {:?}",
+        failed.len(),
+        &failed[..failed.len().min(3)]
+    );
+    drop(dispatch);
+    let stats = timeline.shutdown().unwrap();
+    assert!(stats.records > 0);
+}
