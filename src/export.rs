@@ -243,6 +243,8 @@ pub enum ExportError {
     Io(std::io::Error),
     /// The exporter's own failure, in words.
     Other(String),
+    /// The exporter panicked (the panic's message): it is called no more, the other exporters go on.
+    Panicked(String),
 }
 
 impl fmt::Display for ExportError {
@@ -250,6 +252,7 @@ impl fmt::Display for ExportError {
         match self {
             ExportError::Io(e) => write!(f, "export I/O error: {e}"),
             ExportError::Other(s) => write!(f, "export error: {s}"),
+            ExportError::Panicked(s) => write!(f, "the exporter panicked: {s}"),
         }
     }
 }
@@ -258,7 +261,7 @@ impl std::error::Error for ExportError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             ExportError::Io(e) => Some(e),
-            ExportError::Other(_) => None,
+            ExportError::Other(_) | ExportError::Panicked(_) => None,
         }
     }
 }
@@ -320,9 +323,14 @@ impl RecordingOrigin {
 
 /// A sink for converted events: a trace file, a live viewer, memory.
 ///
-/// Called from the collector thread only. `origin` comes first, once; `export` gets every batch in order;
-/// `flush` makes everything exported so far durable or visible; `finish` is the last call (the timeline is
-/// shutting down).
+/// `origin` comes first, once, on the thread that starts the timeline (or converts a capture); the others
+/// are called from the collector thread only: `export` gets every batch in order; `flush` makes everything
+/// exported so far durable or visible; `finish` is the last call (the timeline is shutting down).
+///
+/// An exporter that returns an error, or panics, in any of them is called no more; the timeline keeps
+/// running for the other exporters, counts it in `TimelineStats::export_failures`, and returns the first
+/// failure from `Timeline::flush` and `Timeline::shutdown` ([`ExportError::Panicked`] for a panic, whose
+/// message the panic hook also prints).
 pub trait Exporter: Send {
     /// Where the events were recorded (this process, or a converted capture's), before the first batch.
     /// The default ignores it.

@@ -22,6 +22,19 @@ struct ExporterSlot {
     failed: bool,
 }
 
+/// Calls an exporter, a panic in it caught and made its failure: a user's exporter that panics must not take
+/// the collector, and with it the other exporters and every thread waiting on a lossless ring, down.
+fn guarded(call: impl FnOnce() -> Result<(), ExportError>) -> Result<(), ExportError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)).unwrap_or_else(|panic| {
+        let message = panic
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic with no message".to_owned());
+        Err(ExportError::Panicked(message))
+    })
+}
+
 /// Tracks, names, the batch being built, and the exporters.
 pub(crate) struct Output {
     pub(crate) batch: Batch,
@@ -41,6 +54,8 @@ pub(crate) struct Output {
     spare_strings: Vec<String>,
     /// Memory the spare strings hold (their capacities and their `String`s).
     spare_bytes: usize,
+    /// Exporters' failures in `origin`, not counted in the stats yet.
+    early_failures: Vec<ExportError>,
 }
 
 /// Most memory [`Output`] keeps in spare strings, and the largest capacity it keeps (longer ones are freed).
@@ -58,8 +73,15 @@ fn spare_cost(text: &String) -> usize {
 impl Output {
     /// Tells each exporter where the events come from, then describes the process track.
     pub(crate) fn new(origin: &RecordingOrigin, mut exporters: Vec<Box<dyn Exporter>>) -> Self {
+        let mut early_failures = Vec::new();
         for exporter in &mut exporters {
-            exporter.origin(origin);
+            early_failures.push(
+                guarded(|| {
+                    exporter.origin(origin);
+                    Ok(())
+                })
+                .err(),
+            );
         }
         let (pid, process_name) = (origin.pid, origin.process_name.clone());
         let mut out = Output {
@@ -80,6 +102,7 @@ impl Output {
                     failed: false,
                 })
                 .collect(),
+            early_failures: Vec::new(),
             monotonic_clamps: 0,
         };
         out.process_track = out.new_track(
@@ -90,7 +113,21 @@ impl Output {
             },
         );
         out.value_name = out.intern("value");
+        for (slot, failure) in out.exporters.iter_mut().zip(early_failures) {
+            if let Some(failure) = failure {
+                slot.failed = true;
+                out.early_failures.push(failure);
+            }
+        }
         out
+    }
+
+    /// Failures from before the stats existed (in `origin`), counted now.
+    fn note_early_failures(&mut self, stats: &SharedStats) {
+        for e in self.early_failures.drain(..) {
+            stats.export_failures.fetch_add(1, Ordering::Relaxed);
+            stats.note_export_failure(FirstExportError::from_export_error(&e));
+        }
     }
 
     pub(crate) fn pid(&self) -> u32 {
@@ -270,6 +307,9 @@ impl Output {
     /// too when `always` (exporters that write on a clock get their chance).
     pub(crate) fn export(&mut self, stats: &SharedStats, always: bool) {
         self.flush_counters();
+        if !self.early_failures.is_empty() {
+            self.note_early_failures(stats);
+        }
         if self.batch.is_empty() && !always {
             return;
         }
@@ -280,7 +320,8 @@ impl Output {
             if slot.failed {
                 continue;
             }
-            if let Err(e) = slot.exporter.export(&self.batch) {
+            let batch = &self.batch;
+            if let Err(e) = guarded(|| slot.exporter.export(batch)) {
                 record_failure(stats, slot, e);
             }
         }
@@ -317,15 +358,13 @@ impl Output {
 
     /// Flushes (or, `finishing`, finishes) every exporter; the first failure so far, in words.
     pub(crate) fn flush_exporters(&mut self, stats: &SharedStats, finishing: bool) -> Result<(), String> {
+        self.note_early_failures(stats);
         for slot in &mut self.exporters {
             if slot.failed {
                 continue;
             }
-            let result = if finishing {
-                slot.exporter.finish()
-            } else {
-                slot.exporter.flush()
-            };
+            let exporter = &mut slot.exporter;
+            let result = guarded(|| if finishing { exporter.finish() } else { exporter.flush() });
             if let Err(e) = result {
                 record_failure(stats, slot, e);
             }

@@ -86,6 +86,7 @@ pub struct TimelineStats {
 pub(crate) enum FirstExportError {
     Io(std::io::ErrorKind, String),
     Other(String),
+    Panicked(String),
 }
 
 impl FirstExportError {
@@ -93,6 +94,7 @@ impl FirstExportError {
         match e {
             crate::export::ExportError::Io(io) => FirstExportError::Io(io.kind(), io.to_string()),
             crate::export::ExportError::Other(message) => FirstExportError::Other(message.clone()),
+            crate::export::ExportError::Panicked(message) => FirstExportError::Panicked(message.clone()),
         }
     }
 
@@ -102,6 +104,7 @@ impl FirstExportError {
                 crate::export::ExportError::Io(std::io::Error::new(*kind, message.clone()))
             }
             FirstExportError::Other(message) => crate::export::ExportError::Other(message.clone()),
+            FirstExportError::Panicked(message) => crate::export::ExportError::Panicked(message.clone()),
         }
     }
 }

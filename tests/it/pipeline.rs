@@ -549,6 +549,87 @@ fn an_exporters_own_failure_comes_back_as_its_own_error() {
     );
 }
 
+/// An exporter that panics at a chosen call: `origin` (0), the `n`th batch (n), a flush or the finish.
+struct Panicking {
+    at: &'static str,
+    batches: u32,
+}
+
+impl Exporter for Panicking {
+    fn origin(&mut self, _: &tickline::export::RecordingOrigin) {
+        if self.at == "origin" {
+            panic!("origin refused");
+        }
+    }
+    fn export(&mut self, _: &Batch) -> Result<(), ExportError> {
+        self.batches += 1;
+        if self.at == "batch" && self.batches == 2 {
+            panic!("batch {} refused", self.batches);
+        }
+        Ok(())
+    }
+    fn flush(&mut self) -> Result<(), ExportError> {
+        if self.at == "flush" {
+            panic!("flush refused");
+        }
+        Ok(())
+    }
+    fn finish(&mut self) -> Result<(), ExportError> {
+        if self.at == "finish" {
+            panic!("finish refused");
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn an_exporter_that_panics_is_a_failed_exporter_and_the_others_get_everything() {
+    let _x = exclusive();
+    for at in ["origin", "batch", "flush", "finish"] {
+        let memory = MemoryExporter::default();
+        let timeline = Timeline::builder()
+            .exporter(Panicking { at, batches: 0 })
+            .exporter(memory.clone())
+            .lossless(true)
+            .ring_capacity(1024)
+            .chunk_budget(0)
+            .start()
+            .expect("a panic in origin does not reach start's caller");
+        let dispatch = tracing::Dispatch::new(tracing_subscriber::registry().with(timeline.layer()));
+        let mut flushes = Vec::new();
+        for round in 0..4u64 {
+            tracing::dispatcher::with_default(&dispatch, || {
+                for i in 0..10u64 {
+                    tracing::info_span!("round", round, i).in_scope(|| {});
+                }
+            });
+            flushes.push(timeline.flush());
+        }
+        // More than the chunk budget holds, in lossless mode: the collector must still be there to take it.
+        tracing::dispatcher::with_default(&dispatch, || {
+            for i in 0..50_000u64 {
+                tracing::info_span!("hard", i).in_scope(|| {});
+            }
+        });
+        drop(dispatch);
+        let end = timeline.shutdown();
+        let failure = if at == "finish" {
+            assert!(flushes.iter().all(Result::is_ok), "{at}: {flushes:?}");
+            end.unwrap_err()
+        } else {
+            assert!(flushes.iter().any(Result::is_err), "{at}: {flushes:?}");
+            end.unwrap_err()
+        };
+        assert!(
+            matches!(&failure, tickline::TicklineError::Export(ExportError::Panicked(m)) if m.ends_with("refused")),
+            "{at}: {failure:?}"
+        );
+        let trace = memory.snapshot();
+        assert_eq!(trace.slice_count("round"), 40, "{at}");
+        assert_eq!(trace.slice_count("hard"), 50_000, "{at}");
+    }
+}
+
 #[test]
 fn an_exit_out_of_stack_order_splits_the_inner_slice_and_marks_the_cut() {
     let _x = exclusive();
