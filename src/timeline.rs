@@ -307,6 +307,7 @@ impl TimelineBuilder {
 ///
 /// On a normal exit, `std::process::exit` included, every running timeline is flushed first (an `atexit`
 /// hook), so the trace holds everything recorded before the exit; the exporters are flushed, not finished.
+/// The hook waits at most 5 s per timeline (an exporter that blocks cannot hold the exit longer).
 /// A process killed with `SIGKILL`, or ended by `abort()` (a panic with `panic = "abort"`), runs no code:
 /// the Perfetto exporter writes whole packets at least every `flush_interval` (500 ms by default), and a raw
 /// capture is written out as often, so such a trace loses at most about its last 0.6 s and still loads.

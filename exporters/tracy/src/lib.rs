@@ -82,7 +82,9 @@
 //!
 //! With the `ondemand` feature (Tracy's `TRACY_ON_DEMAND`), nothing is queued while no profiler is connected:
 //! a zone costs Tracy one flag test, span fields are not formatted, events are not formatted, and GPU slices
-//! are dropped as they close (counted in [`TracyStats::gpu_zones_not_captured`]). Without it Tracy keeps every
+//! are dropped as they close (counted in [`TracyStats::gpu_zones_not_captured`]). A span created while no
+//! profiler was connected has no zone text when it is entered after one connects (its fields were not
+//! formatted when they were known). Without it Tracy keeps every
 //! zone in memory from the start of the process until a profiler connects (Tracy's default, unbounded). The
 //! exporter's own memory is bounded either way: per call site a source location, per GPU lane a context and
 //! the open slices of its current outermost slice, per counter track a plot name.
@@ -99,7 +101,7 @@
 //! - A thread's first zone begins later in Tracy than in tickline (8-11 µs on the test VM, median over 64
 //!   threads): Tracy sets up the thread's queue on its first zone, after tickline read the time. Naming the
 //!   thread for Tracy, a system call, is done before that read ([`LiveSink::thread_started`]); before, the
-//!   offset was 14-37 µs. Later zones lie within the figures below.
+//!   offset was 14-37 µs. Later zones lie within the figures above.
 //! - Plots are stamped by Tracy when the collector exports them (a millisecond or two after the value was
 //!   recorded): Tracy's C API has no plot call with a timestamp.
 //! - GPU zones show the collector thread's upload time as their CPU-side time, and carry no fields (Tracy has
@@ -112,6 +114,8 @@
 //!   out. Beyond 255 lanes of different names, further lanes' zones are counted
 //!   ([`TracyStats::gpu_zones_without_context`]), not shown.
 //! - Events are Tracy messages; instants are literal messages (their name).
+//! - Tracy is one per process: two timelines with Tracy exporters at once send their plots (drift, drops,
+//!   counters) under the same names, and Tracy draws them as one plot each.
 //! - Async tasks (see [`tickline::AsyncTasks`]) are not shown as tasks: each poll is a zone on the worker
 //!   thread that ran it, as with any span, but no lifetime slice and no task track. Tracy's only way to show
 //!   work apart from OS threads is its fiber API (`___tracy_fiber_enter`/`leave`), which attributes the zones
