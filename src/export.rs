@@ -330,7 +330,7 @@ impl RecordingOrigin {
 /// An exporter that returns an error, or panics, in any of them is called no more; the timeline keeps
 /// running for the other exporters, counts it in `TimelineStats::export_failures`, and returns the first
 /// failure from `Timeline::flush` and `Timeline::shutdown` ([`ExportError::Panicked`] for a panic, whose
-/// message the panic hook also prints).
+/// message the panic hook also prints; a program built with `panic = "abort"` ends there instead).
 pub trait Exporter: Send {
     /// Where the events were recorded (this process, or a converted capture's), before the first batch.
     /// The default ignores it.
