@@ -114,8 +114,9 @@
 //!   out. Beyond 255 lanes of different names, further lanes' zones are counted
 //!   ([`TracyStats::gpu_zones_without_context`]), not shown.
 //! - Events are Tracy messages; instants are literal messages (their name).
-//! - Tracy is one per process: two timelines with Tracy exporters at once send their plots (drift, drops,
-//!   counters) under the same names, and Tracy draws them as one plot each.
+//! - Tracy is one per process: a second timeline with a Tracy exporter running at the same time names its
+//!   plots (drift, drops, counters) `... [timeline 2]`, so Tracy draws each timeline's values apart. CPU zones
+//!   and messages of both go to the threads that made them.
 //! - Async tasks (see [`tickline::AsyncTasks`]) are not shown as tasks: each poll is a zone on the worker
 //!   thread that ran it, as with any span, but no lifetime slice and no task track. Tracy's only way to show
 //!   work apart from OS threads is its fiber API (`___tracy_fiber_enter`/`leave`), which attributes the zones
@@ -213,6 +214,8 @@ pub struct TracyStats {
 /// ```
 pub struct TracyExporter {
     client: Client,
+    /// Which of the exporters running at once this is (0 for the first): Tracy is one per process.
+    number: ExporterNumber,
     live: Arc<TracyLive>,
     names: HashMap<NameId, String>,
     /// GPU device tracks: name, whether the API is Vulkan.
@@ -252,6 +255,7 @@ impl TracyExporter {
     pub fn new() -> Self {
         TracyExporter {
             client: Client::start(),
+            number: ExporterNumber::claim(),
             live: Arc::new(TracyLive::new()),
             names: HashMap::new(),
             devices: HashMap::new(),
@@ -331,11 +335,57 @@ impl TracyExporter {
                 } else {
                     format!("{name} ({unit})")
                 };
-                self.plots.insert(track.id, PlotName::new_leak(label));
+                self.plots.insert(track.id, plot_name(self.number.label(label)));
             }
             _ => {}
         }
     }
+}
+
+/// Exporters alive now, by number: an exporter takes the lowest free one.
+static EXPORTER_NUMBERS: Mutex<Vec<bool>> = Mutex::new(Vec::new());
+
+/// An exporter's number among those alive at once, given back when it is dropped.
+struct ExporterNumber(usize);
+
+impl ExporterNumber {
+    fn claim() -> Self {
+        let mut taken = EXPORTER_NUMBERS.lock().unwrap_or_else(|e| e.into_inner());
+        let number = taken.iter().position(|t| !t).unwrap_or(taken.len());
+        if number == taken.len() {
+            taken.push(true);
+        } else {
+            taken[number] = true;
+        }
+        ExporterNumber(number)
+    }
+
+    /// A plot's label as this exporter shows it: the second exporter running at once (two timelines) puts
+    /// its number after it, or Tracy would draw both timelines' values as one plot.
+    fn label(&self, label: String) -> String {
+        match self.0 {
+            0 => label,
+            n => format!("{label} [timeline {}]", n + 1),
+        }
+    }
+}
+
+impl Drop for ExporterNumber {
+    fn drop(&mut self) {
+        let mut taken = EXPORTER_NUMBERS.lock().unwrap_or_else(|e| e.into_inner());
+        taken[self.0] = false;
+    }
+}
+
+/// Tracy keeps a plot's name for the whole process: each label is leaked once, however many timelines
+/// show it.
+fn plot_name(label: String) -> PlotName {
+    static NAMES: Mutex<Option<HashMap<String, PlotName>>> = Mutex::new(None);
+    let mut names = NAMES.lock().unwrap_or_else(|e| e.into_inner());
+    *names
+        .get_or_insert_with(HashMap::new)
+        .entry(label)
+        .or_insert_with_key(|label| PlotName::new_leak(label.clone()))
 }
 
 impl Exporter for TracyExporter {
@@ -379,5 +429,45 @@ impl Exporter for TracyExporter {
 
     fn flush(&mut self) -> Result<(), ExportError> {
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tickline::export::{TrackDescriptor, TrackKind};
+
+    fn counter(exporter: &mut TracyExporter) -> PlotName {
+        let track = TrackDescriptor {
+            id: TrackId(7),
+            parent: None,
+            kind: TrackKind::Counter {
+                name: "tickline TSC drift".into(),
+                unit: "ppm".into(),
+            },
+        };
+        exporter.add_track(&track);
+        exporter.plots[&TrackId(7)]
+    }
+
+    #[test]
+    fn exporters_running_at_once_name_their_plots_apart_and_numbers_are_reused() {
+        let mut first = TracyExporter::new();
+        let mut second = TracyExporter::new();
+        let (a, b) = (counter(&mut first), counter(&mut second));
+        assert_ne!(a, b, "two timelines' drift would be one plot");
+        // The only exporters in this test binary: the first is number 0 and shows the plain name.
+        assert_eq!(first.number.0, 0);
+        assert_eq!(a, plot_name("tickline TSC drift (ppm)".into()));
+        assert_eq!(
+            b,
+            plot_name(format!("tickline TSC drift (ppm) [timeline {}]", second.number.0 + 1))
+        );
+        let number = second.number.0;
+        drop(second);
+        // The next exporter takes the free number: a program that restarts timelines keeps its plot names.
+        let mut third = TracyExporter::new();
+        assert_eq!(third.number.0, number);
+        assert_eq!(counter(&mut third), b);
     }
 }
