@@ -75,7 +75,10 @@
 //! `(source ticks, reference ns, max deviation)`, the tightest kept, a robust fit over a sliding window, and
 //! knots at the window's centroid. A tick between knots is interpolated between calibration points on
 //! both sides; a newer one is extrapolated by the newest fit. Every conversion comes with an uncertainty
-//! ([`Converted`]), and the output never runs backwards across a refit.
+//! ([`Converted`]), and the output never runs backwards across a refit. GPU slices carry theirs
+//! (`uncertainty_ns`); CPU timestamps, too many to annotate one by one, have the `tickline CPU timestamp
+//! uncertainty` counter track (ns, about 95 %): a CPU timestamp at `t` lies within ± the larger of its values
+//! just before and just after `t` (`tickline TSC error bound` is the fit's residual spread, not a bound).
 //!
 //! A GPU scope writes a pair of device timestamps (begin now, end when its guard drops) and pushes one record
 //! group into the CPU thread's ring: the CPU tick, the call site, the device/queue/timestamp pair. The

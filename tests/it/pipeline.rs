@@ -435,6 +435,7 @@ fn native_scopes_instants_and_counters() {
         "tickline dropped records",
         "tickline TSC drift",
         "tickline TSC error bound",
+        "tickline CPU timestamp uncertainty",
     ] {
         assert!(
             trace
@@ -871,4 +872,89 @@ fn a_timeline_that_falls_back_to_clock_monotonic_says_so_in_its_trace() {
         .unwrap()
         .id;
     assert!(trace.events_on(counter).any(|e| e.kind == EventKind::Counter(1.0)));
+}
+
+/// The CPU timestamp uncertainty counter is a bound that holds from the start, while other threads keep the
+/// cores busy: each instant, read between two `CLOCK_MONOTONIC` reads, lies within them widened by the larger
+/// of the counter's values just before and just after it. (The fit's error bound did not: 2-6 % of the first
+/// second's instants lay outside it on this VM, up to 41 ns against 7 ns stated, while the first fits'
+/// rates settled.)
+#[test]
+fn cpu_timestamps_lie_within_their_stated_uncertainty_from_the_start_under_load() {
+    let _x = exclusive();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let memory = MemoryExporter::default();
+    let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
+    let brackets = std::thread::scope(|scope| {
+        for _ in 0..2 {
+            scope.spawn(|| {
+                let mut x = 1u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    x = std::hint::black_box(x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1));
+                }
+            });
+        }
+        let recorder = std::thread::Builder::new()
+            .name("bracketed".into())
+            .spawn_scoped(scope, || {
+                let end = std::time::Instant::now() + std::time::Duration::from_millis(1_500);
+                let mut brackets = Vec::new();
+                while std::time::Instant::now() < end {
+                    let before = tickline::clock::monotonic_ns().0;
+                    tickline::instant!("bracketed");
+                    brackets.push((before, tickline::clock::monotonic_ns().0));
+                    std::thread::sleep(std::time::Duration::from_micros(100));
+                }
+                brackets
+            })
+            .unwrap();
+        let brackets = recorder.join().unwrap();
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        brackets
+    });
+    timeline.shutdown().unwrap();
+    let trace = memory.snapshot();
+    let track = trace
+        .tracks
+        .iter()
+        .find(|t| matches!(&t.kind, TrackKind::Counter { name, .. } if name == "tickline CPU timestamp uncertainty"))
+        .expect("the counter track")
+        .id;
+    let stated: Vec<(u64, f64)> = trace
+        .events_on(track)
+        .filter_map(|e| match e.kind {
+            EventKind::Counter(v) => Some((e.ts_ns, v)),
+            _ => None,
+        })
+        .collect();
+    assert!(!stated.is_empty());
+    let thread = trace.thread_track("bracketed").unwrap();
+    let times: Vec<u64> = trace
+        .events_on(thread)
+        .filter(|e| e.name == "bracketed")
+        .map(|e| e.ts_ns)
+        .collect();
+    assert_eq!(times.len(), brackets.len());
+    let mut outside = Vec::new();
+    for (&t, &(before, after)) in times.iter().zip(&brackets) {
+        let k = stated.partition_point(|&(at, _)| at <= t);
+        let bound = [k.checked_sub(1), Some(k)]
+            .into_iter()
+            .flatten()
+            .filter_map(|i| stated.get(i))
+            .map(|&(_, v)| v)
+            .fold(0.0, f64::max);
+        let miss = before.saturating_sub(t).max(t.saturating_sub(after)) as f64;
+        if miss > bound {
+            outside.push((t, miss, bound));
+        }
+    }
+    // About 95 % is the promise; here, with brackets of a few hundred ns around each instant, all should hold.
+    assert!(
+        outside.len() * 100 <= times.len(),
+        "{} of {} instants outside: {:?}",
+        outside.len(),
+        times.len(),
+        &outside[..outside.len().min(5)]
+    );
 }

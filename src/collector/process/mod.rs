@@ -123,11 +123,58 @@ impl CpuTime {
         }
     }
 
+    /// Converts `ticks` and widens `stated` to cover it: live, the ticks converted (the newest fit's
+    /// uncertainty is largest at one end of any range of ticks: see [`CpuUncertainty`]); converting a
+    /// capture, the placement's own uncertainty.
+    #[inline]
+    fn convert_noting(&self, ticks: u64, stated: &mut CpuUncertainty) -> Option<u64> {
+        match self {
+            CpuTime::Live { fast, .. } => {
+                let ns = fast.as_ref().map(|f| f.to_ns(ticks))?;
+                stated.ticks = Some(
+                    stated
+                        .ticks
+                        .map_or((ticks, ticks), |(lo, hi)| (lo.min(ticks), hi.max(ticks))),
+                );
+                Some(ns)
+            }
+            CpuTime::Complete { history } => {
+                let converted = history.peek(ticks)?;
+                stated.placed_ns = stated.placed_ns.max(converted.uncertainty_ns);
+                Some(converted.ns)
+            }
+        }
+    }
+
+    /// The uncertainty (about 95 %) of every CPU timestamp converted since `stated` was last taken, in ns.
+    fn stated_uncertainty(&self, stated: &mut CpuUncertainty) -> Option<u64> {
+        let taken = std::mem::take(stated);
+        match self {
+            CpuTime::Live { history, .. } => {
+                let (lo, hi) = taken.ticks?;
+                let fit = history.latest()?;
+                Some(fit.uncertainty_ns(lo).max(fit.uncertainty_ns(hi)).ceil() as u64)
+            }
+            CpuTime::Complete { .. } => (taken.placed_ns > 0).then_some(taken.placed_ns),
+        }
+    }
+
     fn history(&self) -> &CalibrationHistory {
         match self {
             CpuTime::Live { history, .. } | CpuTime::Complete { history } => history,
         }
     }
+}
+
+/// What the CPU timestamps converted since the last report need to be covered by a statement of their
+/// uncertainty. Live, every tick is converted with the newest fit, whose uncertainty (two standard errors of
+/// the line, which grow with the distance from its anchor, and the wander beyond its window, both convex in
+/// the tick) is largest at one end of any range of ticks: the lowest and highest ticks converted are enough.
+#[derive(Default)]
+struct CpuUncertainty {
+    ticks: Option<(u64, u64)>,
+    /// Converting a capture: the largest uncertainty of a placement.
+    placed_ns: u64,
 }
 
 /// What the processing stage knows about a call site.
@@ -335,6 +382,8 @@ struct OwnTracks {
     buffered: TrackId,
     cpu_drift: TrackId,
     cpu_error: TrackId,
+    /// The uncertainty of the CPU timestamps converted (see [`Processor::report`]).
+    cpu_uncertainty: TrackId,
     /// 0: the hardware counter; 1: CLOCK_MONOTONIC instead (a fallback); 2: the hardware counter, found
     /// unreliable after the start.
     cpu_clock: TrackId,
@@ -390,6 +439,10 @@ pub(crate) struct Processor {
     buffered_shown: Option<u64>,
     spans: Spans,
     cpu: Option<CpuTime>,
+    /// The CPU timestamps converted since the last report, for the uncertainty counter.
+    cpu_converted: CpuUncertainty,
+    /// The last value written on the CPU timestamp uncertainty counter.
+    cpu_uncertainty_shown: Option<u64>,
     gpu: GpuCollector,
     /// Drain passes that drained every ring so far (a pass that did not counts with the one before it).
     pass: u64,
@@ -476,6 +529,7 @@ impl Processor {
             buffered: out.new_counter_track("tickline buffered records", "bytes"),
             cpu_drift: out.new_counter_track("tickline TSC drift", "ppm"),
             cpu_error: out.new_counter_track("tickline TSC error bound", "ns"),
+            cpu_uncertainty: out.new_counter_track("tickline CPU timestamp uncertainty", "ns"),
             cpu_clock: out.new_counter_track("tickline CPU clock fallback", ""),
         };
         Processor {
@@ -495,6 +549,8 @@ impl Processor {
             active: Vec::new(),
             spans: Spans::default(),
             cpu: None,
+            cpu_converted: CpuUncertainty::default(),
+            cpu_uncertainty_shown: None,
             gpu: GpuCollector::new(gpu),
             pass: 0,
             mid_pass: false,
@@ -1021,6 +1077,7 @@ impl Processor {
                 self.counts.truncated_slices as f64,
             );
         }
+        self.report_cpu_uncertainty(drain_ns);
         if let Some(fit) = self.cpu.as_ref().and_then(|c| c.history().latest().copied()) {
             if fit.calibrated_at_ns() != self.reported_fit_ns {
                 self.reported_fit_ns = fit.calibrated_at_ns();
@@ -1031,6 +1088,31 @@ impl Processor {
             }
         }
         self.publish_stats();
+    }
+
+    /// The uncertainty counter of CPU timestamps: a timestamp at `t` lies within ± the larger of the values
+    /// written just before and just after `t` (about 95 %). A value is written when the timestamps converted
+    /// since the last report need more than the value shown (or less than 60 % of it: a new fit), with a
+    /// quarter's headroom, so a steady program writes a few values per calibration interval, not one per pass.
+    fn report_cpu_uncertainty(&mut self, drain_ns: u64) {
+        let Some(stated) = self
+            .cpu
+            .as_ref()
+            .and_then(|c| c.stated_uncertainty(&mut self.cpu_converted))
+        else {
+            return;
+        };
+        let write = match self.cpu_uncertainty_shown {
+            None => true,
+            Some(shown) => stated > shown || stated.saturating_mul(5) < shown.saturating_mul(3),
+        };
+        if write {
+            let shown = stated.saturating_add(stated.div_ceil(4)).max(1);
+            self.cpu_uncertainty_shown = Some(shown);
+            let value = self.out.value_name();
+            self.out
+                .push_counter(self.tracks.cpu_uncertainty, drain_ns, value, shown as f64);
+        }
     }
 
     fn publish_stats(&self) {

@@ -263,7 +263,11 @@ impl Processor {
 
     fn ticks_to_ns(&mut self, track: &mut Track, low: u64, now_ticks: u64) -> u64 {
         let ticks = restore_ticks(low, now_ticks);
-        let ns = self.cpu.as_ref().and_then(|c| c.to_ns(ticks)).unwrap_or(track.last_ns);
+        let ns = self
+            .cpu
+            .as_ref()
+            .and_then(|c| c.convert_noting(ticks, &mut self.cpu_converted))
+            .unwrap_or(track.last_ns);
         let ns = if ns < track.last_ns {
             self.counts.monotonic_clamps += 1;
             track.last_ns
