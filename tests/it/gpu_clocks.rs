@@ -418,6 +418,14 @@ fn models() -> Vec<Model> {
             ..steady.clone()
         },
         Model {
+            name: "rate steps ±60 ppm every 2 s + 0.5 ppm/√s",
+            step_ppm: 60.0,
+            step_every_ns: 2 * S,
+            wander_ppm_per_sqrt_s: 0.5,
+            seed: 11,
+            ..steady.clone()
+        },
+        Model {
             name: "wander 1 ppm/√s (20x the prior)",
             wander_ppm_per_sqrt_s: 1.0,
             seed: 3,

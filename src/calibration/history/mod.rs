@@ -387,6 +387,7 @@ impl CalibrationHistory {
             };
         }
         let previous_suspect = self.segments.back_mut().and_then(|s| s.suspect.take());
+        let mut moved_across_break = false;
         if reported || broken || self.segments.is_empty() {
             if reported {
                 self.stats.resets += 1;
@@ -402,6 +403,7 @@ impl CalibrationHistory {
             self.start_segment();
             if let Some(suspect) = moved {
                 let _ = self.push_burst(suspect.burst, suspect.point, None);
+                moved_across_break = true;
             }
         }
 
@@ -410,7 +412,14 @@ impl CalibrationHistory {
         let keep = ((burst.len() as f64 * self.config.burst_keep).ceil() as usize).clamp(1, burst.len());
         burst.truncate(keep);
         let suspect = check.suspect.filter(|_| !broken && !reported);
-        self.push_burst(burst, burst_point, suspect)
+        let pushed = self.push_burst(burst, burst_point, suspect);
+        if moved_across_break {
+            // The moved burst only missed its prediction: the break may lie after it, up to this burst.
+            if let Some(segment) = self.segments.back_mut() {
+                segment.sure_from = segment.last_burst;
+            }
+        }
+        pushed
     }
 
     /// Adds a burst's kept samples (tightest first) and its point to the open segment and refits; for a
@@ -436,6 +445,7 @@ impl CalibrationHistory {
         });
         if segment.window.is_empty() {
             segment.first_burst = point;
+            segment.sure_from = point;
         }
         segment.last_burst = point;
         segment.points.push_back(burst_point);

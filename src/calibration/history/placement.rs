@@ -169,16 +169,14 @@ impl CalibrationHistory {
     }
 
     /// The reference times segment `index` answers for: from the newest burst of the segment before it to the
-    /// first burst of the segment after it.
+    /// first burst of the segment after it (the burst that found the break, when the one before it was moved
+    /// across: see `Segment::sure_from`).
     fn range_of(&self, index: usize) -> (u64, u64) {
         let from = match index.checked_sub(1) {
             Some(before) => self.segments[before].last_burst.1,
             None => 0,
         };
-        let to = self
-            .segments
-            .get(index + 1)
-            .map_or(u64::MAX, |after| after.first_burst.1);
+        let to = self.segments.get(index + 1).map_or(u64::MAX, |after| after.sure_from.1);
         (from, to)
     }
 

@@ -29,6 +29,10 @@ pub(super) struct Segment {
     /// `(unwrapped ticks, reference ns)` of the tightest sample of the first and of the newest burst.
     pub(super) first_burst: (u64, u64),
     pub(super) last_burst: (u64, u64),
+    /// Where the segment before this one stops answering: this segment's first burst, or, when that burst was
+    /// moved here from before the break (a suspect), the burst that found the break. The break lies somewhere
+    /// before that one, so between the two both segments answer and a tick there is placed by their hull.
+    pub(super) sure_from: (u64, u64),
     /// The rate carried over a break: ns per tick and its standard error in ppm.
     pub(super) rate_prior: Option<(f64, f64)>,
     /// The largest input converted so far and its output, for monotonic output within the segment.
@@ -54,6 +58,7 @@ impl Segment {
             has_rate: false,
             first_burst: (0, 0),
             last_burst: (0, 0),
+            sure_from: (0, 0),
             rate_prior,
             high_water: None,
             points: VecDeque::new(),
