@@ -443,6 +443,8 @@ pub(crate) struct Processor {
     cpu_converted: CpuUncertainty,
     /// The last value written on the CPU timestamp uncertainty counter.
     cpu_uncertainty_shown: Option<u64>,
+    /// What the ticks converted with a fit that a burst has since replaced need (0: none), for the next report.
+    cpu_stated_before_refit: u64,
     gpu: GpuCollector,
     /// Drain passes that drained every ring so far (a pass that did not counts with the one before it).
     pass: u64,
@@ -551,6 +553,7 @@ impl Processor {
             cpu: None,
             cpu_converted: CpuUncertainty::default(),
             cpu_uncertainty_shown: None,
+            cpu_stated_before_refit: 0,
             gpu: GpuCollector::new(gpu),
             pass: 0,
             mid_pass: false,
@@ -785,6 +788,14 @@ impl Processor {
     }
 
     fn cpu_burst(&mut self, samples: &[crate::calibration::CalibrationSample]) {
+        // The ticks converted so far were converted with the fit this burst replaces: stated with it.
+        if let Some(stated) = self
+            .cpu
+            .as_ref()
+            .and_then(|c| c.stated_uncertainty(&mut self.cpu_converted))
+        {
+            self.cpu_stated_before_refit = self.cpu_stated_before_refit.max(stated);
+        }
         let Some(CpuTime::Live { history, fast, .. }) = &mut self.cpu else {
             return;
         };
@@ -1095,12 +1106,14 @@ impl Processor {
     /// since the last report need more than the value shown (or less than 60 % of it: a new fit), with a
     /// quarter's headroom, so a steady program writes a few values per calibration interval, not one per pass.
     fn report_cpu_uncertainty(&mut self, drain_ns: u64) {
-        let Some(stated) = self
+        let before_refit = std::mem::take(&mut self.cpu_stated_before_refit);
+        let now = self
             .cpu
             .as_ref()
-            .and_then(|c| c.stated_uncertainty(&mut self.cpu_converted))
-        else {
-            return;
+            .and_then(|c| c.stated_uncertainty(&mut self.cpu_converted));
+        let stated = match (now, before_refit) {
+            (None, 0) => return,
+            (now, before) => now.unwrap_or(0).max(before),
         };
         let write = match self.cpu_uncertainty_shown {
             None => true,
