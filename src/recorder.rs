@@ -144,10 +144,9 @@ pub(crate) const NOT_ANNOUNCED: u64 = 1 << 63;
 // ---------------------------------------------------------------------------------------------------------
 // The current timeline of native macros.
 
-/// A running timeline native macros may record into, with its live sink.
+/// A running timeline native macros may record into (its live sink in `shared.live`).
 struct Running {
     shared: Arc<Shared>,
-    live: Option<&'static dyn LiveSink>,
 }
 
 /// Running timelines in start order. Native macros (`scope!`, `instant!`, `counter!`) record into the last:
@@ -159,7 +158,7 @@ static CURRENT_ID: AtomicU64 = AtomicU64::new(0);
 fn publish_current(running: &[Running]) {
     match running.last() {
         Some(r) => {
-            live::set_current(r.live);
+            live::set_current(r.shared.live.get().copied());
             CURRENT_ID.store(r.shared.id, Ordering::Release);
         }
         None => {
@@ -170,12 +169,9 @@ fn publish_current(running: &[Running]) {
 }
 
 /// A timeline started: it becomes the current one.
-pub(crate) fn started(shared: &Arc<Shared>, live: Option<&'static dyn LiveSink>) {
+pub(crate) fn started(shared: &Arc<Shared>) {
     let mut running = RUNNING.write().unwrap_or_else(|e| e.into_inner());
-    running.push(Running {
-        shared: shared.clone(),
-        live,
-    });
+    running.push(Running { shared: shared.clone() });
     publish_current(&running);
 }
 

@@ -281,11 +281,10 @@ impl TimelineBuilder {
         };
         let collector =
             collector::spawn(&shared, inbox, setup, stats.clone()).map_err(TicklineError::CollectorSpawn)?;
-        let live = self.live.map(live::leak);
-        if let Some(live) = live {
+        if let Some(live) = self.live.map(live::leak) {
             let _ = shared.live.set(live);
         }
-        recorder::started(&shared, live);
+        recorder::started(&shared);
         register_exit_flush();
         Ok(Timeline {
             shared,
@@ -295,7 +294,6 @@ impl TimelineBuilder {
             source,
             tsc_fallback_reason,
             decision,
-            live,
         })
     }
 }
@@ -331,7 +329,6 @@ pub struct Timeline {
     source: TickSource,
     tsc_fallback_reason: Option<String>,
     decision: TickSourceDecision,
-    live: Option<&'static dyn LiveSink>,
 }
 
 impl std::fmt::Debug for Timeline {
@@ -352,7 +349,7 @@ impl Timeline {
 
     /// The `tracing` layer that records into this timeline. Use one per subscriber.
     pub fn layer(&self) -> TicklineLayer {
-        TicklineLayer::new(self.shared.clone(), self.live)
+        TicklineLayer::new(self.shared.clone(), self.shared.live.get().copied())
     }
 
     /// The CPU tick source in use.
