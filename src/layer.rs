@@ -9,7 +9,7 @@ use tracing::span::{Attributes, Id, Record as SpanValues};
 use tracing::subscriber::Interest;
 use tracing::{Event, Metadata, Subscriber};
 use tracing_subscriber::layer::{Context, Layer};
-use tracing_subscriber::registry::LookupSpan;
+use tracing_subscriber::registry::{ExtensionsMut, LookupSpan};
 
 use crate::codec::{FieldEncoder, Parent};
 use crate::control::{metadata_key, Control};
@@ -122,15 +122,20 @@ impl LiveData {
             .and_then(|(_, data)| data.as_ref())
     }
 
-    fn of_mut(&mut self, timeline: u64) -> &mut Option<LiveSpanData> {
-        let at = match self.0.iter().position(|(id, _)| *id == timeline) {
+    /// `timeline`'s entry in a span's extensions, made (empty) if the span has none yet.
+    fn of_mut<'a>(extensions: &'a mut ExtensionsMut<'_>, timeline: u64) -> &'a mut Option<LiveSpanData> {
+        if extensions.get_mut::<LiveData>().is_none() {
+            extensions.insert(LiveData::default());
+        }
+        let kept = &mut extensions.get_mut::<LiveData>().expect("inserted above").0;
+        let at = match kept.iter().position(|(id, _)| *id == timeline) {
             Some(at) => at,
             None => {
-                self.0.push((timeline, None));
-                self.0.len() - 1
+                kept.push((timeline, None));
+                kept.len() - 1
             }
         };
-        &mut self.0[at].1
+        &mut kept[at].1
     }
 }
 
@@ -205,11 +210,7 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for TicklineLayer {
     fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, ctx: Context<'_, S>) {
         if let Some(live) = self.live {
             if let (Some(data), Some(span)) = (live.span_new(attrs), ctx.span(id)) {
-                let mut extensions = span.extensions_mut();
-                match extensions.get_mut::<LiveData>() {
-                    Some(kept) => *kept.of_mut(self.id.get()) = Some(data),
-                    None => extensions.insert(LiveData(vec![(self.id.get(), Some(data))])),
-                }
+                *LiveData::of_mut(&mut span.extensions_mut(), self.id.get()) = Some(data);
             }
         }
         let callsite = metadata_key(attrs.metadata());
@@ -238,14 +239,11 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for TicklineLayer {
         }
         if let (Some(live), Some(span)) = (self.live, ctx.span(id)) {
             let mut extensions = span.extensions_mut();
-            match extensions.get_mut::<LiveData>() {
-                Some(kept) => live.span_record(span.metadata(), kept.of_mut(self.id.get()), values),
-                None => {
-                    let mut kept = LiveData::default();
-                    live.span_record(span.metadata(), kept.of_mut(self.id.get()), values);
-                    extensions.insert(kept);
-                }
-            }
+            live.span_record(
+                span.metadata(),
+                LiveData::of_mut(&mut extensions, self.id.get()),
+                values,
+            );
         }
     }
 
