@@ -140,23 +140,27 @@ impl CpuTime {
             }
             CpuTime::Complete { history } => {
                 let converted = history.peek(ticks)?;
-                stated.placed_ns = stated.placed_ns.max(converted.uncertainty_ns);
+                stated.known(converted.uncertainty_ns);
                 Some(converted.ns)
+            }
+        }
+    }
+
+    /// Live: states the ticks noted so far with the newest fit (the one they were converted with), before a
+    /// burst replaces it.
+    fn settle(&self, stated: &mut CpuUncertainty) {
+        if let (CpuTime::Live { history, .. }, Some((lo, hi))) = (self, stated.ticks) {
+            if let Some(fit) = history.latest() {
+                stated.ticks = None;
+                stated.known(fit.uncertainty_ns(lo).max(fit.uncertainty_ns(hi)).ceil() as u64);
             }
         }
     }
 
     /// The uncertainty (about 95 %) of every CPU timestamp converted since `stated` was last taken, in ns.
     fn stated_uncertainty(&self, stated: &mut CpuUncertainty) -> Option<u64> {
-        let taken = std::mem::take(stated);
-        match self {
-            CpuTime::Live { history, .. } => {
-                let (lo, hi) = taken.ticks?;
-                let fit = history.latest()?;
-                Some(fit.uncertainty_ns(lo).max(fit.uncertainty_ns(hi)).ceil() as u64)
-            }
-            CpuTime::Complete { .. } => (taken.placed_ns > 0).then_some(taken.placed_ns),
-        }
+        self.settle(stated);
+        std::mem::take(stated).known_ns
     }
 
     fn history(&self) -> &CalibrationHistory {
@@ -172,9 +176,17 @@ impl CpuTime {
 /// the tick) is largest at one end of any range of ticks: the lowest and highest ticks converted are enough.
 #[derive(Default)]
 struct CpuUncertainty {
+    /// Live: the lowest and highest ticks converted with the newest fit.
     ticks: Option<(u64, u64)>,
-    /// Converting a capture: the largest uncertainty of a placement.
-    placed_ns: u64,
+    /// The largest uncertainty already known: a converted capture's placements, or ticks converted with a fit
+    /// a burst has since replaced.
+    known_ns: Option<u64>,
+}
+
+impl CpuUncertainty {
+    fn known(&mut self, ns: u64) {
+        self.known_ns = Some(self.known_ns.map_or(ns, |known| known.max(ns)));
+    }
 }
 
 /// What the processing stage knows about a call site.
@@ -443,8 +455,6 @@ pub(crate) struct Processor {
     cpu_converted: CpuUncertainty,
     /// The last value written on the CPU timestamp uncertainty counter.
     cpu_uncertainty_shown: Option<u64>,
-    /// What the ticks converted with a fit that a burst has since replaced need (0: none), for the next report.
-    cpu_stated_before_refit: u64,
     gpu: GpuCollector,
     /// Drain passes that drained every ring so far (a pass that did not counts with the one before it).
     pass: u64,
@@ -553,7 +563,6 @@ impl Processor {
             cpu: None,
             cpu_converted: CpuUncertainty::default(),
             cpu_uncertainty_shown: None,
-            cpu_stated_before_refit: 0,
             gpu: GpuCollector::new(gpu),
             pass: 0,
             mid_pass: false,
@@ -789,12 +798,8 @@ impl Processor {
 
     fn cpu_burst(&mut self, samples: &[crate::calibration::CalibrationSample]) {
         // The ticks converted so far were converted with the fit this burst replaces: stated with it.
-        if let Some(stated) = self
-            .cpu
-            .as_ref()
-            .and_then(|c| c.stated_uncertainty(&mut self.cpu_converted))
-        {
-            self.cpu_stated_before_refit = self.cpu_stated_before_refit.max(stated);
+        if let Some(cpu) = &self.cpu {
+            cpu.settle(&mut self.cpu_converted);
         }
         let Some(CpuTime::Live { history, fast, .. }) = &mut self.cpu else {
             return;
@@ -1106,14 +1111,12 @@ impl Processor {
     /// since the last report need more than the value shown (or less than 60 % of it: a new fit), with a
     /// quarter's headroom, so a steady program writes a few values per calibration interval, not one per pass.
     fn report_cpu_uncertainty(&mut self, drain_ns: u64) {
-        let before_refit = std::mem::take(&mut self.cpu_stated_before_refit);
-        let now = self
+        let Some(stated) = self
             .cpu
             .as_ref()
-            .and_then(|c| c.stated_uncertainty(&mut self.cpu_converted));
-        let stated = match (now, before_refit) {
-            (None, 0) => return,
-            (now, before) => now.unwrap_or(0).max(before),
+            .and_then(|c| c.stated_uncertainty(&mut self.cpu_converted))
+        else {
+            return;
         };
         let write = match self.cpu_uncertainty_shown {
             None => true,
