@@ -70,7 +70,7 @@ mod wander;
 use brackets::burst_point;
 use breaks::BurstCheck;
 use segment::{Segment, Suspect};
-use wander::{second_difference, MIN_WINDOW};
+use wander::{second_difference, Innovation, MIN_WINDOW};
 
 /// Burst points kept per segment for the second differences.
 const POINTS: usize = 64;
@@ -225,11 +225,13 @@ pub struct CalibrationHistory {
     origin: u64,
     /// A reset was reported: the next burst starts a segment.
     reset_pending: bool,
-    /// Recent second differences of burst points: `(squared miss, the brackets' share of it)`, both in units
-    /// of what a wander of 1 ppm/√s would give.
-    innovations: VecDeque<(f64, f64)>,
-    /// The wander in use (ppm/√s).
+    /// Recent second differences of burst points.
+    innovations: VecDeque<Innovation>,
+    /// The wander in use (ppm/√s): the estimate, for the window's length.
     wander: f64,
+    /// The wander the stated uncertainty allows for once measured (ppm/√s): the estimate's upper confidence
+    /// bound, wider while few independent second differences stand behind it.
+    wander_bound: f64,
     stats: HistoryStats,
 }
 
@@ -279,6 +281,7 @@ impl CalibrationHistory {
         CalibrationHistory {
             domain,
             wander: config.wander_ppm_per_sqrt_s,
+            wander_bound: config.wander_ppm_per_sqrt_s,
             config,
             segments: VecDeque::new(),
             next_segment: 0,

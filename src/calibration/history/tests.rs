@@ -567,3 +567,45 @@ fn the_wander_is_measured_from_sparse_irregular_bursts() {
         assert!((lo..=hi).contains(&measured), "true {wander}: measured {measured}");
     }
 }
+
+/// Live conversions (the newest fit extrapolated, as a CPU timestamp is converted while the program runs) of a
+/// clock wandering 20 times the prior: once the wander has been measured (from 5 s on), at least 95 % of the
+/// truths lie inside the stated uncertainty in every second of every run. Before, 3 of 40 runs had a second
+/// with 83-94 % inside: the first estimates stand on two or three independent triples of burst points and were
+/// stated at 1.4 x the estimate, and the fitted rate's miss of the newest rate went unstated.
+#[test]
+fn live_conversions_of_a_clock_wandering_20x_the_prior_hold_in_every_second() {
+    let mut failing = Vec::new();
+    for seed in 1..=40u64 {
+        let mut p = pair(SimClockConfig {
+            drift_ppm: 200.0,
+            wander_ppm_per_sqrt_s: 1.0,
+            jitter_ns: 1_000.0,
+            seed,
+            ..Default::default()
+        });
+        let mut h = CalibrationHistory::new(p.domain(), HistoryConfig::default());
+        let start = p.now_ns();
+        let mut per_second: std::collections::BTreeMap<u64, (u32, u32)> = Default::default();
+        let mut rng = crate::calibration::SplitMix64(seed);
+        while p.now_ns() < start + 20 * S {
+            let _ = h.add_burst(&p.sample_burst(16, 3_000));
+            let (from, to) = (p.now_ns(), p.now_ns() + 250 * MS);
+            let mut events: Vec<u64> = (0..50).map(|_| from + rng.next_u64() % (to - from)).collect();
+            events.sort_unstable();
+            for t in events {
+                let placed = h.convert_within(p.true_ticks_at(t), None).unwrap().converted;
+                let second = per_second.entry((t - start) / S).or_default();
+                second.0 += 1;
+                second.1 += u32::from(placed.ns.abs_diff(t) <= placed.uncertainty_ns);
+            }
+            p.advance_to(to);
+        }
+        for (second, (events, inside)) in per_second.range(5..) {
+            if f64::from(*inside) < 0.95 * f64::from(*events) {
+                failing.push(format!("seed {seed}, second {second}: {inside} of {events} inside"));
+            }
+        }
+    }
+    assert!(failing.is_empty(), "{failing:#?}");
+}

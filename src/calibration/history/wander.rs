@@ -43,7 +43,7 @@ const MAX_WANDER: f64 = 100.0;
 /// two (a straight line, whatever its slope, misses by nothing), squared, and the part of that the points' own
 /// variances explain, both in units of what a 1 ppm/√s wander gives: `Var = a²·b² / (3·(a + b))` for gaps of
 /// `a` and `b` seconds (`τ³ / 6` for a symmetric triple of half-span τ), times 10⁶ ns² per ppm²·s.
-pub(super) fn second_difference(points: &VecDeque<(u64, u64, f64)>) -> Option<(f64, f64)> {
+pub(super) fn second_difference(points: &VecDeque<(u64, u64, f64)>) -> Option<Innovation> {
     let &(x3, t3, v3) = points.back()?;
     // The point before `before` nearest to `target`.
     let closest = |target: u64, before: u64| {
@@ -71,46 +71,104 @@ pub(super) fn second_difference(points: &VecDeque<(u64, u64, f64)>) -> Option<(f
     let miss = -chord;
     let (a_s, b_s) = (a * 1e-9, b * 1e-9);
     let unit = a_s * a_s * b_s * b_s / (3.0 * (a_s + b_s)) * 1e6;
-    Some((miss * miss / unit, (v2 + w1 * w1 * v1 + w3 * w3 * v3) / unit))
+    Some(Innovation {
+        miss_squared: miss * miss / unit,
+        noise: (v2 + w1 * w1 * v1 + w3 * w3 * v3) / unit,
+        from_ns: t1,
+        to_ns: t3,
+    })
 }
 
+/// One second difference of burst points: how far the middle point of a triple missed the chord of the outer
+/// two, squared, and the part of that the points' own noise explains, both in units of what a wander of
+/// 1 ppm/√s would give; and the reference times the triple spans.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Innovation {
+    miss_squared: f64,
+    noise: f64,
+    from_ns: u64,
+    to_ns: u64,
+}
+
+/// How many times the wander estimate (a median of `n` independent squared misses, taken about a standard
+/// error high) is stated, so that the truth's wander lies below the statement 19 times in 20: `1.4` once
+/// eight independent triples (32 s of bursts at the default 250 ms) stand behind it, as `√(q(8) / q(n))` more
+/// below, with `q(n)` the 5 % quantile of χ²ₙ / n (Wilson-Hilferty). An audit's clock wandering 1 ppm/√s
+/// (20x the prior) was estimated at 0.16 from the first 7 s of bursts (two independent triples), and 23.5 % of
+/// one second's live conversions then lay outside their stated uncertainty.
+fn confidence_factor(independent: f64) -> f64 {
+    const Z_05: f64 = -1.6449;
+    let q = |n: f64| {
+        let s = 2.0 / (9.0 * n);
+        (1.0 - s + Z_05 * s.sqrt()).max(0.0).powi(3)
+    };
+    // Fewer than 1.25 triples' worth never reaches here (at least WANDER_MIN_INNOVATIONS overlapping ones).
+    let n = independent.clamp(1.25, 8.0);
+    STANDARD_ERROR_HIGH * (q(8.0) / q(n)).sqrt()
+}
+
+/// The estimate is stated about a standard error above the median when a dozen or so independent triples stand
+/// behind it.
+const STANDARD_ERROR_HIGH: f64 = 1.4;
+
 impl CalibrationHistory {
-    /// The wander the stated uncertainty allows for: the one in use, five times the prior until it has been
-    /// measured (the first seconds of a history: a clock may wander more than the prior says, and the
-    /// measurement needs a few seconds of bursts).
+    /// The wander the stated uncertainty allows for: five times the prior until it has been measured (the
+    /// first seconds of a history: a clock may wander more than the prior says, and the measurement needs a few
+    /// seconds of bursts), then the measurement's upper bound.
     pub(super) fn stated_wander(&self) -> f64 {
         if self.innovations.len() < WANDER_MIN_INNOVATIONS {
             self.wander.max(WARMUP_WANDER * self.config.wander_ppm_per_sqrt_s)
         } else {
-            self.wander
+            self.wander_bound
         }
     }
 
-    /// Adds one second difference and updates the wander in use: the larger of the prior and the estimate.
-    pub(super) fn add_innovation(&mut self, innovation: (f64, f64)) {
+    /// Adds one second difference and updates the wander in use (the larger of the prior and the estimate)
+    /// and the wander stated (the estimate's upper bound).
+    pub(super) fn add_innovation(&mut self, innovation: Innovation) {
         self.innovations.push_back(innovation);
         while self.innovations.len() > WANDER_MEMORY {
             self.innovations.pop_front();
         }
         let prior = self.config.wander_ppm_per_sqrt_s;
-        self.wander = if self.innovations.len() < WANDER_MIN_INNOVATIONS {
-            prior
+        (self.wander, self.wander_bound) = if self.innovations.len() < WANDER_MIN_INNOVATIONS {
+            (prior, prior)
         } else {
             // Medians, not means: a miss that an outlier inflates must not shorten the window (a shorter window
             // is more sensitive to the next outlier). A squared Gaussian's median is 0.455 times its mean.
-            let mut misses: Vec<f64> = self.innovations.iter().map(|i| i.0).collect();
-            let mut noise: Vec<f64> = self.innovations.iter().map(|i| i.1).collect();
+            let mut misses: Vec<f64> = self.innovations.iter().map(|i| i.miss_squared).collect();
+            let mut noise: Vec<f64> = self.innovations.iter().map(|i| i.noise).collect();
             let noise = median(&mut noise);
             let squared = median(&mut misses) / 0.455 - noise;
             // Only a wander that stands out of the points' own noise is news.
             if squared > noise {
-                // Overlapping triples make only a dozen or so independent ones: state the wander about a
-                // standard error above the estimate, not at it.
-                (1.4 * squared.sqrt()).max(prior).min(MAX_WANDER)
+                let estimate = squared.sqrt();
+                let bound = |factor: f64| (factor * estimate).max(prior).min(MAX_WANDER);
+                (
+                    bound(STANDARD_ERROR_HIGH),
+                    bound(confidence_factor(self.independent_triples())),
+                )
             } else {
-                prior
+                (prior, prior)
             }
         };
+    }
+
+    /// How many independent triples the remembered second differences amount to: overlapping triples (a new
+    /// one every burst, each spanning two lags) share most of their points, so the time they cover in all,
+    /// in units of one triple's span, and never more than their number.
+    fn independent_triples(&self) -> f64 {
+        let (Some(first), Some(last)) = (self.innovations.front(), self.innovations.back()) else {
+            return 0.0;
+        };
+        let mut spans: Vec<f64> = self
+            .innovations
+            .iter()
+            .map(|i| i.to_ns.saturating_sub(i.from_ns) as f64)
+            .collect();
+        let span = median(&mut spans).max(1.0);
+        let covered = last.to_ns.saturating_sub(first.from_ns) as f64;
+        (covered / span).min(self.innovations.len() as f64)
     }
 
     /// How many of the open segment's recent bursts to fit: all of them while the wander is the prior's;
