@@ -143,6 +143,18 @@
 //!   stretched to cover a loss. A span created while the enter of the span around it was dropped cannot be
 //!   known to be its child (the contextual parent is what its thread had entered, as recorded): its task
 //!   track, if it gets one, nests under the nearest task its thread is known to have entered, or the process.
+//! - **Records that cannot be taken.** A record made while its thread is making another (a field's `Debug`
+//!   that logs or creates a span with fields, a signal handler that records) is dropped and counted, in
+//!   lossless mode too (its thread's ring is in use): the spans it created lose their slices, counted in
+//!   [`TimelineStats::dropped_slices`]. What no ring can take is counted in
+//!   [`TimelineStats::unrecorded_records`]: `tracing` calls on the collector's own thread (an exporter's or a
+//!   GPU backend's logging: recorded, they would be the timeline's own input, and in lossless mode the
+//!   collector would wait on itself), records from a thread-local destructor that runs after tickline's own
+//!   per-thread state is gone (a thread-local first used before the thread's first record), and everything a
+//!   child made by `fork` records (the collector's threads stay in the parent; in the child `flush` and
+//!   `shutdown` fail at once with [`TicklineError::CollectorGone`] and the exit hook does not wait). A
+//!   thread's first record registers its ring, which allocates: a signal handler must not make a thread's
+//!   first record (it may have interrupted the allocator).
 //! - **Span ids.** `tracing`'s registry reuses a span's id once it closes; tickline gives every span a serial
 //!   of its own instead (see [`TicklineLayer`]), so a slice always carries its own span's name and fields.
 //!   Track ids in exported traces are unique per timeline.

@@ -66,6 +66,10 @@ pub(crate) struct Shared {
     pub(crate) processing_paused: AtomicBool,
     /// The timeline's live sink, told of each thread before that thread's first record (set once at start).
     pub(crate) live: OnceLock<&'static dyn LiveSink>,
+    /// The process the timeline runs in: a child made by `fork` has a copy of this but no collector.
+    pid: u32,
+    /// Records no ring could take (`TimelineStats::unrecorded_records`).
+    pub(crate) unrecorded: AtomicU64,
 }
 
 impl Shared {
@@ -105,7 +109,21 @@ impl Shared {
             budget_full: AtomicBool::new(false),
             processing_paused: AtomicBool::new(false),
             live: OnceLock::new(),
+            pid: std::process::id(),
+            unrecorded: AtomicU64::new(0),
         }
+    }
+
+    /// Whether this is a copy in a child made by `fork`: the collector's threads were not copied, so nothing
+    /// drains the rings or answers a request.
+    pub(crate) fn in_forked_child(&self) -> bool {
+        std::process::id() != self.pid
+    }
+
+    /// Counts a record no ring could take.
+    #[cold]
+    fn count_unrecorded(&self) {
+        self.unrecorded.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -308,10 +326,14 @@ impl LocalRing {
         }
         if self.lossless {
             let drain = self.shared.drain_thread.get();
+            let shared = &self.shared;
+            // Wait while there is a collector to make room: not in a child made by `fork` (checked only
+            // between the wait's sleeps: a system call).
             let wake = || {
                 if let Some(thread) = drain {
                     thread.unpark();
                 }
+                !shared.in_forked_child()
             };
             if self.producer.push_all_waiting(records, wake) {
                 self.owed_ends = owed_after;
@@ -333,7 +355,10 @@ impl LocalRing {
     #[cold]
     fn grow(&mut self) -> bool {
         let capacity = self.producer.capacity();
-        if capacity >= self.shared.max_ring_capacity || self.shared.budget_full.load(Ordering::Relaxed) {
+        if capacity >= self.shared.max_ring_capacity
+            || self.shared.budget_full.load(Ordering::Relaxed)
+            || self.shared.in_forked_child()
+        {
             return false;
         }
         let (producer, consumer) = channel((capacity * 4).min(self.shared.max_ring_capacity));
@@ -544,6 +569,21 @@ thread_local! {
     /// Scratch space for encoding fields and assembling record groups, reused so the hot path never allocates
     /// after warm-up.
     static SCRATCH: RefCell<(Vec<u8>, Vec<Record>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    /// The timeline whose collector runs on this thread (0: none). It records nothing into that timeline:
+    /// what an exporter or a GPU backend does there would feed the timeline its own output, and in lossless
+    /// mode the collector would wait for room in a ring only it empties.
+    static OWN_TIMELINE: Cell<u64> = const { Cell::new(0) };
+}
+
+/// Marks this thread as timeline `id`'s collector (see `OWN_TIMELINE`).
+pub(crate) fn mark_collector_thread(id: u64) {
+    OWN_TIMELINE.set(id);
+}
+
+/// Whether this thread is making a record (or encoding one's fields) now: a record attempted meanwhile (from
+/// a field's `Debug`, an allocator or a signal handler) is dropped and counted.
+fn making_a_record() -> bool {
+    HOT_ID.get() == LOCKED || SCRATCH.try_with(|s| s.try_borrow_mut().is_err()).unwrap_or(false)
 }
 
 /// Where a record goes: a layer's own timeline, or the current one for native macros.
@@ -691,7 +731,18 @@ fn with_ring_slow<R>(target: &impl Target, id: u64, f: impl FnOnce(&mut LocalRin
         let shared = target.shared().filter(|s| s.id == id)?;
         register(&shared, rings)
     });
-    let Ok(Some(ring)) = found else { return None };
+    let ring = match found {
+        Ok(Some(ring)) => ring,
+        Ok(None) => return None,
+        Err(_) => {
+            // The thread is exiting and its rings are gone (a thread-local destructor that runs after
+            // tickline's): nothing can take the record, but it is counted.
+            if let Some(shared) = target.shared().filter(|s| s.id == id) {
+                shared.count_unrecorded();
+            }
+            return None;
+        }
+    };
     std::mem::forget(none_found);
     HOT_RING.set(ring.as_ptr());
     // SAFETY: we hold the lock; `ring` is owned by `RINGS` (found or registered just now, not freed since)
@@ -704,8 +755,13 @@ fn register(shared: &Arc<Shared>, rings: &mut Vec<OwnedRing>) -> Option<NonNull<
     if !shared.running.load(Ordering::Acquire) {
         return None;
     }
+    if OWN_TIMELINE.get() == shared.id || shared.in_forked_child() {
+        shared.count_unrecorded();
+        return None;
+    }
     let ring_number = shared.next_ring.fetch_add(1, Ordering::Relaxed);
     if ring_number >= MAX_RINGS {
+        shared.count_unrecorded();
         return None;
     }
     // Rings of timelines that have shut down are of no use any more.
@@ -841,7 +897,7 @@ pub(crate) fn span_new(
     parent: Parent,
     encode: Option<impl FnOnce(&mut FieldEncoder<'_>)>,
 ) -> Option<u64> {
-    match encode {
+    let serial = match encode {
         None if parent == Parent::Contextual => span_new_bare(target, callsite),
         encode => with_payload(
             target,
@@ -860,7 +916,10 @@ pub(crate) fn span_new(
                 })
             },
         ),
-    }
+    };
+    // A creation made while this thread was making another record (a field's `Debug` that creates a span) was
+    // dropped and counted: the span's slices go the same way, counted, as after a full ring.
+    serial.or_else(|| making_a_record().then_some(NOT_ANNOUNCED))
 }
 
 /// Records new values of span `serial`'s fields.

@@ -97,7 +97,9 @@ impl TimelineBuilder {
 
     /// Lossless mode: a thread whose ring is full waits for the collector instead of dropping records.
     /// For tests and offline captures; the default (drop whole slices and count them) never stalls the
-    /// application.
+    /// application. A record made while its thread is making another (from a field's `Debug`, or a signal
+    /// handler) is still dropped and counted, and what no ring can take (on the collector's own thread, in a
+    /// child made by `fork`) is counted in [`TimelineStats::unrecorded_records`] (see the crate's Caveats).
     pub fn lossless(mut self, lossless: bool) -> Self {
         self.lossless = lossless;
         self
@@ -372,7 +374,9 @@ impl Timeline {
 
     /// Counters so far.
     pub fn stats(&self) -> TimelineStats {
-        self.stats.snapshot()
+        let mut stats = self.stats.snapshot();
+        stats.unrecorded_records = self.shared.unrecorded.load(Ordering::Relaxed);
+        stats
     }
 
     /// Adds a GPU device to the timeline: its clock is calibrated live by the collector, and
@@ -441,6 +445,11 @@ impl Timeline {
         self.shared.running.store(false, Ordering::Release);
         self.shared.processing_paused.store(false, Ordering::Relaxed);
         recorder::stopped(self.shared.id);
+        if self.shared.in_forked_child() {
+            // The collector's threads live in the parent only: nothing to ask, nothing to join here.
+            std::mem::forget(collector);
+            return Err(TicklineError::CollectorGone);
+        }
         let result = request(&self.shared, Control::Shutdown, None).map_err(|e| self.error(e));
         let drain = collector.drain.join();
         let process = collector.process.join();
@@ -471,6 +480,9 @@ fn request(
     make: fn(crate::control::Reply) -> Control,
     timeout: Option<Duration>,
 ) -> Result<(), RequestError> {
+    if shared.in_forked_child() {
+        return Err(RequestError::Gone);
+    }
     let (tx, rx) = crossbeam_channel::bounded(1);
     shared.control.send(make(tx)).map_err(|_| RequestError::Gone)?;
     if let Some(drain) = shared.drain_thread.get() {

@@ -175,6 +175,7 @@ impl Drain {
 
     /// The thread's loop: a pass every poll interval or when woken, until shutdown.
     pub(crate) fn run(mut self) {
+        crate::recorder::mark_collector_thread(self.shared.id);
         self.stats
             .drain_priority
             .store(raise_priority() as u64, Ordering::Relaxed);

@@ -157,7 +157,10 @@ pub(crate) fn spawn(
         let (budget, pool, shared) = (budget.clone(), pool.clone(), shared.clone());
         std::thread::Builder::new()
             .name("tickline-collector".into())
-            .spawn(move || run_processing(rx, processor, capture, &budget, &pool, &stats, &shared))?
+            .spawn(move || {
+                crate::recorder::mark_collector_thread(shared.id);
+                run_processing(rx, processor, capture, &budget, &pool, &stats, &shared)
+            })?
     };
     let drain = Drain::new(
         setup.drain,

@@ -15,8 +15,9 @@ pub struct TimelineStats {
     /// Records taken from the rings: the program's own (a ring that dropped records also puts a marker
     /// where they went missing, which is not counted here).
     pub records: u64,
-    /// Records dropped because a ring was full (drop mode). A slice is never half-dropped: a begin that could
-    /// not leave room for its end is dropped with its end. Where records went missing the trace has an instant
+    /// Records dropped because a ring was full (drop mode), or because their thread was making another record
+    /// when they were made (a field's `Debug` that logs, a signal handler: lossless mode too). A slice is never
+    /// half-dropped: a begin that could not leave room for its end is dropped with its end. Where records went missing the trace has an instant
     /// `tickline: records dropped` (field `records`: how many), and every slice open there carries
     /// `tickline.dropped_inside`.
     pub dropped_records: u64,
@@ -78,6 +79,14 @@ pub struct TimelineStats {
     pub async_tasks: u64,
     /// Polls written on async task tracks (each also a slice on the thread that polled it).
     pub async_polls: u64,
+    /// Records no ring could take, counted where they were attempted (each event, span creation, enter or
+    /// exit, scope begin or end once): made on the timeline's own collector thread (an exporter's or a GPU
+    /// backend's `tracing` calls: recording them would feed the timeline its own output, and in lossless mode
+    /// the collector would wait on itself), from a thread-local destructor that runs after tickline's own
+    /// per-thread state is gone (a thread-local first used before the thread's first record), in a child
+    /// made by `fork` (it has no collector), or on a thread beyond the most rings a timeline numbers. Not
+    /// among `dropped_records`: no ring has a place to mark them.
+    pub unrecorded_records: u64,
 }
 
 /// The first export failure, kept to be handed back to the application as the error it was (an exporter's
@@ -153,6 +162,8 @@ macro_rules! shared_stats {
             pub(crate) fn snapshot(&self) -> TimelineStats {
                 let mut stats = TimelineStats {
                     $($field: self.$field.load(Ordering::Relaxed),)*
+                    // Kept by the recording side (`Timeline::stats` fills it in).
+                    unrecorded_records: 0,
                 };
                 // Converting a capture has no drain stage, and the processing stage may lag the drain: the
                 // larger count is the one that matches `records`.

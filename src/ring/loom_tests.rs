@@ -79,7 +79,7 @@ fn lossless_push_waiting_delivers_everything() {
         let (mut p, mut c) = channel::<[u64; 2]>(2);
         let producer = thread::spawn(move || {
             for i in 0..3 {
-                assert!(p.push_all_waiting(&[rec(i)], || {}));
+                assert!(p.push_all_waiting(&[rec(i)], || true));
             }
         });
         let mut received = Vec::new();
@@ -99,7 +99,11 @@ fn lossless_push_waiting_delivers_everything() {
 fn push_waiting_returns_when_the_consumer_drops() {
     loom::model(|| {
         let (mut p, mut c) = channel::<[u64; 2]>(2);
-        let producer = thread::spawn(move || (0..3).map(|i| p.push_all_waiting(&[rec(i)], || {})).collect::<Vec<_>>());
+        let producer = thread::spawn(move || {
+            (0..3)
+                .map(|i| p.push_all_waiting(&[rec(i)], || true))
+                .collect::<Vec<_>>()
+        });
         let mut received = Vec::new();
         drain_into(&mut c, 1, &mut received);
         drop(c);

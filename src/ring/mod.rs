@@ -366,12 +366,13 @@ impl<T: Copy + Send> Producer<T> {
     }
 
     /// Appends all of `values` (or none), waiting while the ring has no room for them (the lossless mode);
-    /// `wake` is called each time it starts to wait (to wake the consumer early).
+    /// `wake` is called each time it starts to wait (to wake the consumer early), and the wait ends when it
+    /// returns false (there is no consumer to wait for, as the producer knows).
     ///
     /// Waits by spinning (`spin_loop` hints, backing off), then yielding the thread. The fast case (room
-    /// in the ring) makes no system call. Returns false only if the [`Consumer`] has been dropped, or
-    /// the group can never fit (longer than the ring), so a thread never waits forever.
-    pub(crate) fn push_all_waiting(&mut self, values: &[T], mut wake: impl FnMut()) -> bool {
+    /// in the ring) makes no system call. Returns false only if the [`Consumer`] has been dropped, `wake` said
+    /// so, or the group can never fit (longer than the ring), so a thread never waits forever.
+    pub(crate) fn push_all_waiting(&mut self, values: &[T], mut wake: impl FnMut() -> bool) -> bool {
         if values.len() > self.capacity() {
             return false;
         }
@@ -383,8 +384,8 @@ impl<T: Copy + Send> Producer<T> {
             if !self.is_consumer_alive() {
                 return false;
             }
-            if backoff.wakes() {
-                wake();
+            if backoff.wakes() && !wake() {
+                return false;
             }
             backoff.snooze();
         }
@@ -844,16 +845,31 @@ mod tests {
     #[test]
     fn push_waiting_returns_err_once_the_consumer_is_gone() {
         let (mut p, c) = channel::<u64>(2);
-        assert!(p.push_all_waiting(&[0], || {}));
-        assert!(p.push_all_waiting(&[1], || {}));
+        assert!(p.push_all_waiting(&[0], || true));
+        assert!(p.push_all_waiting(&[1], || true));
         assert!(p.is_consumer_alive());
         drop(c);
         assert!(!p.is_consumer_alive());
-        assert!(!p.push_all_waiting(&[2], || {}));
+        assert!(!p.push_all_waiting(&[2], || true));
         assert!(
-            !p.push_all_waiting(&[1, 2, 3], || {}),
+            !p.push_all_waiting(&[1, 2, 3], || true),
             "longer than the ring: never fits"
         );
+    }
+
+    /// The producer may know that nobody will make room (a child made by `fork` has no collector): its
+    /// `wake` says so and the wait ends, with the consumer still alive and the ring full.
+    #[test]
+    fn push_waiting_ends_when_wake_says_there_is_nothing_to_wait_for() {
+        let (mut p, _c) = channel::<u64>(2);
+        assert!(p.push_all_waiting(&[0, 1], || true));
+        let mut wakes = 0;
+        assert!(!p.push_all_waiting(&[2], || {
+            wakes += 1;
+            wakes < 3
+        }));
+        assert_eq!(wakes, 3);
+        assert!(p.is_consumer_alive());
     }
 
     /// A producer that waits long (a collector far behind) sleeps rather than spin or yield in a loop: on
@@ -872,7 +888,7 @@ mod tests {
         p.try_push(1).unwrap();
         let waiter = thread::spawn(move || {
             let (cpu, wall) = (thread_cpu(), std::time::Instant::now());
-            let pushed = p.push_all_waiting(&[7], || {});
+            let pushed = p.push_all_waiting(&[7], || true);
             (pushed, thread_cpu() - cpu, wall.elapsed())
         });
         thread::sleep(Duration::from_millis(300));
@@ -894,7 +910,7 @@ mod tests {
         let (mut p, c) = channel::<u64>(2);
         p.try_push(0).unwrap();
         p.try_push(1).unwrap();
-        let waiter = thread::spawn(move || p.push_all_waiting(&[7], || {}));
+        let waiter = thread::spawn(move || p.push_all_waiting(&[7], || true));
         thread::sleep(Duration::from_millis(10));
         drop(c);
         assert!(!waiter.join().unwrap());
@@ -905,7 +921,7 @@ mod tests {
         let (mut p, mut c) = channel::<[u64; 2]>(64);
         let producer = thread::spawn(move || {
             for i in 0..N as u64 {
-                assert!(p.push_all_waiting(&[rec(i)], || {}));
+                assert!(p.push_all_waiting(&[rec(i)], || true));
             }
             p.dropped()
             // `p` is dropped here: the thread's exit closes the ring.

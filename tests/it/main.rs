@@ -9,6 +9,7 @@ mod gpu_clocks;
 mod live;
 mod load;
 mod pipeline;
+mod process;
 #[path = "../../examples/support/skip.rs"]
 mod skip;
 #[cfg(feature = "vulkan")]
