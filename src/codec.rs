@@ -28,7 +28,8 @@
 //! | `SpanEnter`, `SpanExit` | now | span serial | | |
 //! | `SpanClose` | now, or 0 with `aux` bit [`AT_LAST_EXIT`] | span serial; `aux` bit [`VALUES_FINAL`]: no `record` reached the span; bit [`MAY_BE_TASK`]: entered more than once or named as a parent | | |
 //! | `Event` | now | callsite key | `[len, parent mode]` + explicit parent serial (or 0) | fields |
-//! | `ScopeBegin`, `ScopeEnd`, `Instant` | now | callsite key | | |
+//! | `ScopeBegin`, `ScopeEnd` | now, with `aux` the scope's tag (1 to 4095, the same on its begin and end; 0 in captures before version 5) | callsite key | | |
+//! | `Instant` | now | callsite key | | |
 //! | `Counter` | now | callsite key | value (`f64` bits) | |
 //! | `GpuBegin` | now | callsite key | `[len]` + GPU scope key | fields |
 //! | `Gap` | now | records dropped since the last gap; 0 in the ring's last record, made as its thread exits: the last moment the thread is known to have lived | | |
@@ -153,6 +154,13 @@ impl Record {
             word0: ((kind as u64) << KIND_SHIFT) | ((aux & AUX_MAX) << AUX_SHIFT) | (ticks & TICK_MASK),
             word1,
         }
+    }
+
+    /// A native scope's begin or end stamped `ticks`, with its tag: an end closes the open scope of its callsite
+    /// and tag, so guards of one call site dropped out of order end their own slices.
+    #[inline(always)]
+    pub(crate) const fn scope(kind: Kind, ticks: u64, callsite: u64, tag: u16) -> Record {
+        Record::head(kind, tag as u64, ticks, callsite)
     }
 
     /// A one-record kind (enter, exit, scope begin/end, instant, gap) stamped `ticks`.
@@ -502,10 +510,12 @@ pub(crate) enum Item<'a> {
     ScopeBegin {
         ticks: u64,
         callsite: u64,
+        tag: u64,
     },
     ScopeEnd {
         ticks: u64,
         callsite: u64,
+        tag: u64,
     },
     Instant {
         ticks: u64,
@@ -619,8 +629,16 @@ impl<'a> Decoder<'a> {
                     values_final: aux & VALUES_FINAL != 0,
                     may_be_task: aux & MAY_BE_TASK != 0,
                 },
-                Kind::ScopeBegin if aux == 0 => Item::ScopeBegin { ticks, callsite: word1 },
-                Kind::ScopeEnd if aux == 0 => Item::ScopeEnd { ticks, callsite: word1 },
+                Kind::ScopeBegin => Item::ScopeBegin {
+                    ticks,
+                    callsite: word1,
+                    tag: aux,
+                },
+                Kind::ScopeEnd => Item::ScopeEnd {
+                    ticks,
+                    callsite: word1,
+                    tag: aux,
+                },
                 Kind::Instant if aux == 0 => Item::Instant { ticks, callsite: word1 },
                 Kind::Gap if aux == 0 => Item::Gap { ticks, dropped: word1 },
                 _ => return self.skip(FrameError::Malformed),

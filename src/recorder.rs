@@ -239,6 +239,8 @@ struct LocalRing {
     ring_number: u64,
     /// Spans created on this ring so far: the low bits of the next serial.
     spans_created: u64,
+    /// The tag of the latest native scope begun on this thread (1 to [`codec::AUX_MAX`], cycling).
+    scope_tag: u16,
     /// Ends (span exits, scope ends) owed by begins in the ring whose ends have not come yet.
     owed_ends: usize,
     /// Room the fast path wants free beyond a push and its owed ends: half the ring, so a push that would
@@ -795,6 +797,7 @@ fn register(shared: &Arc<Shared>, rings: &mut Vec<OwnedRing>) -> Option<NonNull<
             every_span_a_task: shared.every_span_a_task,
             ring_number: u64::from(ring_number),
             spans_created: 0,
+            scope_tag: 0,
             owed_ends: 0,
             slack: half,
             // Begins refused while nested (drop mode, a full ring): room for a deep stack up front, so that
@@ -1060,28 +1063,31 @@ fn register_native(ring: &LocalRing, callsite: &'static NativeCallsite) {
 #[inline(always)]
 /// Records a native scope's begin; returns whether it went in, and the timeline whose ring took it (0: none),
 /// where its end must go ([`Began`]).
-pub(crate) fn scope_begin(target: &impl Target, callsite: &'static NativeCallsite) -> (bool, u64) {
+pub(crate) fn scope_begin(target: &impl Target, callsite: &'static NativeCallsite) -> (bool, u64, u16) {
     with_ring(target, |ring| {
         let key = registered(ring, callsite);
-        let record = Record::timed(Kind::ScopeBegin, ring.now(), key);
+        // Tags tell apart the open scopes of one callsite whose guards are dropped out of order (a guard
+        // replaced in a loop begins the next scope before the old one ends).
+        ring.scope_tag = ring.scope_tag % codec::AUX_MAX as u16 + 1;
+        let record = Record::scope(Kind::ScopeBegin, ring.now(), key, ring.scope_tag);
         let pushed = ring.push_begin(record);
         if !pushed {
             ring.producer.count_dropped_unit();
         }
-        (pushed, ring.timeline)
+        (pushed, ring.timeline, ring.scope_tag)
     })
-    .unwrap_or((false, 0))
+    .unwrap_or((false, 0, 0))
 }
 
 /// Records a native scope's end (`recorded`: whether its begin went in; if not, the end is dropped too).
 #[inline(always)]
-pub(crate) fn scope_end(target: &impl Target, callsite: &'static NativeCallsite, recorded: bool) {
+pub(crate) fn scope_end(target: &impl Target, callsite: &'static NativeCallsite, recorded: bool, tag: u16) {
     with_ring(target, |ring| {
         if !recorded {
             ring.drop_records(1);
             return;
         }
-        let record = Record::timed(Kind::ScopeEnd, ring.now(), callsite_key(callsite));
+        let record = Record::scope(Kind::ScopeEnd, ring.now(), callsite_key(callsite), tag);
         ring.push_end(record);
     });
 }
@@ -1325,10 +1331,12 @@ mod tests {
         // Nest until begins are refused: every begin that went in keeps the room of its end and of a gap.
         let mut recorded = Vec::new();
         for depth in 0..20u64 {
-            recorded.push(scope_begin(&a, site(depth)).0);
+            let (went_in, _, tag) = scope_begin(&a, site(depth));
+            recorded.push((went_in, tag));
         }
         for depth in (0..20u64).rev() {
-            scope_end(&a, site(depth), recorded[depth as usize]);
+            let (went_in, tag) = recorded[depth as usize];
+            scope_end(&a, site(depth), went_in, tag);
         }
         let mut consumer = new_ring(&a_rx);
         let taken = records(&mut consumer);
@@ -1336,7 +1344,7 @@ mod tests {
         let begins = items.iter().filter(|i| matches!(i, Item::ScopeBegin { .. })).count();
         let ends = items.iter().filter(|i| matches!(i, Item::ScopeEnd { .. })).count();
         assert_eq!(begins, ends, "{items:?}");
-        assert_eq!(begins, recorded.iter().filter(|r| **r).count());
+        assert_eq!(begins, recorded.iter().filter(|r| r.0).count());
         assert!(begins > 0 && begins < 20);
         // Every record is accounted: what is in the ring and what was counted as dropped.
         assert_eq!(begins + ends + consumer.dropped_records() as usize, 40);
@@ -1362,8 +1370,8 @@ mod tests {
         for capacity in [8usize, 16, 32] {
             for fill in 0..capacity {
                 let (a, a_rx) = timeline(capacity);
-                let outer = scope_begin(&a, site(1)).0;
-                let inner = scope_begin(&a, site(2)).0;
+                let (outer, _, outer_tag) = scope_begin(&a, site(1));
+                let (inner, _, inner_tag) = scope_begin(&a, site(2));
                 for k in 0..fill as u64 {
                     instant(&a, site(10 + k % 8));
                 }
@@ -1371,11 +1379,11 @@ mod tests {
                 for k in 0..capacity as u64 {
                     instant(&a, site(20 + k % 8));
                 }
-                scope_end(&a, site(2), inner);
+                scope_end(&a, site(2), inner, inner_tag);
                 for k in 0..capacity as u64 {
                     instant(&a, site(30 + k % 8));
                 }
-                scope_end(&a, site(1), outer);
+                scope_end(&a, site(1), outer, outer_tag);
                 let mut consumer = new_ring(&a_rx);
                 let taken = records(&mut consumer);
                 let items: Vec<Item<'_>> = Decoder::new(&taken).map(|i| i.unwrap()).collect();

@@ -41,6 +41,8 @@ pub struct ScopeGuard {
     /// Whether the begin went into the ring (in drop mode a full ring refuses it, and then the end is
     /// dropped too: the slice is lost whole, and counted).
     recorded: bool,
+    /// The tag its begin carried, which its end carries too.
+    tag: u16,
     /// The timeline whose ring took the begin (0: none), so the end goes there even if another timeline
     /// started since.
     timeline: u64,
@@ -66,7 +68,7 @@ impl ScopeGuard {
     #[doc(hidden)]
     #[inline(always)]
     pub fn enter(callsite: &'static NativeCallsite) -> Self {
-        let (recorded, timeline) = recorder::scope_begin(&Current, callsite);
+        let (recorded, timeline, tag) = recorder::scope_begin(&Current, callsite);
         let live = live::current();
         if let Some(sink) = live {
             sink.scope_begin(callsite);
@@ -74,6 +76,7 @@ impl ScopeGuard {
         ScopeGuard {
             callsite,
             recorded,
+            tag,
             timeline,
             live,
             _not_send: PhantomData,
@@ -87,7 +90,7 @@ impl Drop for ScopeGuard {
         if let Some(sink) = self.live {
             sink.scope_end(self.callsite);
         }
-        recorder::scope_end(&recorder::Began(self.timeline), self.callsite, self.recorded);
+        recorder::scope_end(&recorder::Began(self.timeline), self.callsite, self.recorded, self.tag);
     }
 }
 

@@ -1,7 +1,7 @@
 //! Raw capture: the collector's input log written to a `.tickline` file as it is drained, and read back to
 //! be converted later with the whole calibration history.
 //!
-//! # Format (version 4)
+//! # Format (version 5)
 //!
 //! A file is the 16-byte magic `TICKLINE` + `\0\0\0\0` + version (`u32` little-endian, 4), then *frames*
 //! until the end of the file:
@@ -22,7 +22,8 @@
 //! which a version-2 reader would count as a framing error: a reader of version 2 refuses version 3 by its
 //! number instead. Versions 1 and 2 still read (their closes never carry it). Version 4 is version 3 whose
 //! span closes may carry the `MAY_BE_TASK` bit, refused by a version-3 reader the same way; versions 1 to 3
-//! still read.
+//! still read. Version 5 is version 4 whose native scope begins and ends carry a tag (`aux`), refused by a
+//! version-4 reader the same way; versions 1 to 4 (untagged scopes, matched by callsite alone) still read.
 //!
 //! Integers are little-endian, strings are `u16` length + UTF-8 bytes, samples are
 //! `(source ticks u64, reference ns u64, max deviation ns u64)`. Frame types and payloads:
@@ -69,7 +70,7 @@ use crate::sync::TraceUuid;
 
 const MAGIC: &[u8; 12] = b"TICKLINE\0\0\0\0";
 /// The format version this build writes (it also reads versions 1, whose check has one lane, and 2).
-pub(crate) const VERSION: u32 = 4;
+pub(crate) const VERSION: u32 = 5;
 /// Write the buffer to the file once it holds this much.
 const WRITE_OUT_BYTES: usize = 1 << 20;
 /// Write the buffer out at least this often, so a killed process loses at most about this much.
@@ -1196,9 +1197,9 @@ mod tests {
         assert_eq!(stopped, None);
         assert_eq!(from_v1, read(&v2).0);
         assert_eq!(from_v1.len(), frames);
-        // The written file (this build's version) relabelled versions 2 and 3: the same frames.
-        assert_eq!(VERSION, 4);
-        for older in [2u32, 3] {
+        // The written file (this build's version) relabelled versions 2 to 4: the same frames.
+        assert_eq!(VERSION, 5);
+        for older in [2u32, 3, 4] {
             let mut labelled = v2.clone();
             labelled[12..16].copy_from_slice(&older.to_le_bytes());
             assert_eq!(read(&labelled), (from_v1.clone(), None));

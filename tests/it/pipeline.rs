@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use crate::exclusive;
 
@@ -670,6 +671,100 @@ fn an_exit_out_of_stack_order_splits_the_inner_slice_and_marks_the_cut() {
             assert_eq!(rest.field("k"), Some(&FieldValue::I64(1)));
         }
     }
+}
+
+/// Guards of one call site dropped out of order, as a guard replaced in a loop is (`current =
+/// Some(scope!(..))` begins the next scope before the old guard drops) or a queue of guards dropped oldest
+/// first: each end closes its own scope's slice (split where an earlier one ends, as any end out of stack
+/// order). Matched by call site alone, the first step's slice took the last end (one 15 ms slice and five of
+/// under 2 µs).
+#[test]
+fn scope_guards_of_one_call_site_dropped_out_of_order_each_end_their_own_slice() {
+    let _x = exclusive();
+    let memory = MemoryExporter::default();
+    let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
+    let mut brackets = Vec::new();
+    let mut current = None;
+    for step in 0..6u64 {
+        let before = std::time::Instant::now();
+        current = Some(tickline::scope!("step"));
+        brackets.push((before, std::time::Instant::now()));
+        if step < 5 {
+            std::thread::sleep(Duration::from_millis(step + 1));
+        }
+    }
+    let before = std::time::Instant::now();
+    drop(current);
+    brackets.push((before, std::time::Instant::now()));
+    // A queue of guards dropped oldest first, a pause between the drops: each scope's slice goes from its own
+    // begin to its own end (inner ones cut where the outer end, and going on).
+    let now = || tickline::clock::monotonic_ns().0;
+    let mut queue = std::collections::VecDeque::new();
+    let mut pushed = Vec::new();
+    for _ in 0..3 {
+        let before = now();
+        queue.push_back(tickline::scope!("queued"));
+        pushed.push((before, now()));
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let mut popped = Vec::new();
+    for _ in 0..3 {
+        let before = now();
+        queue.pop_front();
+        popped.push((before, now()));
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    timeline.shutdown().unwrap();
+    let slices = memory.snapshot().slices();
+    // A step's slice goes from its begin to its end, cut (marked) where the step before it ends, just after
+    // it began: its longer part is the step's duration, which the brackets bound.
+    let check = |name: &str, truth: Vec<(Duration, Duration)>| {
+        let mut parts: Vec<u64> = slices
+            .iter()
+            .filter(|s| s.name == name && s.field("tickline.split").is_none())
+            .map(|s| s.end_ns - s.begin_ns)
+            .collect();
+        parts.sort_unstable();
+        let mut truth: Vec<(u64, u64)> = truth
+            .into_iter()
+            .map(|(lo, hi)| (lo.as_nanos() as u64, hi.as_nanos() as u64))
+            .collect();
+        truth.sort_unstable();
+        assert_eq!(parts.len(), truth.len(), "{name}: {parts:?} against {truth:?}");
+        for (part, (lo, hi)) in parts.iter().zip(&truth) {
+            // 20 µs for the conversion's error at both ends (stated in tens of ns once calibrated).
+            assert!(
+                *part + 20_000 >= *lo && *part <= hi + 20_000,
+                "{name}: {parts:?} against {truth:?}"
+            );
+        }
+    };
+    let steps = (0..6)
+        .map(|k| (brackets[k + 1].0 - brackets[k].1, brackets[k + 1].1 - brackets[k].0))
+        .collect();
+    check("step", steps);
+    // 20 µs for the conversion's error (stated in tens of ns once calibrated).
+    let within = |ns: u64, (lo, hi): (u64, u64)| ns + 20_000 >= lo && ns <= hi + 20_000;
+    let queued: Vec<_> = slices.iter().filter(|s| s.name == "queued").collect();
+    let split = |s: &tickline::export::RecordedSlice| s.field("tickline.split").is_some();
+    // The first scope: one whole slice, from the first push to the first pop (matched by call site alone it
+    // ended at the last pop).
+    let first: Vec<_> = queued.iter().filter(|s| within(s.begin_ns, pushed[0])).collect();
+    assert_eq!(first.len(), 1, "{queued:#?}");
+    assert!(within(first[0].end_ns, popped[0]) && !split(first[0]), "{queued:#?}");
+    // The later scopes begin inside the first, so their first parts are cut where it ends, marked.
+    for push in &pushed[1..] {
+        let begun: Vec<_> = queued.iter().filter(|s| within(s.begin_ns, *push)).collect();
+        assert_eq!(begun.len(), 1, "{queued:#?}");
+        assert!(split(begun[0]) && within(begun[0].end_ns, popped[0]), "{queued:#?}");
+    }
+    // The last scope's last part: from the second pop to the third, at the top.
+    let last: Vec<_> = queued.iter().filter(|s| within(s.end_ns, popped[2])).collect();
+    assert_eq!(last.len(), 1, "{queued:#?}");
+    assert!(
+        within(last[0].begin_ns, popped[1]) && last[0].depth == 0 && !split(last[0]),
+        "{queued:#?}"
+    );
 }
 
 #[test]

@@ -245,7 +245,9 @@ impl Callsites {
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum OpenKind {
     Span(u64),
-    Scope(u64),
+    /// A native scope: its callsite and tag (its begin's number on the ring, so that guards of one callsite
+    /// dropped out of order each end their own slice).
+    Scope(u64, u64),
 }
 
 /// A slice open on a thread track.

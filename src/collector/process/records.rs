@@ -184,14 +184,14 @@ impl Processor {
                     self.emit(track, ts, EventKind::Instant, name, values, None);
                 }
             }
-            Item::ScopeBegin { ticks, callsite } => {
+            Item::ScopeBegin { ticks, callsite, tag } => {
                 let ts = self.ticks_to_ns(track, ticks, now_ticks);
                 let name = self.callsite_name(callsite);
-                self.begin_unheld(track, OpenKind::Scope(callsite), name, ts);
+                self.begin_unheld(track, OpenKind::Scope(callsite, tag), name, ts);
             }
-            Item::ScopeEnd { ticks, callsite } => {
+            Item::ScopeEnd { ticks, callsite, tag } => {
                 let ts = self.ticks_to_ns(track, ticks, now_ticks);
-                self.close_slice(track, OpenKind::Scope(callsite), ts);
+                self.close_slice(track, OpenKind::Scope(callsite, tag), ts);
             }
             Item::Instant { ticks, callsite } => {
                 let ts = self.ticks_to_ns(track, ticks, now_ticks);
@@ -545,7 +545,7 @@ fn creation_parent(track: &Track, parent: Parent) -> Option<u64> {
         Parent::Root => None,
         Parent::Contextual => track.open.iter().rev().find_map(|o| match o.kind {
             OpenKind::Span(serial) => Some(serial),
-            OpenKind::Scope(_) => None,
+            OpenKind::Scope(..) => None,
         }),
     }
 }

@@ -174,7 +174,7 @@ impl Processor {
     fn reopen(&mut self, track: &mut Track, kind: OpenKind, name: NameId, ts_ns: u64, begin_ns: u64) {
         let fieldless_span = match kind {
             OpenKind::Span(serial) => self.spans.get(serial).is_none_or(|s| s.fieldless),
-            OpenKind::Scope(_) => false,
+            OpenKind::Scope(..) => false,
         };
         if fieldless_span {
             if let OpenKind::Span(serial) = kind {
@@ -193,7 +193,7 @@ impl Processor {
                 }
                 begin_held_span(track, serial, name, ts_ns, begin_ns);
             }
-            OpenKind::Scope(_) => self.begin_unheld(track, kind, name, ts_ns),
+            OpenKind::Scope(..) => self.begin_unheld(track, kind, name, ts_ns),
         }
     }
 
