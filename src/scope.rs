@@ -187,7 +187,8 @@ macro_rules! frame_mark {
 }
 
 /// Sets the named counter track (the name: a constant `&'static str`) to a value (anything that converts to
-/// `f64` with `as`).
+/// `f64` with `as`). One track per name: `counter!`s of one name at several call sites, on any threads, set the
+/// same track.
 ///
 /// ```
 /// let timeline = tickline::Timeline::builder().start().unwrap();

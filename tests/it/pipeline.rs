@@ -392,17 +392,22 @@ fn native_scopes_instants_and_counters() {
         tickline::instant!("tick");
         tickline::counter!("depth", i);
     }
+    // The same name at other call sites, on another thread too: the same track (it was one per call site).
+    tickline::counter!("depth", 10);
+    std::thread::spawn(|| tickline::counter!("depth", 11)).join().unwrap();
     let after = tickline::clock::monotonic_ns().0;
     timeline.flush().unwrap();
     let trace = memory.snapshot();
     assert_eq!(trace.slice_count("outer"), 10);
     assert_eq!(trace.slice_count("inner"), 10);
     assert_eq!(trace.events.iter().filter(|e| e.name == "tick").count(), 10);
-    let counter_track = trace
+    let depth_tracks: Vec<_> = trace
         .tracks
         .iter()
-        .find(|t| matches!(&t.kind, TrackKind::Counter { name, .. } if name == "depth"))
-        .expect("a counter track per counter");
+        .filter(|t| matches!(&t.kind, TrackKind::Counter { name, .. } if name == "depth"))
+        .collect();
+    assert_eq!(depth_tracks.len(), 1, "one track per counter name: {depth_tracks:?}");
+    let counter_track = depth_tracks[0];
     let values: Vec<f64> = trace
         .events_on(counter_track.id)
         .map(|e| match e.kind {
@@ -410,7 +415,7 @@ fn native_scopes_instants_and_counters() {
             other => panic!("{other:?}"),
         })
         .collect();
-    assert_eq!(values, (0..10).map(f64::from).collect::<Vec<_>>());
+    assert_eq!(values, (0..12).map(f64::from).collect::<Vec<_>>());
     // Converted timestamps land inside the window the scopes ran in.
     for e in trace.events.iter().filter(|e| e.name == "outer" || e.name == "inner") {
         assert!(

@@ -73,7 +73,7 @@
 //! - `tasks.rs`: async task tracks, and whether a span's first poll gets its flow.
 //! - `tests.rs`: the unit tests.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -426,6 +426,8 @@ pub(crate) struct Recycler {
 pub(crate) struct Processor {
     out: Output,
     callsites: Callsites,
+    /// Native counters' tracks by name: `counter!` with one name at several call sites sets one track.
+    counter_tracks: HashMap<NameId, TrackId>,
     /// The last span callsite looked up, its name and whether it declares no fields (a loop creates one
     /// span after another from the same callsite; callsites are never replaced once known).
     last_span_callsite: Option<(u64, NameId, bool)>,
@@ -549,6 +551,7 @@ impl Processor {
         Processor {
             out,
             callsites: Callsites::default(),
+            counter_tracks: HashMap::new(),
             last_span_callsite: None,
             exit_before_close: false,
             leaf_spans: true,

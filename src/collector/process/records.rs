@@ -509,8 +509,15 @@ impl Processor {
             }
         }
         let name = self.callsite_name(key);
-        let label = self.out.name_of(name).to_owned();
-        let track = self.out.new_counter_track(&label, "");
+        let track = match self.counter_tracks.get(&name) {
+            Some(&track) => track,
+            None => {
+                let label = self.out.name_of(name).to_owned();
+                let track = self.out.new_counter_track(&label, "");
+                self.counter_tracks.insert(name, track);
+                track
+            }
+        };
         if let Some(c) = self.callsites.get_mut(key) {
             c.counter_track = Some(track);
         }
