@@ -661,7 +661,10 @@ impl GpuFieldEncoder<'_, '_> {
 }
 
 /// Opens a GPU scope on a queue: writes a begin timestamp into `commands` now and the end timestamp when the
-/// returned [`GpuScope`] guard drops. Scopes nest. Optional fields follow the name, as in `tracing` spans.
+/// returned [`GpuScope`] guard drops. Scopes nest. Optional fields follow the name as `name = value` (at most
+/// [`MAX_GPU_FIELDS`], as many as `tracing` allows a span; the values any [`GpuFieldValue`]: integers, floats,
+/// `bool`, strings), without `tracing`'s `?`/`%` sigils, shorthand or dotted names. A name given twice keeps the
+/// last value.
 ///
 /// The slice appears on the queue's track once the GPU has run the commands, placed on the CPU's time axis by
 /// the device clock's live calibration, with its uncertainty as the `uncertainty_ns` annotation and a flow from
@@ -701,6 +704,41 @@ macro_rules! gpu_scope {
     }};
 }
 
+/// Most fields one [`gpu_scope!`](macro@crate::gpu_scope) (or `wgpu_scope!`) takes: more do not compile
+/// (the field index is a byte, and beyond it a field would have overwritten another).
+///
+/// ```
+/// # use tickline::gpu::sim::{SimCommands, SimGpu, SimGpuConfig};
+/// # let timeline = tickline::Timeline::builder().start().unwrap();
+/// # let gpu = timeline.gpu(SimGpu::new(SimGpuConfig::default()).unwrap()).unwrap();
+/// # let queue = gpu.queue("q").unwrap();
+/// # let commands = SimCommands::new();
+/// let _s = tickline::gpu_scope!(
+///     queue, &commands, "32 fields",
+///     f0 = 0, f1 = 1, f2 = 2, f3 = 3, f4 = 4, f5 = 5, f6 = 6, f7 = 7,
+///     f8 = 8, f9 = 9, f10 = 10, f11 = 11, f12 = 12, f13 = 13, f14 = 14, f15 = 15,
+///     f16 = 16, f17 = 17, f18 = 18, f19 = 19, f20 = 20, f21 = 21, f22 = 22, f23 = 23,
+///     f24 = 24, f25 = 25, f26 = 26, f27 = 27, f28 = 28, f29 = 29, f30 = 30, f31 = 31,
+/// );
+/// ```
+///
+/// ```compile_fail
+/// # use tickline::gpu::sim::{SimCommands, SimGpu, SimGpuConfig};
+/// # let timeline = tickline::Timeline::builder().start().unwrap();
+/// # let gpu = timeline.gpu(SimGpu::new(SimGpuConfig::default()).unwrap()).unwrap();
+/// # let queue = gpu.queue("q").unwrap();
+/// # let commands = SimCommands::new();
+/// let _s = tickline::gpu_scope!(
+///     queue, &commands, "33 fields",
+///     f0 = 0, f1 = 1, f2 = 2, f3 = 3, f4 = 4, f5 = 5, f6 = 6, f7 = 7,
+///     f8 = 8, f9 = 9, f10 = 10, f11 = 11, f12 = 12, f13 = 13, f14 = 14, f15 = 15,
+///     f16 = 16, f17 = 17, f18 = 18, f19 = 19, f20 = 20, f21 = 21, f22 = 22, f23 = 23,
+///     f24 = 24, f25 = 25, f26 = 26, f27 = 27, f28 = 28, f29 = 29, f30 = 30, f31 = 31,
+///     f32 = 32,
+/// );
+/// ```
+pub const MAX_GPU_FIELDS: usize = 32;
+
 /// The field encoder `gpu_scope!` and `wgpu_scope!` hand their scope: field `k` is the `k`-th value, in the
 /// order of the call site's field names.
 #[doc(hidden)]
@@ -708,6 +746,10 @@ macro_rules! gpu_scope {
 macro_rules! __gpu_field_encoder {
     ($($value:expr),+) => {
         Some(&|encoder: &mut $crate::gpu::GpuFieldEncoder<'_, '_>| {
+            const _: () = assert!(
+                [$(stringify!($value)),+].len() <= $crate::gpu::MAX_GPU_FIELDS,
+                "a GPU scope takes at most tickline::gpu::MAX_GPU_FIELDS (32) fields"
+            );
             let mut index = 0u8;
             $(
                 encoder.field(index, &$value);
