@@ -24,7 +24,8 @@
 //! The output is the inputs' packets with their timestamps mapped and each input on a packet sequence of its
 //! own (no `TracePacket.machine_id`: Perfetto's importer keeps flows per machine, so cross-machine flows would
 //! not connect; a machine whose pids or tids collide with an earlier one's has all of them moved up by a
-//! multiple of 2^22, Linux's largest `pid_max`), a `TraceUuid` of its own, the reference machine's clock snapshots (the other machines' would
+//! multiple of 2^22, Linux's largest `pid_max`, and so has a trace whose ids collide with another trace's of
+//! its own machine: a pid used again, a container's pid 1), a `TraceUuid` of its own, the reference machine's clock snapshots (the other machines' would
 //! contradict the axis), and per process a counter track `tickline alignment uncertainty` (ns, conservative
 //! over each 100 ms step) whose description says how its machine was aligned. Spans and events carrying a
 //! `tickline.flow_out` field are linked by Perfetto flows to those carrying `tickline.flow_in` with the same
@@ -91,6 +92,14 @@ pub enum MergeError {
     Read(ReadError),
     /// A trace carries no tickline identity.
     NotTickline(PathBuf),
+    /// An input is itself a merged trace: its processes' clocks were mapped onto another trace's axis
+    /// already, and its identity, snapshots and exchange rounds are several traces' mixed.
+    AlreadyMerged {
+        /// The merged input.
+        path: PathBuf,
+        /// How many traces it holds.
+        traces: usize,
+    },
     /// The same trace (UUID) was given twice.
     DuplicateTrace(PathBuf, PathBuf),
     /// Two traces of one recording: a trace written live and one converted from its capture, or one capture
@@ -156,6 +165,13 @@ impl std::fmt::Display for MergeError {
                 "{}: no `tickline trace` identity: not written by tickline's Perfetto exporter (or cut before its \
                  first packets)",
                 p.display()
+            ),
+            MergeError::AlreadyMerged { path, traces } => write!(
+                f,
+                "{} is a merged trace ({traces} traces in it): its timestamps are already on another machine's \
+                 axis and its clock data is theirs mixed, so it cannot be placed again; merge the original traces \
+                 instead",
+                path.display()
             ),
             MergeError::DuplicateTrace(a, b) => write!(
                 f,
@@ -252,6 +268,9 @@ pub struct MergeReport {
     pub cut_inputs: Vec<PathBuf>,
     /// Machines whose pids and tids collided with an earlier machine's, and what was added to all of theirs.
     pub renumbered: Vec<(MachineId, u64)>,
+    /// Traces whose pids and tids collided with another trace's of their own machine (a pid used again, a
+    /// container's own pid 1), and what was added to theirs.
+    pub renumbered_traces: Vec<(PathBuf, u64)>,
 }
 
 impl std::fmt::Display for MergeReport {
@@ -305,6 +324,14 @@ impl std::fmt::Display for MergeReport {
             writeln!(
                 f,
                 "note: machine {m}'s pids and tids collide with another machine's: shown as pid + {offset}"
+            )?;
+        }
+        for (path, offset) in &self.renumbered_traces {
+            writeln!(
+                f,
+                "note: {}'s pids and tids collide with another trace's of the same machine (a pid used again, \
+                 or a container's): shown as pid + {offset}",
+                path.display()
             )?;
         }
         for p in &self.cut_inputs {
@@ -505,6 +532,12 @@ pub fn merge(options: &MergeOptions) -> Result<MergeReport, MergeError> {
         if t.identity.is_none() {
             return Err(MergeError::NotTickline(path.clone()));
         }
+        if t.identities > 1 {
+            return Err(MergeError::AlreadyMerged {
+                path: path.clone(),
+                traces: t.identities,
+            });
+        }
         traces.push(t);
     }
     check_unique(&traces)?;
@@ -563,7 +596,7 @@ pub fn merge(options: &MergeOptions) -> Result<MergeReport, MergeError> {
         check_same_machine(m, &traces)?;
     }
 
-    let pid_offsets = pid_offsets(&machines, &traces);
+    let (machine_pid_offsets, pid_offsets) = pid_offsets(&machines, &traces);
     let links = exchange_links(&traces, &machines);
     let paths = shortest_paths(&machines, &links)?;
 
@@ -630,9 +663,16 @@ pub fn merge(options: &MergeOptions) -> Result<MergeReport, MergeError> {
     let packets = write_output(options, &context)?;
     let renumbered = machines
         .iter()
-        .zip(&pid_offsets)
+        .zip(&machine_pid_offsets)
         .filter(|(_, &o)| o != 0)
         .map(|(m, &o)| (m.id, o))
+        .collect();
+    let renumbered_traces = machines
+        .iter()
+        .zip(&machine_pid_offsets)
+        .flat_map(|(m, &machine_offset)| m.traces.iter().map(move |&i| (i, machine_offset)))
+        .filter(|&(i, machine_offset)| pid_offsets[i] != machine_offset)
+        .map(|(i, _)| (traces[i].path.clone(), pid_offsets[i]))
         .collect();
     Ok(MergeReport {
         output: options.output.clone(),
@@ -647,6 +687,7 @@ pub fn merge(options: &MergeOptions) -> Result<MergeReport, MergeError> {
             .map(|t| t.path.clone())
             .collect(),
         renumbered,
+        renumbered_traces,
     })
 }
 
@@ -654,27 +695,47 @@ pub fn merge(options: &MergeOptions) -> Result<MergeReport, MergeError> {
 /// gets all of them moved up by a multiple of that, or Perfetto would take two hosts' pid 1 for one process.
 const PID_SPAN: u64 = 1 << 22;
 
-fn pid_offsets(machines: &[Machine], traces: &[TraceFile]) -> Vec<u64> {
-    let mut used: std::collections::BTreeSet<u64> = std::collections::BTreeSet::new();
+/// What each machine's and each trace's pids and tids are moved up by: a machine whose ids collide with an
+/// earlier machine's moves as a whole; a trace whose ids collide with an earlier trace's of its own machine (a
+/// pid used again after its process ended, or processes in containers, each with its own pid 1) moves again,
+/// on its own. `(per machine, per trace)`.
+fn pid_offsets(machines: &[Machine], traces: &[TraceFile]) -> (Vec<u64>, Vec<u64>) {
+    use std::collections::BTreeSet;
+    let mut used: BTreeSet<u64> = BTreeSet::new();
     let mut next = 1;
-    machines
+    let mut fresh = |used: &BTreeSet<u64>, ids: &BTreeSet<u64>| loop {
+        let offset = next * PID_SPAN;
+        next += 1;
+        if ids.iter().all(|id| !used.contains(&(id + offset))) {
+            return offset;
+        }
+    };
+    let mut by_trace = vec![0; traces.len()];
+    let by_machine = machines
         .iter()
         .map(|m| {
-            let ids: std::collections::BTreeSet<u64> = m
+            let ids: BTreeSet<u64> = m
                 .traces
                 .iter()
                 .flat_map(|&i| traces[i].os_ids.iter().copied())
                 .collect();
-            let offset = if ids.is_disjoint(&used) {
-                0
-            } else {
-                next += 1;
-                (next - 1) * PID_SPAN
-            };
-            used.extend(ids.iter().map(|id| id + offset));
+            let offset = if ids.is_disjoint(&used) { 0 } else { fresh(&used, &ids) };
+            let mut own: BTreeSet<u64> = BTreeSet::new();
+            for &i in &m.traces {
+                let ids = &traces[i].os_ids;
+                let trace_offset = if ids.iter().all(|id| !own.contains(&(id + offset))) {
+                    offset
+                } else {
+                    fresh(&used, ids)
+                };
+                own.extend(ids.iter().map(|id| id + trace_offset));
+                used.extend(ids.iter().map(|id| id + trace_offset));
+                by_trace[i] = trace_offset;
+            }
             offset
         })
-        .collect()
+        .collect();
+    (by_machine, by_trace)
 }
 
 /// A track descriptor with its process's pid and its thread's pid and tid moved up by `offset`.
@@ -856,12 +917,19 @@ fn shortest_paths(machines: &[Machine], links: &[ExchangeLink]) -> Result<Vec<(P
             continue;
         }
         if dist[i] == u64::MAX {
-            return Err(MergeError::Unaligned {
-                machine: m.id,
-                reason: "it has no clock exchange with the other machines and fewer than two REALTIME snapshots \
-                         (a trace cut very early?)"
-                    .into(),
-            });
+            let reason = if m.snapshots.len() >= 2 && machines[0].snapshots.len() < 2 {
+                // This machine could be placed by REALTIME; the reference cannot.
+                format!(
+                    "it has no clock exchange with the reference machine {}, whose traces hold fewer than two \
+                     REALTIME snapshots (cut before the 2 s snapshot?): choose another --reference",
+                    machines[0].id
+                )
+            } else {
+                "it has no clock exchange with the other machines and fewer than two REALTIME snapshots (a trace \
+                 cut before the 2 s snapshot?)"
+                    .to_owned()
+            };
+            return Err(MergeError::Unaligned { machine: m.id, reason });
         }
         let (mut steps, mut words) = (Vec::new(), Vec::new());
         let mut at = i;
@@ -1011,6 +1079,7 @@ struct Context<'a> {
     paths: &'a [(Path_, String)],
     flows: &'a Flows,
     reports: &'a [MachineReport],
+    /// What each trace's pids and tids are moved up by.
     pid_offsets: &'a [u64],
 }
 
@@ -1124,8 +1193,8 @@ fn write_output(options: &MergeOptions, c: &Context<'_>) -> Result<usize, MergeE
                         put_varint(&mut rebuilt, packet::TIMESTAMP, mapped);
                     }
                     packet::SEQUENCE_ID => input_sequence = v.as_u64().unwrap_or(0),
-                    packet::TRACK_DESCRIPTOR if pid_offsets[mi] != 0 => {
-                        let descriptor = renumber_track(v.as_bytes().unwrap_or_default(), pid_offsets[mi]);
+                    packet::TRACK_DESCRIPTOR if pid_offsets[ti] != 0 => {
+                        let descriptor = renumber_track(v.as_bytes().unwrap_or_default(), pid_offsets[ti]);
                         put_bytes(&mut rebuilt, packet::TRACK_DESCRIPTOR, &descriptor);
                     }
                     // Written with the sequence id below.

@@ -96,8 +96,11 @@ pub struct TraceFile {
     pub packets: Vec<(usize, usize)>,
     /// Where a cut-short last packet starts, if the file ends inside one.
     pub cut_at: Option<usize>,
-    /// The `tickline trace` instant's identity, if any.
+    /// The `tickline trace` instant's identity, if any (the last one).
     pub identity: Option<TraceIdentity>,
+    /// How many different traces' `tickline trace` identities the file holds: 1 for a trace tickline wrote,
+    /// more for a merged one.
+    pub identities: usize,
     /// The `TraceUuid` packet's value.
     pub trace_uuid: Option<u128>,
     /// Clock snapshots, in file order.
@@ -204,6 +207,7 @@ impl TraceFile {
             cut_at: framing.cut_at,
             data: Vec::new(),
             identity: None,
+            identities: 0,
             trace_uuid: None,
             snapshots: Vec::new(),
             clock_snapshot_packets: Vec::new(),
@@ -335,6 +339,12 @@ impl TraceFile {
             };
             match name.as_deref() {
                 Some(TRACE_INFO_EVENT) => {
+                    if t.identity
+                        .as_ref()
+                        .is_none_or(|known| known.trace_uuid != get_s("trace_uuid"))
+                    {
+                        t.identities += 1;
+                    }
                     t.identity = Some(TraceIdentity {
                         trace_uuid: get_s("trace_uuid"),
                         recording_id: get_s("recording_id"),

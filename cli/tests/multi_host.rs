@@ -366,6 +366,78 @@ fn traces_that_would_merge_wrongly_are_clear_errors() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
     assert!(text.contains("REALTIME"), "{text}");
+    // A merged trace merged again: its clocks are already another machine's axis (placed again, it came out
+    // 2.5 s off with a stated uncertainty of 64 µs).
+    let again = dir.join("again.pftrace");
+    small_trace(&again, "one", "offset_ns=0");
+    let output_again = dir.join("out-again.pftrace");
+    let out = tickline_cmd(&[
+        "merge",
+        again.to_str().unwrap(),
+        output.to_str().unwrap(),
+        "-o",
+        output_again.to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("out.pftrace is a merged trace (2 traces in it)"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Two traces of one machine whose processes had the same pid (a pid used again after its process ended, or
+/// processes in containers, each its own pid 1): the later one's pids and tids move up, or Perfetto would
+/// show one process where there were two.
+#[test]
+fn traces_of_one_machine_with_the_same_pid_stay_two_processes() {
+    let dir = scratch("same-pid");
+    let (a, b) = (dir.join("a.pftrace"), dir.join("b.pftrace"));
+    // Both recorded by this test's process: the same pid (and thread).
+    for path in [&a, &b] {
+        let exporter = tickline_perfetto::PerfettoExporter::create(path)
+            .unwrap()
+            .machine_id(tickline::sync::MachineId::from_name("one"));
+        let timeline = tickline::Timeline::builder().exporter(exporter).start().unwrap();
+        drop(tickline::scope!("work"));
+        timeline.shutdown().unwrap();
+    }
+    let output = dir.join("out.pftrace");
+    let out = tickline_cmd(&[
+        "merge",
+        a.to_str().unwrap(),
+        b.to_str().unwrap(),
+        "-o",
+        output.to_str().unwrap(),
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        text.contains("b.pftrace's pids and tids collide with another trace's of the same machine"),
+        "{text}"
+    );
+    if checker().is_some() {
+        let pids = Command::new("python3")
+            .args([
+                "-c",
+                "import sys\n\
+                 from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb\n\
+                 t = pb.Trace()\n\
+                 t.ParseFromString(open(sys.argv[1], 'rb').read())\n\
+                 print(sorted({p.track_descriptor.process.pid for p in t.packet \
+                 if p.HasField('track_descriptor') and p.track_descriptor.HasField('process')}))",
+                output.to_str().unwrap(),
+            ])
+            .output()
+            .unwrap();
+        let pids = String::from_utf8_lossy(&pids.stdout);
+        let own = std::process::id();
+        assert_eq!(
+            pids.trim(),
+            format!("[{own}, {}]", u64::from(own) + (1 << 22)),
+            "{pids}"
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 
