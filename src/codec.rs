@@ -510,12 +510,12 @@ pub(crate) enum Item<'a> {
     ScopeBegin {
         ticks: u64,
         callsite: u64,
-        tag: u64,
+        tag: u16,
     },
     ScopeEnd {
         ticks: u64,
         callsite: u64,
-        tag: u64,
+        tag: u16,
     },
     Instant {
         ticks: u64,
@@ -632,12 +632,12 @@ impl<'a> Decoder<'a> {
                 Kind::ScopeBegin => Item::ScopeBegin {
                     ticks,
                     callsite: word1,
-                    tag: aux,
+                    tag: aux as u16, // 12 bits
                 },
                 Kind::ScopeEnd => Item::ScopeEnd {
                     ticks,
                     callsite: word1,
-                    tag: aux,
+                    tag: aux as u16,
                 },
                 Kind::Instant if aux == 0 => Item::Instant { ticks, callsite: word1 },
                 Kind::Gap if aux == 0 => Item::Gap { ticks, dropped: word1 },
