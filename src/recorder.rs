@@ -1061,8 +1061,8 @@ fn register_native(ring: &LocalRing, callsite: &'static NativeCallsite) {
 
 /// Records a native scope's begin; true when it is in the ring (its end must then be recorded).
 #[inline(always)]
-/// Records a native scope's begin; returns whether it went in, and the timeline whose ring took it (0: none),
-/// where its end must go ([`Began`]).
+/// Records a native scope's begin; returns whether it went in, the timeline whose ring took it (0: none),
+/// where its end must go ([`Began`]), and its tag, which its end carries too.
 pub(crate) fn scope_begin(target: &impl Target, callsite: &'static NativeCallsite) -> (bool, u64, u16) {
     with_ring(target, |ring| {
         let key = registered(ring, callsite);
