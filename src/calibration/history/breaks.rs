@@ -82,7 +82,8 @@ impl CalibrationHistory {
         });
         // What the prediction can miss by beyond the line's own error: its bend at the window's end, and the
         // rate the clock has wandered to since.
-        let bow = END_BOW * wander_sigma_ns(self.stated_wander(), span_s);
+        let wander = self.detection_wander();
+        let bow = END_BOW * wander_sigma_ns(wander, span_s);
         let (mut above, mut below) = (0usize, 0usize);
         let mut residuals = Vec::with_capacity(test.len());
         let mut prediction_sigma = 0.0f64;
@@ -90,8 +91,13 @@ impl CalibrationHistory {
             let ticks = s.source_ticks & mask;
             let residual = (s.reference_ns as i128 - fit.to_reference_ns(ticks) as i128) as f64;
             residuals.push(residual);
-            let rate_miss = RATE_MISS * self.stated_wander() * 1e-6 * span_s.sqrt() * fit.beyond_window_s(ticks) * 1e9;
-            let sigma = ((fit.uncertainty_ns(ticks) / 2.0).powi(2) + bow.powi(2) + rate_miss.powi(2)).sqrt();
+            let beyond_s = fit.beyond_window_s(ticks);
+            let rate_miss = RATE_MISS * wander * 1e-6 * span_s.sqrt() * beyond_s * 1e9;
+            // The line's own error and the wander beyond its window (not the conversion's statement, which
+            // allows for the wander's upper bound and states a rate miss of its own: `rate_miss` is this one's).
+            let line = (fit.line_sigma_ns(ticks).powi(2) + wander_sigma_ns(wander, beyond_s).powi(2)).sqrt()
+                + self.domain.half_resolution_ns() / 2.0;
+            let sigma = (line.powi(2) + bow.powi(2) + rate_miss.powi(2)).sqrt();
             prediction_sigma = prediction_sigma.max(sigma);
             // Plus one resolution: a clock read with no bracket at all (a simulation) still rounds to its ticks.
             let tolerance = s.max_deviation_ns as f64

@@ -33,8 +33,10 @@ impl CalibrationHistory {
             self.fit_offset_only(&samples, segment.rate_prior)?
         };
         let calibrated_at = samples.iter().map(|s| s.reference_ns).max().unwrap_or(0);
-        let wander = self.stated_wander();
-        let fitted = ClockCalibration::from_line(&line, self.domain, calibrated_at)?.with_wander(wander);
+        let fitted = ClockCalibration::from_line(&line, self.domain, calibrated_at)?.with_wander(self.stated_wander());
+        // The line's bow by the wander: what the estimate says (the statement beyond the window allows for its
+        // upper bound, through `with_wander`); the line's error also sets how large a miss is a break.
+        let wander = self.detection_wander();
         // A straight line through a wandering rate misses the truth at the centroid by a share of the phase
         // the walk accumulates over the window, and by more towards the window's newest end. What the burst
         // points show beats what the wander says: when they scatter about the line by more than their noise,

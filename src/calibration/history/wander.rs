@@ -123,6 +123,17 @@ impl CalibrationHistory {
         }
     }
 
+    /// The wander break detection allows for: as stated until measured, then the estimate itself. A more
+    /// careful statement must not make detection blunter: with the upper bound here, rate steps were found
+    /// later and the seconds before them fell to 92.5 % inside (2 of 70 runs of the ±30 ppm model).
+    pub(super) fn detection_wander(&self) -> f64 {
+        if self.innovations.len() < WANDER_MIN_INNOVATIONS {
+            self.stated_wander()
+        } else {
+            self.wander
+        }
+    }
+
     /// Adds one second difference and updates the wander in use (the larger of the prior and the estimate)
     /// and the wander stated (the estimate's upper bound).
     pub(super) fn add_innovation(&mut self, innovation: Innovation) {
