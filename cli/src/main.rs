@@ -54,7 +54,8 @@ enum Command {
         json: bool,
     },
     /// Merge traces of several processes and machines into one trace on one time axis, with each machine's
-    /// alignment uncertainty stated (in the report, and as a counter track per process).
+    /// alignment uncertainty stated (in the report, and as a counter track per process). Every input is read
+    /// whole into memory and the output is built there: at peak about 2.5 times the inputs' total size.
     Merge {
         /// The traces (tickline .pftrace files).
         #[arg(required = true, num_args = 1..)]
