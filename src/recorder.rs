@@ -162,22 +162,17 @@ pub(crate) const NOT_ANNOUNCED: u64 = 1 << 63;
 // ---------------------------------------------------------------------------------------------------------
 // The current timeline of native macros.
 
-/// A running timeline native macros may record into (its live sink in `shared.live`).
-struct Running {
-    shared: Arc<Shared>,
-}
-
 /// Running timelines in start order. Native macros (`scope!`, `instant!`, `counter!`) record into the last:
-/// the most recently started timeline that is still running.
-static RUNNING: RwLock<Vec<Running>> = RwLock::new(Vec::new());
+/// the most recently started timeline that is still running (with its live sink, `Shared::live`).
+static RUNNING: RwLock<Vec<Arc<Shared>>> = RwLock::new(Vec::new());
 /// The current timeline's id (0: none), read on every native record to validate the thread's cached ring.
 static CURRENT_ID: AtomicU64 = AtomicU64::new(0);
 
-fn publish_current(running: &[Running]) {
+fn publish_current(running: &[Arc<Shared>]) {
     match running.last() {
-        Some(r) => {
-            live::set_current(r.shared.live.get().copied());
-            CURRENT_ID.store(r.shared.id, Ordering::Release);
+        Some(shared) => {
+            live::set_current(shared.live.get().copied());
+            CURRENT_ID.store(shared.id, Ordering::Release);
         }
         None => {
             live::set_current(None);
@@ -189,14 +184,14 @@ fn publish_current(running: &[Running]) {
 /// A timeline started: it becomes the current one.
 pub(crate) fn started(shared: &Arc<Shared>) {
     let mut running = RUNNING.write().unwrap_or_else(|e| e.into_inner());
-    running.push(Running { shared: shared.clone() });
+    running.push(shared.clone());
     publish_current(&running);
 }
 
 /// A timeline stopped: the most recently started one still running becomes current.
 pub(crate) fn stopped(id: u64) {
     let mut running = RUNNING.write().unwrap_or_else(|e| e.into_inner());
-    running.retain(|r| r.shared.id != id);
+    running.retain(|shared| shared.id != id);
     publish_current(&running);
 }
 
@@ -210,17 +205,13 @@ pub(crate) fn current_id() -> u64 {
 /// starting or stopping on another thread as the process exits): the hook must not wait for a lock.
 pub(crate) fn running_timelines() -> Vec<Arc<Shared>> {
     match RUNNING.try_read() {
-        Ok(running) => running.iter().map(|r| r.shared.clone()).collect(),
+        Ok(running) => running.clone(),
         Err(_) => Vec::new(),
     }
 }
 
 fn current_shared() -> Option<Arc<Shared>> {
-    RUNNING
-        .read()
-        .unwrap_or_else(|e| e.into_inner())
-        .last()
-        .map(|r| r.shared.clone())
+    RUNNING.read().unwrap_or_else(|e| e.into_inner()).last().cloned()
 }
 
 // ---------------------------------------------------------------------------------------------------------
