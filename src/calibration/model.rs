@@ -292,8 +292,9 @@ impl ClockCalibration {
 
     /// Allow for drift that the fit cannot see (temperature, ageing): the source's rate does a random walk of
     /// `ppm_per_sqrt_s` ppm per √second, so a conversion `d` seconds beyond the sampled window gains an error
-    /// of about `ppm_per_sqrt_s · d^1.5 / √3` µs (the integral of that walk) and `0.6 · ppm_per_sqrt_s · √span ·
-    /// d` µs (the fitted rate is about the window's mean rate, not its newest), which the uncertainty includes.
+    /// of about `ppm_per_sqrt_s · d^1.5 / √3` µs (the integral of that walk) and
+    /// `0.6 · ppm_per_sqrt_s · √span · d` µs (the fitted rate is about the window's mean rate, not its newest),
+    /// which the uncertainty includes.
     pub fn with_wander(mut self, ppm_per_sqrt_s: f64) -> Self {
         self.wander_ppm = if ppm_per_sqrt_s.is_finite() {
             ppm_per_sqrt_s.abs()
@@ -443,13 +444,17 @@ impl ClockCalibration {
     /// two standard deviations of the wander (see [`with_wander`](Self::with_wander)), and half the counter's
     /// resolution ([`ClockDomain::half_resolution_ns`]): a timestamp stands for an interval that wide.
     pub fn uncertainty_ns(&self, ticks: u64) -> f64 {
-        let line_sigma = self.line_sigma_ns(ticks);
-        let beyond_s = self.beyond_window_s(ticks);
-        let wander = wander_sigma_ns(self.wander_ppm, beyond_s);
         // A line through a wandering rate has about the window's mean rate, not its newest one: beyond the
         // window the phase moves away at their difference.
-        let rate_miss = rate_miss_sigma_ppm(self.wander_ppm, self.span_s()) * 1e3 * beyond_s;
-        2.0 * (line_sigma.powi(2) + wander.powi(2) + rate_miss.powi(2)).sqrt() + self.domain.half_resolution_ns()
+        let rate_miss = rate_miss_sigma_ppm(self.wander_ppm, self.span_s()) * 1e3 * self.beyond_window_s(ticks);
+        2.0 * (self.line_and_wander_variance(ticks, self.wander_ppm) + rate_miss.powi(2)).sqrt()
+            + self.domain.half_resolution_ns()
+    }
+
+    /// The variance (ns²) of the fitted line at `ticks` and of a wander of `wander_ppm` ppm/√s beyond the
+    /// sampled window: the conversion's error without the rate miss and the resolution.
+    pub(crate) fn line_and_wander_variance(&self, ticks: u64, wander_ppm: f64) -> f64 {
+        self.line_sigma_ns(ticks).powi(2) + wander_sigma_ns(wander_ppm, self.beyond_window_s(ticks)).powi(2)
     }
 
     /// Converts `ticks` and states its uncertainty.

@@ -17,8 +17,9 @@ pub struct TimelineStats {
     pub records: u64,
     /// Records dropped because a ring was full (drop mode), or because their thread was making another record
     /// when they were made (a field's `Debug` that logs, a signal handler: lossless mode too). A slice is never
-    /// half-dropped: a begin that could not leave room for its end is dropped with its end. Where records went missing the trace has an instant
-    /// `tickline: records dropped` (field `records`: how many), and every slice open there carries
+    /// half-dropped: a begin that could not leave room for its end is dropped with its end. Where records went
+    /// missing the trace has an instant `tickline: records dropped` (field `records`: how many), and every
+    /// slice open there carries
     /// `tickline.dropped_inside`.
     pub dropped_records: u64,
     /// Slices lost whole to full rings: a begin refused because its end would not have had room (or its

@@ -95,8 +95,7 @@ impl CalibrationHistory {
             let rate_miss = RATE_MISS * wander * 1e-6 * span_s.sqrt() * beyond_s * 1e9;
             // The line's own error and the wander beyond its window (not the conversion's statement, which
             // allows for the wander's upper bound and states a rate miss of its own: `rate_miss` is this one's).
-            let line = (fit.line_sigma_ns(ticks).powi(2) + wander_sigma_ns(wander, beyond_s).powi(2)).sqrt()
-                + self.domain.half_resolution_ns() / 2.0;
+            let line = fit.line_and_wander_variance(ticks, wander).sqrt() + self.domain.half_resolution_ns() / 2.0;
             let sigma = (line.powi(2) + bow.powi(2) + rate_miss.powi(2)).sqrt();
             prediction_sigma = prediction_sigma.max(sigma);
             // Plus one resolution: a clock read with no bracket at all (a simulation) still rounds to its ticks.

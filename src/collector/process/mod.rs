@@ -172,8 +172,9 @@ impl CpuTime {
 
 /// What the CPU timestamps converted since the last report need to be covered by a statement of their
 /// uncertainty. Live, every tick is converted with the newest fit, whose uncertainty (two standard errors of
-/// the line, which grow with the distance from its anchor, and the wander beyond its window, both convex in
-/// the tick) is largest at one end of any range of ticks: the lowest and highest ticks converted are enough.
+/// the line, which grow with the distance from its anchor, and the wander and the rate miss beyond its window,
+/// all convex in the tick) is largest at one end of any range of ticks: the lowest and highest ticks converted
+/// are enough.
 #[derive(Default)]
 struct CpuUncertainty {
     /// Live: the lowest and highest ticks converted with the newest fit.
