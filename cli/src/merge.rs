@@ -25,9 +25,10 @@
 //! own (no `TracePacket.machine_id`: Perfetto's importer keeps flows per machine, so cross-machine flows would
 //! not connect; a machine whose pids or tids collide with an earlier one's has all of them moved up by a
 //! multiple of 2^22, Linux's largest `pid_max`, and so has a trace whose ids collide with another trace's of
-//! its own machine: a pid used again, a container's pid 1), a `TraceUuid` of its own, the reference machine's clock snapshots (the other machines' would
-//! contradict the axis), and per process a counter track `tickline alignment uncertainty` (ns, conservative
-//! over each 100 ms step) whose description says how its machine was aligned. Spans and events carrying a
+//! its own machine: a pid used again, a container's pid 1), a `TraceUuid` of its own, the reference machine's
+//! clock snapshots (the other machines' would contradict the axis), and per process a counter track
+//! `tickline alignment uncertainty` (ns, conservative over each 100 ms step) whose description says how its
+//! machine was aligned. Spans and events carrying a
 //! `tickline.flow_out` field are linked by Perfetto flows to those carrying `tickline.flow_in` with the same
 //! value, in any process (each receiver to its one sender; the flow an exporter already drew within its own
 //! trace is replaced, not drawn twice).
@@ -701,12 +702,15 @@ const PID_SPAN: u64 = 1 << 22;
 /// on its own. `(per machine, per trace)`.
 fn pid_offsets(machines: &[Machine], traces: &[TraceFile]) -> (Vec<u64>, Vec<u64>) {
     use std::collections::BTreeSet;
+    // Whether `ids` moved up by `offset` collide with none of `taken`.
+    let free =
+        |taken: &BTreeSet<u64>, ids: &BTreeSet<u64>, offset: u64| ids.iter().all(|id| !taken.contains(&(id + offset)));
     let mut used: BTreeSet<u64> = BTreeSet::new();
     let mut next = 1;
     let mut fresh = |used: &BTreeSet<u64>, ids: &BTreeSet<u64>| loop {
         let offset = next * PID_SPAN;
         next += 1;
-        if ids.iter().all(|id| !used.contains(&(id + offset))) {
+        if free(used, ids, offset) {
             return offset;
         }
     };
@@ -719,11 +723,11 @@ fn pid_offsets(machines: &[Machine], traces: &[TraceFile]) -> (Vec<u64>, Vec<u64
                 .iter()
                 .flat_map(|&i| traces[i].os_ids.iter().copied())
                 .collect();
-            let offset = if ids.is_disjoint(&used) { 0 } else { fresh(&used, &ids) };
+            let offset = if free(&used, &ids, 0) { 0 } else { fresh(&used, &ids) };
             let mut own: BTreeSet<u64> = BTreeSet::new();
             for &i in &m.traces {
                 let ids = &traces[i].os_ids;
-                let trace_offset = if ids.iter().all(|id| !own.contains(&(id + offset))) {
+                let trace_offset = if free(&own, ids, offset) {
                     offset
                 } else {
                     fresh(&used, ids)
