@@ -13,6 +13,7 @@ use crate::clock::{RawTicks, TickSource};
 
 pub use crate::callsite::NativeCallsite;
 pub use crate::live::{LiveSink, LiveSpanData};
+pub use crate::trace_file::TraceFile;
 
 /// A track: a thread, the process, a counter, a GPU queue. Unique per timeline; never reused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]

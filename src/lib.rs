@@ -184,6 +184,7 @@ mod scope;
 mod span_table;
 pub mod sync;
 mod timeline;
+mod trace_file;
 
 // What an application calls. The rest lives in the modules above: `export` (the exporter-facing model),
 // `clock` (the CPU clock), `calibration`, `sync` (hosts and processes), `gpu`, `capture`.

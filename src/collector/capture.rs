@@ -67,6 +67,7 @@ use crate::clock::TickSource;
 use crate::codec::Record;
 use crate::gpu::{GpuDeviceInfo, GpuTicks};
 use crate::sync::TraceUuid;
+use crate::trace_file::TraceFile;
 
 const MAGIC: &[u8; 12] = b"TICKLINE\0\0\0\0";
 /// The format version this build writes (it also reads versions 1, whose check has one lane, and 2).
@@ -140,7 +141,7 @@ fn frame_check<const LANES: usize>(parts: &[&[u8]]) -> u64 {
 
 /// Writes the input log to a `.tickline` file. Failures are reported like an exporter's.
 pub(crate) struct CaptureWriter {
-    file: File,
+    file: TraceFile,
     path: PathBuf,
     /// Whole frames not yet written to the file. A frame is built here in place (no copy between a frame
     /// buffer and a write buffer: a chunk's records are copied once, from the chunk).
@@ -181,7 +182,7 @@ fn source_code(source: TickSource) -> u8 {
 impl CaptureWriter {
     /// Creates (or truncates) the capture file at `path`.
     pub(crate) fn create(path: &Path) -> std::io::Result<Self> {
-        let file = File::create(path)
+        let file = TraceFile::create(path)
             .map_err(|e| std::io::Error::new(e.kind(), format!("cannot create raw capture {}: {e}", path.display())))?;
         let mut buf = Vec::with_capacity(WRITE_OUT_BYTES + (1 << 16));
         buf.extend_from_slice(MAGIC);
@@ -233,6 +234,11 @@ impl CaptureWriter {
         let result = self.file.write_all(&self.buf);
         self.buf.clear();
         result
+    }
+
+    /// Writes the buffered frames to the file and makes them durable: a process killed afterwards loses none.
+    fn write_out_durably(&mut self) -> std::io::Result<()> {
+        self.write_out().and_then(|()| self.file.flush())
     }
 
     /// The machine the capture is recorded on, and its clocks now (the first `host clocks` frame).
@@ -392,7 +398,7 @@ impl CaptureWriter {
                 };
                 if result.is_ok() && self.last_flush.elapsed() >= FLUSH_INTERVAL {
                     self.last_flush = Instant::now();
-                    self.write_clocks().and_then(|()| self.write_out())
+                    self.write_clocks().and_then(|()| self.write_out_durably())
                 } else {
                     result
                 }
@@ -461,7 +467,7 @@ impl CaptureWriter {
     pub(crate) fn flush(&mut self, stats: &SharedStats) -> Result<(), String> {
         if !self.failed {
             self.last_flush = Instant::now();
-            if let Err(e) = self.write_out() {
+            if let Err(e) = self.write_out_durably() {
                 self.fail(stats, e);
             }
         }
@@ -484,7 +490,7 @@ impl Drop for CaptureWriter {
     /// (a collector thread that panicked) still leaves every whole frame it built.
     fn drop(&mut self) {
         if !self.failed {
-            let _ = self.write_out();
+            let _ = self.write_out_durably();
         }
     }
 }

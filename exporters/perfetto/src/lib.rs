@@ -98,8 +98,8 @@ use std::time::{Duration, Instant};
 
 use tickline::{
     export::{
-        Batch, EventKind, ExportError, Exporter, FieldValue, RecordingOrigin, TraceEvent, TraceField, TrackDescriptor,
-        TrackKind,
+        Batch, EventKind, ExportError, Exporter, FieldValue, RecordingOrigin, TraceEvent, TraceField, TraceFile,
+        TrackDescriptor, TrackKind,
     },
     sync::{
         ClockExchange, ClockReadings, ExchangeSample, HostInfo, MachineId, MachineIdSource, SimulatedClock,
@@ -433,6 +433,9 @@ pub struct PerfettoStats {
 /// ```
 pub struct PerfettoExporter<W: Write + Send = File> {
     writer: W,
+    /// The file of [`create`](PerfettoExporter::create), written in whole blocks that bypass the page cache
+    /// (`writer` is then the same file, handed back by `into_inner`).
+    file: Option<TraceFile>,
     path: Option<PathBuf>,
     buf: Vec<u8>,
     packet: Vec<u8>,
@@ -510,16 +513,21 @@ impl<W: Write + Send> std::fmt::Debug for PerfettoExporter<W> {
 }
 
 impl PerfettoExporter<File> {
-    /// Creates (or truncates) the trace file at `path`.
+    /// Creates (or truncates) the trace file at `path`, written through a [`TraceFile`]: whole blocks bypass the
+    /// page cache where the file system allows it (a trace is written once and not read back by the program,
+    /// and copying it into the page cache was a large part of the collector's CPU), written by a thread of the
+    /// file's own.
     pub fn create(path: impl AsRef<Path>) -> Result<Self, ExportError> {
         let path = path.as_ref();
-        let file = File::create(path).map_err(|e| {
+        let cannot = |e: std::io::Error| {
             ExportError::Io(std::io::Error::new(
                 e.kind(),
                 format!("cannot create trace file {}: {e}", path.display()),
             ))
-        })?;
-        let mut exporter = PerfettoExporter::new(file);
+        };
+        let file = TraceFile::create(path).map_err(cannot)?;
+        let mut exporter = PerfettoExporter::new(file.try_clone_file().map_err(cannot)?);
+        exporter.file = Some(file);
         exporter.path = Some(path.to_owned());
         Ok(exporter)
     }
@@ -765,6 +773,7 @@ impl<W: Write + Send> PerfettoExporter<W> {
         let now = Instant::now();
         PerfettoExporter {
             writer,
+            file: None,
             path: None,
             buf: Vec::with_capacity(FLUSH_AT_BYTES + 4096),
             packet: Vec::with_capacity(256),
@@ -871,6 +880,12 @@ impl<W: Write + Send> PerfettoExporter<W> {
     /// Flushes and returns the writer.
     pub fn into_inner(mut self) -> Result<W, ExportError> {
         self.flush()?;
+        if let Some(file) = self.file.take() {
+            // `writer` shares the file's position (a clone of its handle): the trace's end, from here.
+            if let Err(e) = file.into_file() {
+                return Err(self.fail(e, "flushing Perfetto trace"));
+            }
+        }
         Ok(self.writer)
     }
 
@@ -1306,7 +1321,11 @@ impl<W: Write + Send> PerfettoExporter<W> {
         if force_write || now.duration_since(self.last_write) >= self.flush_interval {
             self.last_write = now;
             self.write_out()?;
-            if let Err(e) = self.writer.flush() {
+            let flushed = match &mut self.file {
+                Some(file) => file.flush(),
+                None => self.writer.flush(),
+            };
+            if let Err(e) = flushed {
                 return Err(self.fail(e, "flushing Perfetto trace"));
             }
         }
@@ -1641,7 +1660,11 @@ impl<W: Write + Send> PerfettoExporter<W> {
         if self.buf.is_empty() {
             return Ok(());
         }
-        if let Err(e) = self.writer.write_all(&self.buf) {
+        let written = match &mut self.file {
+            Some(file) => file.write_all(&self.buf),
+            None => self.writer.write_all(&self.buf),
+        };
+        if let Err(e) = written {
             return Err(self.fail(e, "writing Perfetto trace"));
         }
         self.stats.bytes_written += self.buf.len() as u64;
