@@ -8,7 +8,11 @@ const CHILD: &str = "TICKLINE_DURABILITY_CHILD";
 /// Set: the child calls `std::process::exit` after this many ms instead of waiting to be killed.
 const EXIT_AFTER_MS: &str = "TICKLINE_DURABILITY_EXIT_AFTER_MS";
 
-/// The child: ~100 slices per second until it is killed.
+/// Set: the child records as fast as it can (a slice every few µs: tens of MB of trace a second, written in
+/// whole blocks past the page cache) instead of ~100 slices a second.
+const BUSY: &str = "TICKLINE_DURABILITY_BUSY";
+
+/// The child: ~100 slices per second (or, with [`BUSY`], as many as it can) until it is killed.
 #[test]
 fn child() {
     let Ok(path) = std::env::var(CHILD) else { return };
@@ -19,10 +23,17 @@ fn child() {
     let exit_after = std::env::var(EXIT_AFTER_MS)
         .ok()
         .map(|ms| Duration::from_millis(ms.parse().unwrap()));
+    let busy = std::env::var_os(BUSY).is_some();
     let started = Instant::now();
     loop {
         if exit_after.is_some_and(|after| started.elapsed() >= after) {
             std::process::exit(0);
+        }
+        if busy {
+            let _tick = tickline::scope!("tick");
+            let spin = Instant::now();
+            while spin.elapsed() < Duration::from_micros(2) {}
+            continue;
         }
         {
             let _tick = tickline::scope!("tick");
@@ -34,12 +45,18 @@ fn child() {
 
 /// Slices named "tick" begun in `bytes` (a cut tail ignored), and their first and last timestamps.
 fn ticks(bytes: &[u8]) -> (usize, u64, u64) {
-    let (n, first, last, _) = ticks_and_last_snapshot(bytes);
+    let (n, first, last, _, _) = walk(bytes);
     (n, first, last)
 }
 
 /// [`ticks`], and the timestamp of the last clock snapshot (TracePacket.timestamp, then clock_snapshot: 0x32).
 fn ticks_and_last_snapshot(bytes: &[u8]) -> (usize, u64, u64, u64) {
+    let (n, first, last, last_snapshot, _) = walk(bytes);
+    (n, first, last, last_snapshot)
+}
+
+/// [`ticks_and_last_snapshot`], and how many bytes of `bytes` are whole packets (the walk's end).
+fn walk(bytes: &[u8]) -> (usize, u64, u64, u64, usize) {
     let mut last_snapshot = 0;
     // The name "tick" is interned once; the begins carry its iid. Count begins by walking the framing and
     // looking for TrackEvent.type = SLICE_BEGIN (0x48 0x01) with TracePacket.timestamp first.
@@ -80,7 +97,7 @@ fn ticks_and_last_snapshot(bytes: &[u8]) -> (usize, u64, u64, u64) {
         }
         pos = end;
     }
-    (n, first, last, last_snapshot)
+    (n, first, last, last_snapshot, pos)
 }
 
 /// A process that calls `std::process::exit` keeps every slice (the exit hook flushes the timeline), and its
@@ -152,5 +169,63 @@ fn a_killed_process_keeps_all_but_its_last_moments() {
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     } else {
         eprintln!("SKIP: the Perfetto check: Perfetto's Python bindings are missing");
+    }
+}
+
+/// A process killed while it writes tens of MB of trace a second (whole blocks going past the page cache by a
+/// writer thread, the partial block through it at each flush): the file is whole packets up to its last few
+/// bytes (no hole, no padding, nothing written twice out of place), covers all but the last moments, and
+/// loads.
+#[test]
+fn a_process_killed_mid_burst_leaves_whole_packets_up_to_its_end() {
+    for round in 0..3 {
+        let path = std::env::temp_dir().join(format!(
+            "tickline-durability-busy-{}-{round}.pftrace",
+            std::process::id()
+        ));
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "child", "--nocapture", "--test-threads", "1"])
+            .env(CHILD, &path)
+            .env(BUSY, "1")
+            .spawn()
+            .unwrap();
+        // Killed at a different moment each round: mid-write, between writes, around a flush.
+        std::thread::sleep(Duration::from_millis(1500 + 137 * round));
+        child.kill().unwrap(); // SIGKILL
+        child.wait().unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        let (n, first, last, _, whole) = walk(&bytes);
+        let covered = Duration::from_nanos(last.saturating_sub(first));
+        println!(
+            "round {round}: {} bytes, whole packets up to {whole}, {n} slices covering {covered:?}",
+            bytes.len()
+        );
+        // Past 4 MiB the trace went out in whole direct blocks, not only through the page cache.
+        assert!(bytes.len() > 4 << 20, "round {round}: only {} bytes", bytes.len());
+        // Only the last packet may be cut (a flush's partial block, then more of it written).
+        assert!(
+            bytes.len() - whole < 4096,
+            "round {round}: packets end at {whole} of {} bytes: a hole or garbage before the end",
+            bytes.len()
+        );
+        assert!(
+            covered >= Duration::from_millis(700),
+            "round {round}: only {covered:?} survived"
+        );
+        let script = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.ci/check_perfetto.py");
+        let out = Command::new("python3")
+            .arg(script)
+            .arg(&path)
+            .arg("--allow-cut-tail")
+            .output();
+        let _ = std::fs::remove_file(&path);
+        match out {
+            Ok(out) if out.status.success() => {}
+            Ok(out) if String::from_utf8_lossy(&out.stderr).contains("No module named") => {
+                eprintln!("SKIP: the Perfetto check: Perfetto's Python bindings are missing")
+            }
+            Ok(out) => panic!("round {round}: {}", String::from_utf8_lossy(&out.stderr)),
+            Err(e) => eprintln!("SKIP: the Perfetto check: no python3 ({e})"),
+        }
     }
 }
