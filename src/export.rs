@@ -547,6 +547,19 @@ pub struct MemoryExporter {
 }
 
 impl MemoryExporter {
+    /// An empty one (the same as `MemoryExporter::default()`); keep a clone to read what it receives.
+    ///
+    /// ```
+    /// let memory = tickline::export::MemoryExporter::new();
+    /// let timeline = tickline::Timeline::builder().exporter(memory.clone()).start().unwrap();
+    /// drop(tickline::scope!("work"));
+    /// timeline.shutdown().unwrap();
+    /// assert_eq!(memory.snapshot().slice_count("work"), 1);
+    /// ```
+    pub fn new() -> Self {
+        Self::default()
+    }
+
     /// A copy of everything received so far.
     pub fn snapshot(&self) -> MemoryTrace {
         self.inner.lock().unwrap_or_else(|e| e.into_inner()).0.clone()

@@ -40,6 +40,13 @@ fn child() {
                 std::thread::sleep(Duration::from_micros(10_800));
             }
         }
+        // As many spans as it can until killed: the trace and the capture go out in whole blocks past the page
+        // cache (tens of MB a second), and the kill lands anywhere in that.
+        "busy" => {
+            for n in 0u64.. {
+                let _tick = tracing::info_span!("tick", n).entered();
+            }
+        }
         // 1,000 spans, then `exit` with the timeline still running (never shut down, never dropped).
         "exit" => {
             for n in 0..1000u64 {
@@ -128,6 +135,42 @@ fn sigkill_after_3_s_keeps_at_least_the_first_2_s_and_the_trace_loads() {
     assert!(captured >= 170, "the capture kept only {captured} spans");
     for path in [&trace, &capture, &converted] {
         let _ = std::fs::remove_file(path);
+    }
+}
+
+/// Killed while it writes tens of MB a second: the raw capture is whole frames up to a cut at its very end
+/// (never a frame failing its check: no hole, no padding, no block written out of place), and converts.
+#[test]
+fn sigkill_mid_burst_leaves_a_capture_cut_only_at_its_end() {
+    for round in 0..3u64 {
+        let (trace, capture) = (
+            temp(&format!("busy-{round}.pftrace")),
+            temp(&format!("busy-{round}.tickline")),
+        );
+        let mut child = spawn_child("busy", &trace, Some(&capture));
+        std::thread::sleep(Duration::from_millis(1500 + 137 * round));
+        child.kill().expect("SIGKILL");
+        child.wait().expect("reaped");
+        let size = std::fs::metadata(&capture).map_or(0, |m| m.len());
+        let summary = tickline::capture::convert(&capture, tickline::export::MemoryExporter::new())
+            .expect("the capture converts");
+        println!(
+            "round {round}: capture {size} bytes, {} records, {} slices, stopped: {:?}",
+            summary.records, summary.slices, summary.stopped_early
+        );
+        assert!(
+            size > 4 << 20,
+            "round {round}: only {size} bytes: no whole blocks written"
+        );
+        if let Some(why) = &summary.stopped_early {
+            assert!(why.contains("the file ends inside"), "round {round}: {why}");
+        }
+        assert!(summary.slices > 10_000, "round {round}: only {} slices", summary.slices);
+        let stats = tickline_cli::stats::read(&trace).expect("the trace loads");
+        assert!(stats.packets > 10_000, "round {round}: only {} packets", stats.packets);
+        for path in [&trace, &capture] {
+            let _ = std::fs::remove_file(path);
+        }
     }
 }
 
