@@ -4,7 +4,7 @@
 //! cache buys nothing: on this project's reference VM, `write(2)` of 64 MiB in 1 MiB pieces into ext4's page
 //! cache cost 10-23 ms of CPU, and deleting the file afterwards 2.5 ms more; the same bytes written with
 //! `O_DIRECT` cost 3.7 ms and 0.1 ms (the device copies them by DMA). A trace of a million spans is about that
-//! size, so for the cheapest recordings (a raw capture) the file was a third of the collector's CPU.
+//! size: for the cheapest recording (a raw capture) the file was a quarter of the collector's CPU.
 //!
 //! Whole blocks go to the file through a second descriptor opened with `O_DIRECT`, from a block-aligned
 //! buffer; what is left over (less than a block) goes through the page cache when the file is flushed, so the
@@ -15,7 +15,7 @@
 use std::fs::File;
 use std::io::{self, Write};
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -115,7 +115,7 @@ struct DirectWriter {
     /// Direct writes still work (the writer thread clears it when it falls back to the page cache).
     direct: Arc<AtomicBool>,
     /// Bytes the writer thread wrote through the page cache after falling back.
-    cached: Arc<std::sync::atomic::AtomicU64>,
+    cached: Arc<AtomicU64>,
     /// The first failure the writer thread reported, until a call returns it.
     failed: Option<io::Error>,
     thread: Option<JoinHandle<()>>,
@@ -126,7 +126,7 @@ impl DirectWriter {
         let (jobs, job_rx) = crossbeam_channel::bounded::<Job>(IN_FLIGHT);
         let (done_tx, done) = crossbeam_channel::bounded(IN_FLIGHT + 1);
         let direct = Arc::new(AtomicBool::new(true));
-        let cached = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let cached = Arc::new(AtomicU64::new(0));
         let (thread_direct, thread_cached) = (direct.clone(), cached.clone());
         let thread = std::thread::Builder::new()
             .name("tickline-file".into())
@@ -197,7 +197,7 @@ fn write_job(
     direct: &File,
     cached: &File,
     is_direct: &AtomicBool,
-    cached_bytes: &std::sync::atomic::AtomicU64,
+    cached_bytes: &AtomicU64,
 ) -> io::Result<()> {
     use std::os::unix::fs::FileExt;
     let mut at = 0;
@@ -507,7 +507,7 @@ mod tests {
             offset: 0,
         };
         let is_direct = AtomicBool::new(true);
-        let cached = std::sync::atomic::AtomicU64::new(0);
+        let cached = AtomicU64::new(0);
         write_job(&job, &direct, &file, &is_direct, &cached).unwrap();
         assert!(
             !is_direct.load(Ordering::Relaxed),
