@@ -162,11 +162,32 @@ pub(crate) const NOT_ANNOUNCED: u64 = 1 << 63;
 // ---------------------------------------------------------------------------------------------------------
 // The current timeline of native macros.
 
-/// Running timelines in start order. Native macros (`scope!`, `instant!`, `counter!`) record into the last:
-/// the most recently started timeline that is still running (with its live sink, `Shared::live`).
+/// Running timelines in start order. Native macros (`scope!`, `instant!`, `counter!`) record into the one this
+/// thread started, while it runs, and otherwise into the last: the most recently started timeline that is
+/// still running (with its live sink, `Shared::live`).
 static RUNNING: RwLock<Vec<Arc<Shared>>> = RwLock::new(Vec::new());
-/// The current timeline's id (0: none), read on every native record to validate the thread's cached ring.
+/// The most recently started running timeline's id (0: none), read on every native record of a thread that
+/// started none to validate the thread's cached ring.
 static CURRENT_ID: AtomicU64 = AtomicU64::new(0);
+/// Counts timelines stopped: a thread's [`STARTED_HERE`] is still running while this has not moved since the
+/// thread last looked.
+static STOPS: AtomicU64 = AtomicU64::new(0);
+
+/// A timeline this thread started (the latest), while it runs: native macros on this thread record into it
+/// rather than into a timeline another thread started since (parallel tests, each with its own timeline).
+#[derive(Clone, Copy)]
+struct StartedHere {
+    /// The timeline's id (0: none).
+    id: u64,
+    /// [`STOPS`] when it was last known to run.
+    stops: u64,
+    /// Its live sink.
+    live: Option<&'static dyn LiveSink>,
+}
+
+thread_local! {
+    static STARTED_HERE: Cell<StartedHere> = const { Cell::new(StartedHere { id: 0, stops: 0, live: None }) };
+}
 
 fn publish_current(running: &[Arc<Shared>]) {
     match running.last() {
@@ -181,24 +202,78 @@ fn publish_current(running: &[Arc<Shared>]) {
     }
 }
 
-/// A timeline started: it becomes the current one.
+/// A timeline started (on this thread): it becomes the current one, and this thread's.
 pub(crate) fn started(shared: &Arc<Shared>) {
     let mut running = RUNNING.write().unwrap_or_else(|e| e.into_inner());
     running.push(shared.clone());
     publish_current(&running);
+    let _ = STARTED_HERE.try_with(|here| {
+        here.set(StartedHere {
+            id: shared.id,
+            stops: STOPS.load(Ordering::Acquire),
+            live: shared.live.get().copied(),
+        })
+    });
 }
 
 /// A timeline stopped: the most recently started one still running becomes current.
 pub(crate) fn stopped(id: u64) {
     let mut running = RUNNING.write().unwrap_or_else(|e| e.into_inner());
     running.retain(|shared| shared.id != id);
+    // Under the lock, so a thread that sees the count unchanged also sees `id` still in `RUNNING`.
+    STOPS.fetch_add(1, Ordering::AcqRel);
     publish_current(&running);
 }
 
-/// The id of the timeline native macros record into (0: none).
+/// The timeline this thread started, if it still runs (`id` 0 otherwise): one thread-local load and, for a
+/// thread that started one, one atomic load.
+#[inline(always)]
+fn started_here() -> StartedHere {
+    let here = STARTED_HERE.try_with(Cell::get).unwrap_or(StartedHere {
+        id: 0,
+        stops: 0,
+        live: None,
+    });
+    if here.id == 0 || here.stops == STOPS.load(Ordering::Acquire) {
+        return here;
+    }
+    recheck_started_here(here)
+}
+
+/// A timeline stopped since this thread last looked: is the one it started among those still running?
+#[cold]
+fn recheck_started_here(mut here: StartedHere) -> StartedHere {
+    let running = RUNNING.read().unwrap_or_else(|e| e.into_inner());
+    here.stops = STOPS.load(Ordering::Acquire);
+    if !running.iter().any(|shared| shared.id == here.id) {
+        here = StartedHere {
+            id: 0,
+            stops: 0,
+            live: None,
+        };
+    }
+    let _ = STARTED_HERE.try_with(|cell| cell.set(here));
+    here
+}
+
+/// The id of the timeline native macros record into on this thread (0: none).
 #[inline(always)]
 pub(crate) fn current_id() -> u64 {
+    let here = started_here();
+    if here.id != 0 {
+        return here.id;
+    }
     CURRENT_ID.load(Ordering::Acquire)
+}
+
+/// The live sink of the timeline native macros record into on this thread.
+#[inline(always)]
+pub(crate) fn current_live() -> Option<&'static dyn LiveSink> {
+    let here = started_here();
+    if here.id != 0 {
+        return here.live;
+    }
+    live::current()
 }
 
 /// Every running timeline (for the exit hook). Empty if the list is being changed right now (a timeline
@@ -211,7 +286,9 @@ pub(crate) fn running_timelines() -> Vec<Arc<Shared>> {
 }
 
 fn current_shared() -> Option<Arc<Shared>> {
-    RUNNING.read().unwrap_or_else(|e| e.into_inner()).last().cloned()
+    let id = current_id();
+    let running = RUNNING.read().unwrap_or_else(|e| e.into_inner());
+    running.iter().rev().find(|shared| shared.id == id).cloned()
 }
 
 // ---------------------------------------------------------------------------------------------------------

@@ -2,9 +2,9 @@
 //! [`instant!`](macro@crate::instant) and [`counter!`](macro@crate::counter).
 //!
 //! Each macro call site owns a `static` [`NativeCallsite`]; the hot path copies its key and a raw tick into the
-//! thread's ring. They record into the most recently started [`crate::Timeline`] that is still running (when
-//! that one stops, the one started before it, if still running, takes over), and cost one atomic load when
-//! none is.
+//! thread's ring. Which timeline they record into: see [`scope!`](macro@crate::scope) (the one this thread
+//! started, while it runs; otherwise the most recently started one still running). They cost a thread-local
+//! and an atomic load when no timeline runs.
 //!
 //! A name is a constant `&'static str` (a literal or a `const`): it lives in the call site's `static`, read once
 //! when the call site registers. A name known only at run time is a `tracing` span's field:
@@ -13,7 +13,7 @@
 use std::marker::PhantomData;
 
 use crate::callsite::NativeCallsite;
-use crate::live::{self, LiveSink};
+use crate::live::LiveSink;
 use crate::recorder::{self, Current};
 
 /// An open native scope: the slice ends when this guard is dropped, on the thread that opened it.
@@ -69,7 +69,7 @@ impl ScopeGuard {
     #[inline(always)]
     pub fn enter(callsite: &'static NativeCallsite) -> Self {
         let (recorded, timeline, tag) = recorder::scope_begin(&Current, callsite);
-        let live = live::current();
+        let live = recorder::current_live();
         if let Some(sink) = live {
             sink.scope_begin(callsite);
         }
@@ -99,7 +99,7 @@ impl Drop for ScopeGuard {
 #[inline(always)]
 pub fn record_instant(callsite: &'static NativeCallsite) {
     recorder::instant(&Current, callsite);
-    if let Some(sink) = live::current() {
+    if let Some(sink) = recorder::current_live() {
         sink.instant(callsite);
     }
 }
@@ -110,7 +110,7 @@ pub fn record_instant(callsite: &'static NativeCallsite) {
 #[inline]
 pub fn record_frame_mark(callsite: &'static NativeCallsite, main: bool) {
     recorder::instant(&Current, callsite);
-    if let Some(sink) = live::current() {
+    if let Some(sink) = recorder::current_live() {
         sink.frame_mark((!main).then(|| callsite.name()));
     }
 }
@@ -127,6 +127,16 @@ pub fn record_counter_value(callsite: &'static NativeCallsite, value: f64) {
 /// The name is a constant `&'static str` (a literal or a `const`), as for [`instant!`](macro@crate::instant)
 /// and [`counter!`](macro@crate::counter): it lives in the call site's `static`. A name known only at run
 /// time belongs in a `tracing` span's field: `info_span!("decode", file = %path)`.
+///
+/// # Which timeline
+///
+/// Native macros (`scope!`, [`instant!`](macro@crate::instant), [`counter!`](macro@crate::counter),
+/// [`frame_mark!`](macro@crate::frame_mark)) have no subscriber to say which timeline they belong to. On a
+/// thread that started a [`Timeline`](crate::Timeline) still running, they record into it (the latest it
+/// started); on any other thread, into the most recently started timeline still running (when it stops, the one
+/// started before it takes over). So parallel tests that each start a timeline get their own thread's scopes;
+/// threads they spawn record into whichever timeline started last. A scope's end always goes to the timeline
+/// its begin went to. `tracing` spans and events go to the timeline of the layer in their subscriber.
 ///
 /// ```
 /// let timeline = tickline::Timeline::builder().start().unwrap();

@@ -303,6 +303,11 @@ impl TimelineBuilder {
 /// A running timeline: the collector's threads and their exporters. Dropping it drains everything recorded
 /// before the drop, finishes the exporters and joins the threads.
 ///
+/// Several timelines may run at once (each test its own, say): `tracing` spans and events go to the timeline of
+/// the [`layer`](Timeline::layer) in their subscriber; native macros ([`scope!`](macro@crate::scope) and the
+/// others) on a thread that started a timeline go to it, elsewhere to the most recently started one (see
+/// [`scope!`'s "Which timeline"](macro@crate::scope#which-timeline)).
+///
 /// # When the process ends
 ///
 /// On a normal exit, `std::process::exit` included, every running timeline is flushed first (an `atexit`

@@ -19,8 +19,8 @@ mod wgpu;
 #[cfg(feature = "wgpu")]
 mod wgpu_level;
 
-/// Native macros record into the most recently started timeline, so every test that starts a timeline holds
-/// this lock: one at a time.
+/// Native macros on threads that started no timeline record into the most recently started one, so every test
+/// that starts a timeline holds this lock: one at a time.
 pub(crate) fn exclusive() -> std::sync::MutexGuard<'static, ()> {
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
     LOCK.lock().unwrap_or_else(|e| e.into_inner())

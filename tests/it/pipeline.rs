@@ -453,6 +453,59 @@ fn native_scopes_instants_and_counters() {
     }
 }
 
+/// Two threads, each with a timeline of its own started on it (as parallel tests have): each thread's native
+/// scopes, instants and counters go to its own timeline, whichever started last. A thread that started none
+/// records into the most recently started one still running, and a thread whose timeline stopped does too.
+#[test]
+fn native_macros_record_into_the_timeline_their_thread_started() {
+    let _x = exclusive();
+    let (a_started, a_go) = (std::sync::Barrier::new(2), std::sync::Barrier::new(2));
+    let memory_b = MemoryExporter::new();
+    let memory_a = std::thread::scope(|s| {
+        let a = s.spawn(|| {
+            let memory = MemoryExporter::new();
+            let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
+            a_started.wait();
+            // B has started its timeline since: the latest, but not this thread's.
+            a_go.wait();
+            drop(tickline::scope!("from a"));
+            tickline::instant!("instant a");
+            tickline::counter!("counter a", 1);
+            timeline.shutdown().unwrap();
+            // This thread's timeline stopped: B's, the one still running, takes its records.
+            drop(tickline::scope!("from a after its timeline"));
+            memory
+        });
+        a_started.wait();
+        let timeline_b = Timeline::builder().exporter(memory_b.clone()).start().unwrap();
+        a_go.wait();
+        drop(tickline::scope!("from b"));
+        let memory_a = a.join().unwrap();
+        // A thread that started no timeline: the most recently started one still running (B's).
+        std::thread::spawn(|| drop(tickline::scope!("from a worker")))
+            .join()
+            .unwrap();
+        timeline_b.shutdown().unwrap();
+        memory_a
+    });
+    let (a, b) = (memory_a.snapshot(), memory_b.snapshot());
+    assert_eq!(a.slice_count("from a"), 1);
+    assert_eq!(a.events.iter().filter(|e| e.name == "instant a").count(), 1);
+    assert!(a
+        .tracks
+        .iter()
+        .any(|t| matches!(&t.kind, TrackKind::Counter { name, .. } if name == "counter a")));
+    assert_eq!(b.slice_count("from a"), 0);
+    assert!(!b
+        .tracks
+        .iter()
+        .any(|t| matches!(&t.kind, TrackKind::Counter { name, .. } if name == "counter a")));
+    assert_eq!(b.slice_count("from b"), 1);
+    assert_eq!(a.slice_count("from b"), 0);
+    assert_eq!(b.slice_count("from a after its timeline"), 1);
+    assert_eq!(b.slice_count("from a worker"), 1);
+}
+
 /// `records + dropped_records` is what the program made: the same workload in lossless mode (nothing
 /// dropped) and into a full ring, where a span's creation is dropped and so are the `record`s that follow it.
 #[test]
