@@ -205,8 +205,10 @@ pub struct Batch {
     pub fields: Vec<TraceField>,
     /// Facts about tracks that are no events, in the order they became known.
     pub metadata: Vec<TrackMetadata>,
-    /// The CPU clock the events were converted with (set by the collector on every batch it exports; `None`
-    /// in batches made by hand).
+    /// The CPU clock the events were converted with: the live calibration's newest fit, set by a running
+    /// timeline's collector on every batch it exports. `None` in batches made by hand, and in a raw capture's
+    /// conversion ([`crate::capture::convert`]), whose CPU timestamps come from the whole calibration history,
+    /// piecewise, which no single line describes.
     pub cpu_clock: Option<CpuClock>,
 }
 
@@ -472,8 +474,9 @@ impl MemoryTrace {
         self.events.iter().filter(move |e| e.track == track)
     }
 
-    /// Every complete slice, begins paired with their ends per track (as a viewer pairs them), in order
-    /// of their ends. A slice's fields are its begin's, with what its end carries added or replacing (a slice
+    /// Every complete slice, begins paired with their ends per track (as a viewer pairs them), in the order
+    /// their ends were received: by end time on each track, not across tracks (the collector sends each track's
+    /// events in time order, and tracks' events interleave as the batches bring them). A slice's fields are its begin's, with what its end carries added or replacing (a slice
     /// exported before it ended carries later values on its end; markers such as `tickline.truncated` may be
     /// on either), which is what Perfetto shows.
     ///

@@ -39,9 +39,11 @@ const IN_FLIGHT: usize = 2;
 ///
 /// [`flush`](Write::flush) puts everything written so far into the file (the last partial block through the
 /// page cache) and waits for the writes in flight, so a process killed after a flush loses nothing of it;
-/// dropping a `TraceFile` flushes it (errors are then lost: call `flush` to see them). A direct write's
-/// failure is reported by the next `write` or `flush`. Writes are sequential from the start of the file,
-/// which is created or truncated.
+/// dropping a `TraceFile` flushes it (errors are then lost: call `flush` to see them). The first failure (a
+/// full disk; a direct write's is reported by the next `write` or `flush`) makes the file failed: nothing more
+/// is written, so the file holds what went before it with no hole, and every later call returns an error.
+/// Writes are sequential from the start of the file, which is created or truncated; a pipe or a character
+/// device is written in order.
 ///
 /// ```
 /// use std::io::Write;
@@ -66,6 +68,8 @@ pub struct TraceFile {
     flushed: usize,
     bytes_cached: u64,
     direct: Option<DirectWriter>,
+    /// The first failure (its kind and words): from then on nothing more is written, and every call fails.
+    failed: Option<(io::ErrorKind, String)>,
 }
 
 /// A block-aligned buffer of `capacity` bytes inside `storage`.
@@ -131,8 +135,16 @@ impl DirectWriter {
         let thread = std::thread::Builder::new()
             .name("tickline-file".into())
             .spawn(move || {
+                // After a failure nothing more is written: what follows a failed block would lie beyond a
+                // hole (a full disk takes a smaller write after refusing a larger one).
+                let mut failed = false;
                 for job in job_rx {
-                    let result = write_job(&job, &direct_file, &cached_file, &thread_direct, &thread_cached);
+                    let result = if failed {
+                        Err(io::Error::other("not written: an earlier write to the file failed"))
+                    } else {
+                        write_job(&job, &direct_file, &cached_file, &thread_direct, &thread_cached)
+                    };
+                    failed |= result.is_err();
                     if done_tx.send((job.buffer, result)).is_err() {
                         return;
                     }
@@ -232,7 +244,8 @@ impl TraceFile {
     ///
     /// Whole blocks bypass the page cache where `path` is a regular file on a file system that supports
     /// `O_DIRECT` (Linux), written by a thread of its own (`tickline-file`); anywhere else (a pipe, a character
-    /// device, tmpfs) the file is written normally, by the caller.
+    /// device, a file system without `O_DIRECT` such as tmpfs before Linux 6.6) the file is written normally, in
+    /// order, by the caller.
     pub fn create(path: impl AsRef<Path>) -> io::Result<TraceFile> {
         Self::with_buffer(path, DEFAULT_BUFFER)
     }
@@ -255,6 +268,7 @@ impl TraceFile {
             flushed: 0,
             bytes_cached: 0,
             direct,
+            failed: None,
         })
     }
 
@@ -290,18 +304,19 @@ impl TraceFile {
         Ok(file)
     }
 
-    /// Writes the buffer's whole blocks (all of it without a direct writer) and keeps the rest.
+    /// Writes the buffer's whole blocks (all of it without a direct writer) and keeps the rest; a failure makes
+    /// the file failed.
     fn write_blocks(&mut self) -> io::Result<()> {
-        use std::os::unix::fs::FileExt;
+        self.check()?;
+        let result = self.write_blocks_now();
+        result.map_err(|e| self.fail(e))
+    }
+
+    fn write_blocks_now(&mut self) -> io::Result<()> {
         let Some(direct) = &mut self.direct else {
-            // Through the page cache, but for what a flush has put there already.
-            if self.flushed < self.len {
-                self.file.write_all_at(
-                    self.buffer.bytes(self.flushed..self.len),
-                    self.base + self.flushed as u64,
-                )?;
-                self.bytes_cached += (self.len - self.flushed) as u64;
-            }
+            // Through the page cache (or a pipe, a device), in order: what a flush wrote is not written again.
+            self.file.write_all(self.buffer.bytes(self.flushed..self.len))?;
+            self.bytes_cached += (self.len - self.flushed) as u64;
             self.base += self.len as u64;
             self.len = 0;
             self.flushed = 0;
@@ -336,10 +351,47 @@ impl TraceFile {
         self.flushed = self.flushed.saturating_sub(whole);
         Ok(())
     }
+
+    /// Everything written so far into the file (see [`flush`](Write::flush)).
+    fn flush_now(&mut self) -> io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        self.write_blocks_now()?;
+        let Some(direct) = &mut self.direct else {
+            return self.file.flush();
+        };
+        direct.wait()?;
+        // After the writes in flight, so nothing lands beyond a block that failed.
+        if self.flushed < self.len {
+            self.file.write_all_at(
+                self.buffer.bytes(self.flushed..self.len),
+                self.base + self.flushed as u64,
+            )?;
+            self.bytes_cached += (self.len - self.flushed) as u64;
+            self.flushed = self.len;
+        }
+        Ok(())
+    }
+
+    /// The first failure again, if there was one.
+    fn check(&self) -> io::Result<()> {
+        match &self.failed {
+            Some((kind, words)) => Err(io::Error::new(*kind, format!("an earlier write failed: {words}"))),
+            None => Ok(()),
+        }
+    }
+
+    /// Makes the file failed with `e` (the first failure is kept) and returns `e`.
+    fn fail(&mut self, e: io::Error) -> io::Error {
+        if self.failed.is_none() {
+            self.failed = Some((e.kind(), e.to_string()));
+        }
+        e
+    }
 }
 
 impl Write for TraceFile {
     fn write(&mut self, bytes: &[u8]) -> io::Result<usize> {
+        self.check()?;
         if self.len == self.buffer.capacity {
             self.write_blocks()?;
         }
@@ -360,22 +412,12 @@ impl Write for TraceFile {
     }
 
     /// Puts everything written so far into the file: whole blocks directly (waiting for them), the last partial
-    /// block through the page cache (rewritten whole once its block is full).
+    /// block through the page cache (rewritten whole once its block is full). After a failure, nothing more is
+    /// written and every call returns an error: the file holds what was written before it, with no hole.
     fn flush(&mut self) -> io::Result<()> {
-        use std::os::unix::fs::FileExt;
-        self.write_blocks()?;
-        if let Some(direct) = &mut self.direct {
-            direct.wait()?;
-        }
-        if self.flushed < self.len {
-            self.file.write_all_at(
-                self.buffer.bytes(self.flushed..self.len),
-                self.base + self.flushed as u64,
-            )?;
-            self.bytes_cached += (self.len - self.flushed) as u64;
-            self.flushed = self.len;
-        }
-        Ok(())
+        self.check()?;
+        let result = self.flush_now();
+        result.map_err(|e| self.fail(e))
     }
 }
 
@@ -516,6 +558,68 @@ mod tests {
         assert_eq!(cached.load(Ordering::Relaxed), 2 * BLOCK as u64);
         assert!(std::fs::read(&path).unwrap() == data);
         std::fs::remove_file(&path).unwrap();
+    }
+
+    /// A pipe (here a FIFO, read by another thread) takes everything in order: no positioned writes.
+    #[test]
+    fn a_pipe_gets_every_byte_in_order() {
+        let path = temp("fifo");
+        let made = std::process::Command::new("mkfifo").arg(&path).status();
+        if !made.is_ok_and(|s| s.success()) {
+            eprintln!("SKIP: no mkfifo here");
+            return;
+        }
+        let reader_path = path.clone();
+        let reader = std::thread::spawn(move || std::fs::read(reader_path).unwrap());
+        let data = pattern(3 * DEFAULT_BUFFER + 777, 13);
+        let mut file = TraceFile::create(&path).unwrap();
+        assert!(!file.is_direct());
+        file.write_all(&data[..1000]).unwrap();
+        file.flush().unwrap();
+        file.write_all(&data[1000..]).unwrap();
+        drop(file);
+        assert!(reader.join().unwrap() == data);
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    /// The first failure makes the file failed: nothing written after it (no hole with later data beyond),
+    /// and every later call says so. Here a direct write far past the largest file size fails (`EFBIG`), as a
+    /// full disk refuses a block.
+    #[test]
+    fn after_a_failure_nothing_more_is_written_and_every_call_fails() {
+        let path = temp("failed");
+        let mut file = TraceFile::create(&path).unwrap();
+        if !file.is_direct() {
+            eprintln!("SKIP: the temp dir's file system does not take O_DIRECT");
+            return;
+        }
+        file.write_all(&pattern(2 * DEFAULT_BUFFER, 17)).unwrap();
+        file.flush().unwrap();
+        // The next block goes far past any file size the file system allows.
+        file.base = 1 << 60;
+        file.write_all(&[1; DEFAULT_BUFFER]).unwrap();
+        let first = file.flush().unwrap_err();
+        assert_ne!(first.kind(), io::ErrorKind::Other, "the device's own error: {first}");
+        // Smaller writes would fit: none is made.
+        let later = file.write_all(&[2; 10]).and_then(|()| file.flush()).unwrap_err();
+        assert!(later.to_string().contains("an earlier write failed"), "{later}");
+        assert_eq!(later.kind(), first.kind());
+        drop(file);
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), 2 * DEFAULT_BUFFER as u64);
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    /// Without direct writes (a device): the first failure sticks too.
+    #[test]
+    fn a_failing_device_stays_failed() {
+        let Ok(mut full) = TraceFile::create("/dev/full") else {
+            eprintln!("SKIP: no /dev/full");
+            return;
+        };
+        full.write_all(&[0; 100]).unwrap();
+        assert_eq!(full.flush().unwrap_err().raw_os_error(), Some(libc::ENOSPC));
+        let again = full.write_all(&[0; 100]).unwrap_err();
+        assert!(again.to_string().contains("an earlier write failed"), "{again}");
     }
 
     /// Dropped without a flush: everything written is in the file.

@@ -432,7 +432,8 @@ pub struct PerfettoStats {
 /// assert!(std::fs::metadata(&path).unwrap().len() > 0);
 /// ```
 pub struct PerfettoExporter<W: Write + Send = File> {
-    writer: W,
+    /// `Some` until [`into_inner`](PerfettoExporter::into_inner) takes it.
+    writer: Option<W>,
     /// The file of [`create`](PerfettoExporter::create), written in whole blocks that bypass the page cache
     /// (`writer` is then the same file, handed back by `into_inner`).
     file: Option<TraceFile>,
@@ -448,6 +449,8 @@ pub struct PerfettoExporter<W: Write + Send = File> {
     last_track_uuid: (u64, [u8; 10], usize),
     boot_offset_ns: i64,
     started: bool,
+    /// [`finish`](Exporter::finish) ran: a drop has nothing left to write.
+    finished: bool,
     failed: Option<(std::io::ErrorKind, String)>,
     stats: PerfettoStats,
     trace_uuid: TraceUuid,
@@ -772,7 +775,7 @@ impl<W: Write + Send> PerfettoExporter<W> {
         let trace_uuid = TraceUuid::new_random();
         let now = Instant::now();
         PerfettoExporter {
-            writer,
+            writer: Some(writer),
             file: None,
             path: None,
             buf: Vec::with_capacity(FLUSH_AT_BYTES + 4096),
@@ -783,6 +786,7 @@ impl<W: Write + Send> PerfettoExporter<W> {
             last_track_uuid: (0, [0; 10], 1),
             boot_offset_ns: 0,
             started: false,
+            finished: false,
             failed: None,
             stats: PerfettoStats::default(),
             trace_uuid,
@@ -886,7 +890,10 @@ impl<W: Write + Send> PerfettoExporter<W> {
                 return Err(self.fail(e, "flushing Perfetto trace"));
             }
         }
-        Ok(self.writer)
+        Ok(self
+            .writer
+            .take()
+            .expect("taken only here, which consumes the exporter"))
     }
 
     fn uuid(&self, track: tickline::export::TrackId) -> u64 {
@@ -1323,7 +1330,7 @@ impl<W: Write + Send> PerfettoExporter<W> {
             self.write_out()?;
             let flushed = match &mut self.file {
                 Some(file) => file.flush(),
-                None => self.writer.flush(),
+                None => self.writer.as_mut().map_or(Ok(()), Write::flush),
             };
             if let Err(e) = flushed {
                 return Err(self.fail(e, "flushing Perfetto trace"));
@@ -1662,7 +1669,7 @@ impl<W: Write + Send> PerfettoExporter<W> {
         }
         let written = match &mut self.file {
             Some(file) => file.write_all(&self.buf),
-            None => self.writer.write_all(&self.buf),
+            None => self.writer.as_mut().map_or(Ok(()), |w| w.write_all(&self.buf)),
         };
         if let Err(e) = written {
             return Err(self.fail(e, "writing Perfetto trace"));
@@ -1696,6 +1703,7 @@ impl<W: Write + Send> Exporter for PerfettoExporter<W> {
 
     fn export(&mut self, batch: &Batch) -> Result<(), ExportError> {
         self.check_failed()?;
+        self.finished = false;
         self.start();
         if self.replay.is_some() {
             let last = batch.events.iter().map(|e| e.ts_ns).max();
@@ -1771,7 +1779,25 @@ impl<W: Write + Send> Exporter for PerfettoExporter<W> {
         } else {
             self.write_clock_snapshot(false);
         }
+        self.finished = true;
         self.housekeeping(true)
+    }
+}
+
+/// An exporter dropped before it was finished (one driven by hand) writes out the packets it holds, as a
+/// `BufWriter` does: whole packets, with no closing snapshot (that is [`finish`](Exporter::finish)'s). Errors
+/// are lost; call `flush`, `finish` or [`into_inner`](PerfettoExporter::into_inner) to see them.
+impl<W: Write + Send> Drop for PerfettoExporter<W> {
+    fn drop(&mut self) {
+        if self.finished || self.failed.is_some() || self.writer.is_none() {
+            return;
+        }
+        if self.write_out().is_ok() {
+            let _ = match &mut self.file {
+                Some(file) => file.flush(),
+                None => self.writer.as_mut().map_or(Ok(()), Write::flush),
+            };
+        }
     }
 }
 

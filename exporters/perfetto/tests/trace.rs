@@ -943,3 +943,53 @@ fn a_track_made_after_sixteen_million_others_still_splits_deep_nesting() {
         assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
     }
 }
+
+/// An exporter driven by hand and dropped without `flush`, `finish` or `into_inner` writes the packets it
+/// holds, as a `BufWriter` does, into its file or its writer: the trace loads with every slice (nothing at all
+/// was written before).
+#[test]
+fn an_exporter_dropped_unfinished_writes_what_it_holds() {
+    #[derive(Clone, Default)]
+    struct Shared(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+    impl Write for Shared {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let written = Shared::default();
+    let mut exporter = PerfettoExporter::new(written.clone());
+    exporter.export(&sample_batch(false)).unwrap();
+    drop(exporter);
+    let from_writer = written.0.lock().unwrap().clone();
+
+    let path = std::env::temp_dir().join(format!("tickline-dropped-{}.pftrace", std::process::id()));
+    let mut exporter = PerfettoExporter::create(&path).unwrap();
+    exporter.export(&sample_batch(false)).unwrap();
+    drop(exporter);
+    let from_file = std::fs::read(&path).unwrap();
+    assert!(from_writer.len() > 100, "{} bytes", from_writer.len());
+    assert!(from_file.len() > 100, "{} bytes", from_file.len());
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.ci/check_perfetto.py");
+    let checked = Command::new("python3")
+        .arg(script)
+        .arg(&path)
+        .args(["--expect-slices", "frame=1", "--expect-slices", "upload=1"])
+        .output();
+    std::fs::remove_file(&path).unwrap();
+    match checked {
+        Ok(out) if out.status.success() => {}
+        Ok(out) if String::from_utf8_lossy(&out.stderr).contains("No module named") => {
+            eprintln!("SKIP: the Perfetto check: Perfetto's Python bindings are missing")
+        }
+        Ok(out) => panic!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+        Err(e) => eprintln!("SKIP: the Perfetto check: no python3 ({e})"),
+    }
+}
