@@ -46,10 +46,23 @@ impl CalibrationHistory {
     }
 
     /// Closes the open segment and opens a new one, carrying the old rate as a loose prior.
+    ///
+    /// A segment that broke before it fitted a rate of its own ran on a prior (the nominal rate, or one carried
+    /// across an earlier break), and a burst that misses a prior's prediction may as well say the prior rate is
+    /// off as that the clock jumped: the new segment's prior is four times looser than the old one's. Carried
+    /// on with `break_rate_sigma_ppm` instead, a nominal rate a few hundred ppm off (after an early jump) or a
+    /// few thousand (alone) made every later burst a break, and the history never fitted a rate.
     pub(super) fn start_segment(&mut self) {
-        let prior = self
-            .latest_internal()
-            .map(|c| (c.ns_per_tick(), self.config.break_rate_sigma_ppm));
+        let carried_sigma = match self.open() {
+            Some(open) if !open.has_rate => {
+                let prior_sigma = open
+                    .rate_prior
+                    .map_or(self.config.nominal_rate_sigma_ppm, |(_, sigma)| sigma);
+                (4.0 * prior_sigma).max(self.config.break_rate_sigma_ppm)
+            }
+            _ => self.config.break_rate_sigma_ppm,
+        };
+        let prior = self.latest_internal().map(|c| (c.ns_per_tick(), carried_sigma));
         self.segments
             .push_back(Segment::new(self.next_segment, prior, self.config.window_bursts));
         self.next_segment += 1;

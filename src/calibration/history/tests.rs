@@ -609,3 +609,71 @@ fn live_conversions_of_a_clock_wandering_20x_the_prior_hold_in_every_second() {
     }
     assert!(failing.is_empty(), "{failing:#?}");
 }
+
+/// A noise-free clock of its own (not the simulator): 1 GHz nominal, `drift_ppm` off it, and `jump_ns` added to
+/// its count from reference time `jump_at_ns` on. Bursts of 8 samples bracketed ±20 ns every 250 ms for 60 s;
+/// returns the history, the breaks it found, and how many of the ticks 100 ms after each burst, converted then
+/// (before the next burst), lay inside their stated uncertainty.
+fn drifting_clock_with_a_jump(
+    drift_ppm: f64,
+    jump_at_ns: u64,
+    jump_ns: u64,
+) -> (CalibrationHistory, u64, usize, usize) {
+    let start = 1_000_000_000u64;
+    let ticks_at = |t: u64| -> u64 {
+        let ticks = ((t - start) as f64 * (1.0 + drift_ppm * 1e-6)).round() as u64 + 5_000_000;
+        ticks + if t >= jump_at_ns { jump_ns } else { 0 }
+    };
+    let mut history = CalibrationHistory::new(ClockDomain::new(64, 1.0).unwrap(), HistoryConfig::default());
+    let (mut inside, mut converted) = (0, 0);
+    for k in 0..240u64 {
+        let at = start + k * 250_000_000;
+        let burst: Vec<_> = (0..8u64)
+            .map(|i| CalibrationSample {
+                source_ticks: ticks_at(at + i * 2_000),
+                reference_ns: at + i * 2_000,
+                max_deviation_ns: 20,
+            })
+            .collect();
+        history.add_burst(&burst).unwrap();
+        let probe = at + 100_000_000;
+        if let Some(got) = history.peek(ticks_at(probe)) {
+            converted += 1;
+            inside += usize::from(got.ns.abs_diff(probe) <= got.uncertainty_ns);
+        }
+    }
+    let breaks = history.stats().breaks;
+    (history, breaks, inside, converted)
+}
+
+/// A break found before the open segment fitted a rate of its own (a jump 200 ms after the first burst) must
+/// not make every later burst a break: the new segment used to carry the nominal rate on with the break's
+/// tight 50 ppm, so a clock 400 ppm off nominal missed each next prediction (239 breaks in 240 bursts, 1 of 239
+/// conversions inside). And a nominal rate thousands of ppm off costs one break, not one per burst.
+#[test]
+fn a_break_before_any_rate_was_fitted_does_not_make_every_later_burst_a_break() {
+    for (drift_ppm, jump_ns) in [(400.0, 2_000_000), (-400.0, 2_000_000), (3_000.0, 0), (-10_000.0, 0)] {
+        let jump_at = if jump_ns > 0 { 1_200_000_000 } else { u64::MAX };
+        let (mut history, breaks, inside, converted) = drifting_clock_with_a_jump(drift_ppm, jump_at, jump_ns);
+        // Each break before a rate was fitted loosens the prior fourfold: 10,000 ppm off takes two.
+        let allowed = if drift_ppm.abs() > 5_000.0 { 2 } else { 1 };
+        assert!(breaks <= allowed, "{drift_ppm} ppm, jump {jump_ns}: {breaks} breaks");
+        assert!(
+            (history.stats().drift_ppm - drift_ppm).abs() < 1.0,
+            "{:?}",
+            history.stats()
+        );
+        assert!(
+            inside + 3 >= converted,
+            "{drift_ppm} ppm: {inside} of {converted} inside"
+        );
+        // Long after: exact, and known to be.
+        let t = 1_000_000_000u64 + 50_100_000_000;
+        let ticks = ((t - 1_000_000_000) as f64 * (1.0 + drift_ppm * 1e-6)).round() as u64 + 5_000_000 + jump_ns;
+        let got = history.convert(ticks).unwrap();
+        assert!(
+            got.ns.abs_diff(t) <= got.uncertainty_ns && got.uncertainty_ns < 1_000,
+            "{got:?}"
+        );
+    }
+}
