@@ -145,7 +145,11 @@ impl CalibrationHistory {
     fn extrapolate_back(&self, segment: &Segment, ext: u64, oldest: Knot, half_resolution: f64) -> Converted {
         // The rate of the segment's first second (knots closer together than that carry their own noise into
         // the rate: two knots 20 ms apart after a break are 50 ns off each, several ppm), else the newest fit's.
-        let ns_per_tick = match segment.knots.iter().find(|k| k.ns >= oldest.ns + 1_000_000_000) {
+        let ns_per_tick = match segment
+            .knots
+            .iter()
+            .find(|k| k.ns >= oldest.ns.saturating_add(1_000_000_000))
+        {
             Some(next) => (next.ns - oldest.ns) as f64 / (next.ticks - oldest.ticks) as f64,
             None => segment
                 .latest

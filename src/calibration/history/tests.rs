@@ -677,3 +677,30 @@ fn a_break_before_any_rate_was_fitted_does_not_make_every_later_burst_a_break() 
         );
     }
 }
+
+/// Bursts at the extremes of the reference and tick ranges (and deviations of `u64::MAX`) never panic, also in
+/// debug builds, where an overflowing add would: the reference near `u64::MAX` used to.
+#[test]
+fn samples_at_the_extremes_never_panic() {
+    let sample = |source_ticks, reference_ns, max_deviation_ns| CalibrationSample {
+        source_ticks,
+        reference_ns,
+        max_deviation_ns,
+    };
+    let bursts: [Vec<CalibrationSample>; 4] = [
+        (0..16).map(|i| sample(1_000 + i, u64::MAX - i, 1)).collect(),
+        (0..16).map(|i| sample(1_000 + i, 1_000_000 + i, u64::MAX)).collect(),
+        (0..16).map(|i| sample(u64::MAX - i, 1_000_000 + i, 1)).collect(),
+        (0..16).map(|i| sample(u64::MAX - i, u64::MAX - i, u64::MAX)).collect(),
+    ];
+    for burst in &bursts {
+        let mut h = CalibrationHistory::new(ClockDomain::new(64, 1.0).unwrap(), HistoryConfig::default());
+        for _ in 0..3 {
+            let _ = h.add_burst(burst);
+        }
+        for ticks in [0, 1_000, burst[0].source_ticks, u64::MAX] {
+            let _ = h.convert(ticks);
+            let _ = h.place(ticks, None);
+        }
+    }
+}
