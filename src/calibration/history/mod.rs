@@ -183,7 +183,9 @@ pub struct Placement {
     /// of the candidates.
     pub segment: u64,
     /// The tick lies where two segments both claim it (between the last burst before a break and the first
-    /// after it): `converted` is the hull of their answers, narrowed by the window when one was given.
+    /// after it; after a reset to a lower count, also a tick of either count that the other reaches too: see
+    /// [`CalibrationHistory::place`]): `converted` is the hull of their answers, narrowed by the window when one
+    /// was given.
     pub ambiguous: bool,
     /// No segment's answer (with its uncertainty) meets the window given: the calibration and the window
     /// disagree. `converted` is the calibration's own answer.
@@ -232,6 +234,9 @@ pub struct CalibrationHistory {
     /// The wander the stated uncertainty allows for once measured (ppm/√s): the estimate's upper confidence
     /// bound, wider while few independent second differences stand behind it.
     wander_bound: f64,
+    /// The longest reference time between two consecutive bursts so far: how long the history has gone
+    /// without one, which bounds how far past its newest burst a tick converted now can plausibly lie.
+    longest_burst_gap_ns: u64,
     stats: HistoryStats,
 }
 
@@ -282,6 +287,7 @@ impl CalibrationHistory {
             domain,
             wander: config.wander_ppm_per_sqrt_s,
             wander_bound: config.wander_ppm_per_sqrt_s,
+            longest_burst_gap_ns: 0,
             config,
             segments: VecDeque::new(),
             next_segment: 0,
@@ -364,6 +370,10 @@ impl CalibrationHistory {
             return Err(CalibrationError::TooFewSamples { needed: 1, got: 0 });
         }
         let mut burst = self.unwrap_burst(samples);
+        if let Some(newest) = self.segments.back() {
+            let at = burst.iter().map(|s| s.reference_ns).min().unwrap_or(0);
+            self.longest_burst_gap_ns = self.longest_burst_gap_ns.max(at.saturating_sub(newest.last_burst.1));
+        }
         // A value read from a counter that changes every `resolution` stands for an interval that wide: its
         // middle lies within half of it either side of the read.
         let widen = self.domain.half_resolution_ns().floor() as u64;

@@ -14,7 +14,7 @@ impl CalibrationHistory {
         let Some(ext) = self.extend(ticks) else {
             return false;
         };
-        let Some((index, _)) = self.candidates(ext).into_iter().flatten().next() else {
+        let Some((index, _)) = self.claimants(ext).into_iter().flatten().next() else {
             return false;
         };
         index + 1 < self.segments.len() || self.segments[index].knots.back().is_some_and(|k| ext <= k.ticks)
@@ -29,7 +29,7 @@ impl CalibrationHistory {
         let Some(ext) = self.extend(ticks) else {
             return false;
         };
-        let candidates = self.candidates(ext);
+        let candidates = self.claimants(ext);
         candidates.iter().flatten().next().is_some()
             && candidates.iter().flatten().all(|&(index, c)| {
                 let segment = &self.segments[index];
@@ -216,6 +216,39 @@ impl CalibrationHistory {
         found
     }
 
+    /// How far past its newest burst the open segment claims a tick when another segment claims it too: twice
+    /// the longest the history has gone without a burst, and a second. A tick converted now that lies further
+    /// ahead would have waited longer for its conversion than calibration ever waited for a burst.
+    fn forward_reach_ns(&self) -> u64 {
+        self.longest_burst_gap_ns
+            .saturating_mul(2)
+            .saturating_add(1_000_000_000)
+    }
+
+    /// [`candidates`](Self::candidates), less the open segment's answer when another segment claims `ext` too
+    /// and that answer lies further past the open segment's newest burst than [`forward_reach_ns`]
+    /// (Self::forward_reach_ns). After a reset to a lower count, the new count reaches every old tick's value
+    /// by extrapolating forward, minutes or hours past its newest burst: without this, every tick of the old
+    /// segment would be ambiguous between its own time and that future one.
+    fn claimants(&self, ext: u64) -> [Option<(usize, Converted)>; 4] {
+        let mut found = self.candidates(ext);
+        if found.iter().flatten().count() < 2 {
+            return found;
+        }
+        let open = self.segments.len() - 1;
+        let reach_end = self.segments[open].last_burst.1.saturating_add(self.forward_reach_ns());
+        let too_far = |&(index, c): &(usize, Converted)| index == open && c.ns > reach_end;
+        if found.iter().flatten().all(too_far) {
+            return found;
+        }
+        for slot in &mut found {
+            if slot.as_ref().is_some_and(too_far) {
+                *slot = None;
+            }
+        }
+        found
+    }
+
     /// Converts `ticks` to reference ns with its uncertainty, choosing among segments by what `window`
     /// (reference ns, `(earliest, latest)`) says of the true time, without the monotonic guard. `None` until
     /// the first successful fit.
@@ -225,13 +258,16 @@ impl CalibrationHistory {
     ///   more than half the counter's range (2^(valid_bits − 1) ticks: 34 s for a 36-bit counter of 1 ns ticks)
     ///   before or after the newest burst is taken a whole wrap away, with no sign of it. Convert ticks within
     ///   that distance of the calibration.
-    /// - After a reset to a lower count, a tick of the new count may also be one the old segment would have
-    ///   shown long before the history began (extrapolated back): both segments claim it and, with no window,
-    ///   the answer is their hull, [`Placement::ambiguous`]. A window (a GPU timestamp's `[recorded, read
-    ///   back]`) tells them apart.
+    /// - After a reset to a lower count, one tick value names two moments. A tick of the new count may also be
+    ///   one the old segment would have shown long before the history began (extrapolated back); a tick of the
+    ///   old count is one the new count reaches later. The old segment keeps its ticks unless the new count
+    ///   reaches their value within twice the longest gap between bursts so far, plus a second, past its
+    ///   newest burst (no tick converted now can lie further ahead than calibration ever waited); otherwise
+    ///   both segments claim the tick and, with no window, the answer is their hull, [`Placement::ambiguous`].
+    ///   A window (a GPU timestamp's `[recorded, read back]`) tells them apart.
     pub fn place(&self, ticks: u64, window: Option<(u64, u64)>) -> Option<Placement> {
         let ext = self.extend(ticks)?;
-        let candidates = self.candidates(ext);
+        let candidates = self.claimants(ext);
         let meets = |c: &Converted| match window {
             Some((lo, hi)) => {
                 c.ns.saturating_add(c.uncertainty_ns) >= lo && c.ns.saturating_sub(c.uncertainty_ns) <= hi

@@ -704,3 +704,53 @@ fn samples_at_the_extremes_never_panic() {
         }
     }
 }
+
+/// After a reset to a lower count (a counter restarting at 0 at 30 s), the old segment's ticks keep their
+/// conversion: the new count reaches their values only by extrapolating forward far past its newest burst,
+/// which no tick converted now can be. They used to become the hull of both answers (±30 s for a 1 GHz count
+/// at 30 s, days for a TSC-like one), ambiguous and never final. A tick whose value the new count passes now is
+/// genuinely either, and stays ambiguous. Noise-free clock of the test's own: 1 GHz, +100 ppm.
+#[test]
+fn after_a_reset_to_a_lower_count_old_ticks_keep_their_conversion() {
+    let (start, reset_at) = (1_000_000_000u64, 31_000_000_000u64);
+    let ticks_at = |t: u64| -> u64 {
+        let from = if t >= reset_at { reset_at } else { start };
+        ((t - from) as f64 * 1.0001).round() as u64
+    };
+    let mut history = CalibrationHistory::new(ClockDomain::new(64, 1.0).unwrap(), HistoryConfig::default());
+    let mut at = start;
+    let mut add = |history: &mut CalibrationHistory, until: u64| {
+        while at < until {
+            let burst: Vec<_> = (0..8u64)
+                .map(|i| CalibrationSample {
+                    source_ticks: ticks_at(at + i * 2_000),
+                    reference_ns: at + i * 2_000,
+                    max_deviation_ns: 20,
+                })
+                .collect();
+            history.add_burst(&burst).unwrap();
+            at += 250_000_000;
+        }
+    };
+    // Old ticks whose counts the new count reaches only seconds or more ahead of its newest burst.
+    for (after, old) in [
+        (31_500_000_000u64, [15_000_000_000u64, 29_500_000_000]),
+        (45_000_000_000, [25_000_000_000, 29_500_000_000]),
+    ] {
+        add(&mut history, after);
+        assert_eq!(history.stats().segments, 2, "{:?}", history.stats());
+        for t in old {
+            let placed = history.place(ticks_at(t), None).unwrap();
+            assert!(!placed.ambiguous, "t={t} after {after}: {placed:?}");
+            assert!(
+                placed.converted.ns.abs_diff(t) <= placed.converted.uncertainty_ns,
+                "{placed:?}"
+            );
+            assert!(placed.converted.uncertainty_ns < 1_000, "{placed:?}");
+            assert!(history.is_bracketed(ticks_at(t)));
+        }
+    }
+    // At 45 s the new count is 14 s in: an old tick of 15 s (count 14 s) has the value of a tick of now.
+    let placed = history.place(ticks_at(15_000_000_000), None).unwrap();
+    assert!(placed.ambiguous, "{placed:?}");
+}
