@@ -75,6 +75,9 @@ use wander::{second_difference, Innovation, MIN_WINDOW};
 /// Burst points kept per segment for the second differences.
 const POINTS: usize = 64;
 
+/// [`HistoryConfig::wander_ppm_per_sqrt_s`]'s default.
+const DEFAULT_WANDER_PRIOR: f64 = 0.05;
+
 /// How a [`CalibrationHistory`] filters, fits, detects breaks and remembers.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct HistoryConfig {
@@ -132,7 +135,7 @@ impl Default for HistoryConfig {
             burst_keep: 0.25,
             window_bursts: 16,
             max_knots: 4096,
-            wander_ppm_per_sqrt_s: 0.05,
+            wander_ppm_per_sqrt_s: DEFAULT_WANDER_PRIOR,
             min_rate_span_ns: 20_000_000,
             nominal_rate_sigma_ppm: 500.0,
             break_sigmas: 5.0,

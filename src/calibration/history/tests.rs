@@ -754,3 +754,88 @@ fn after_a_reset_to_a_lower_count_old_ticks_keep_their_conversion() {
     let placed = history.place(ticks_at(15_000_000_000), None).unwrap();
     assert!(placed.ambiguous, "{placed:?}");
 }
+
+/// Setting the wander prior near what the clock does, as its docs advise, converts about as well as leaving
+/// the default prior for the estimate to outgrow. It kept the full 16-burst window instead (the window only
+/// shortened for wander beyond twice the prior) and converted about ten times worse (p50 273 against 34 ns at 1
+/// ppm/√s in the audit). The clock is the test's own: a rate random-walking 1 ppm/√s in 1 ms steps, bursts of
+/// 8 reads every 250 ms, each read somewhere in a ±20 ns bracket.
+#[test]
+fn a_wander_prior_set_to_the_clock_s_wander_converts_as_well_as_the_default() {
+    // The truth: ticks (1 GHz nominal) at each ms of reference time.
+    let (step_ns, steps) = (1_000_000u64, 60_000usize);
+    let mut rate_ppm = 30.0f64;
+    let mut ticks = Vec::with_capacity(steps + 1);
+    let mut count = 1_000_000f64;
+    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+    let mut uniform = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        (rng >> 11) as f64 / (1u64 << 53) as f64
+    };
+    for _ in 0..=steps {
+        ticks.push(count);
+        // A normal step from twelve uniforms: 1 ppm/√s over 1 ms.
+        let normal: f64 = (0..12).map(|_| uniform()).sum::<f64>() - 6.0;
+        rate_ppm += normal * 1.0 * (1e-3f64).sqrt();
+        count += step_ns as f64 * (1.0 + rate_ppm * 1e-6);
+    }
+    let start = 1_000_000_000u64;
+    let ticks_at = |t: u64| -> u64 {
+        let i = ((t - start) / step_ns) as usize;
+        let frac = ((t - start) % step_ns) as f64 / step_ns as f64;
+        (ticks[i] + (ticks[i + 1] - ticks[i]) * frac).round() as u64
+    };
+    let mut bursts = Vec::new();
+    let mut at = start;
+    while at + 300_000_000 < start + steps as u64 * step_ns {
+        let burst: Vec<_> = (0..8u64)
+            .map(|k| {
+                let read = at + k * 3_000;
+                // The read lies anywhere within ±20 ns of the bracket's middle.
+                let middle = (read as f64 + (uniform() - 0.5) * 40.0) as u64;
+                CalibrationSample {
+                    source_ticks: ticks_at(read),
+                    reference_ns: middle,
+                    max_deviation_ns: 20,
+                }
+            })
+            .collect();
+        bursts.push(burst);
+        at += 250_000_000;
+    }
+    let errors = |prior: f64| {
+        let config = HistoryConfig {
+            wander_ppm_per_sqrt_s: prior,
+            ..HistoryConfig::default()
+        };
+        let mut history = CalibrationHistory::new(ClockDomain::new(64, 1.0).unwrap(), config);
+        for burst in &bursts {
+            history.add_burst(burst).unwrap();
+        }
+        let (mut errors, mut inside) = (Vec::new(), 0);
+        let mut t = start + 10_000_000_000;
+        while t < start + 55_000_000_000 {
+            let got = history.peek(ticks_at(t)).unwrap();
+            errors.push(got.ns.abs_diff(t));
+            inside += usize::from(got.ns.abs_diff(t) <= got.uncertainty_ns);
+            t += 10_000_000;
+        }
+        errors.sort_unstable();
+        (errors[errors.len() / 2], inside as f64 / errors.len() as f64)
+    };
+    let (default_p50, default_inside) = errors(HistoryConfig::default().wander_ppm_per_sqrt_s);
+    let (told_p50, told_inside) = errors(1.0);
+    eprintln!(
+        "p50: default prior {default_p50} ns, prior 1 ppm/√s {told_p50} ns; inside {default_inside} / {told_inside}"
+    );
+    assert!(
+        told_p50 <= default_p50 * 3 / 2 + 10,
+        "prior 1: p50 {told_p50} ns, default {default_p50} ns"
+    );
+    assert!(
+        default_inside >= 0.95 && told_inside >= 0.95,
+        "{default_inside} {told_inside}"
+    );
+}

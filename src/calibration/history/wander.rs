@@ -182,14 +182,19 @@ impl CalibrationHistory {
         (covered / span).min(self.innovations.len() as f64)
     }
 
-    /// How many of the open segment's recent bursts to fit: all of them while the wander is the prior's;
-    /// fewer when it is larger, where a line over more bursts would miss the bending clock at its end by more
-    /// than the extra bursts average away.
+    /// How many of the open segment's recent bursts to fit: all of them while the wander is small; fewer when
+    /// it is larger, where a line over more bursts would miss the bending clock at its end by more than the
+    /// extra bursts average away.
     pub(super) fn effective_window(&self, segment: &Segment) -> usize {
         let n = segment.window.len().min(segment.window_limit.max(MIN_WINDOW));
-        // Within twice the prior the estimate is noise more than news: the full window (its knots are the most
-        // accurate conversion, and more samples outvote an outlier).
-        if n <= MIN_WINDOW || self.wander <= 2.0 * self.config.wander_ppm_per_sqrt_s {
+        // Within twice a small prior (the default's, or a smaller one) the estimate is noise more than news:
+        // the full window (its knots are the most accurate conversion, and more samples outvote an outlier).
+        // A larger prior is news itself (the clock is known to wander that much): the window fits it, as it
+        // fits an estimate that large. (Compared with the prior as given, a prior set to the clock's true
+        // wander of 1 ppm/√s kept the full window, 4 s, and converted ten times worse than the default prior
+        // whose estimate found the same wander.)
+        let noise_floor = 2.0 * self.config.wander_ppm_per_sqrt_s.min(super::DEFAULT_WANDER_PRIOR);
+        if n <= MIN_WINDOW || self.wander <= noise_floor {
             return n;
         }
         // One burst's offset error as its brackets imply it (uniform within ± the deviation).
