@@ -204,6 +204,11 @@ impl ClockCalibration {
     ///
     /// Samples may come in any order and their ticks may wrap at `2^valid_bits`: they are unwrapped in
     /// reference-time order, so consecutive samples must be less than half the counter's range apart.
+    ///
+    /// The stated uncertainty is never less than what the brackets allow: the fitted line may lie anywhere
+    /// that most samples' brackets (`reference_ns ± max_deviation_ns`) agree on, and reads that all lean one
+    /// way in their brackets (a read late in each) move every sample, and the line, to the same side, which
+    /// the residuals cannot show.
     pub fn fit(
         samples: &[CalibrationSample],
         options: &FitOptions,
@@ -212,7 +217,10 @@ impl ClockCalibration {
     ) -> Result<Self, CalibrationError> {
         let unwrapped = unwrap_ticks(samples, domain);
         let line = fit_line(&unwrapped, options)?;
-        Self::from_line(&line, domain, calibrated_at_ns)
+        let fit = Self::from_line(&line, domain, calibrated_at_ns)?;
+        // Two standard errors at the anchor reach the far edge of the region the brackets agree on.
+        let floor = bracket_agreement_ns(&fit, &unwrapped);
+        Ok(fit.with_min_intercept_sigma(floor / 2.0))
     }
 
     /// Builds the fixed-point segment from a fitted line (whose ticks are unwrapped).
@@ -294,7 +302,11 @@ impl ClockCalibration {
     /// `ppm_per_sqrt_s` ppm per √second, so a conversion `d` seconds beyond the sampled window gains an error
     /// of about `ppm_per_sqrt_s · d^1.5 / √3` µs (the integral of that walk) and
     /// `0.6 · ppm_per_sqrt_s · √span · d` µs (the fitted rate is about the window's mean rate, not its newest),
-    /// which the uncertainty includes.
+    /// which the uncertainty includes. Inside the sampled window the statement is the line's alone: a clock
+    /// that wanders strongly bends away from a line fitted over a long window (measured at 1 ppm/√s over a 2 s
+    /// window: about half of single timestamps inside, 80 % in the second after it). Fit a window no longer
+    /// than the wander allows, or use a [`CalibrationHistory`](super::CalibrationHistory), which shortens its
+    /// window to the wander it measures.
     pub fn with_wander(mut self, ppm_per_sqrt_s: f64) -> Self {
         self.wander_ppm = if ppm_per_sqrt_s.is_finite() {
             ppm_per_sqrt_s.abs()
@@ -395,7 +407,9 @@ impl ClockCalibration {
     /// [`to_reference_ns`](Self::to_reference_ns) to within one tick where a tick lasts at least a nanosecond.
     /// A shorter tick (a GHz counter) is finer than the whole nanoseconds `to_reference_ns` rounds to, so a
     /// round trip ticks -> ns -> ticks is then exact to within half a nanosecond's ticks, plus one: 2 ticks
-    /// at 0.3125 ns per tick.
+    /// at 0.3125 ns per tick. That holds up to about a day from the anchor: further away the inverse rate's
+    /// rounding adds a few ticks per year of distance (measured: 4 ticks at a year, 33 at ten, for 1 ns
+    /// ticks), and beyond 2^63 ns the distance is clamped.
     pub fn from_reference_ns(&self, ns: u64) -> u64 {
         let delta_ns = ns as i128 - self.anchor_ns as i128;
         let delta_ns = delta_ns.clamp(i64::MIN as i128, i64::MAX as i128) as i64;
@@ -491,6 +505,38 @@ fn finite_or_zero(x: f64) -> f64 {
     } else {
         0.0
     }
+}
+
+/// How far the line through `fit` may lie from the truth by what the samples' brackets say, whatever the
+/// residuals: each bracket holds the truth, so the line's error lies in `[residual - deviation, residual +
+/// deviation]` of every sample; where most of those intervals overlap (Marzullo's count, robust to the few an
+/// outlier contributes), the farther edge of that region from 0. 0 when fewer than half agree anywhere.
+fn bracket_agreement_ns(fit: &ClockCalibration, samples: &[CalibrationSample]) -> f64 {
+    let mut edges: Vec<(f64, i32)> = Vec::with_capacity(2 * samples.len());
+    for s in samples {
+        let residual = s.reference_ns as f64 - fit.to_reference_ns(s.source_ticks & fit.domain.mask()) as f64;
+        let deviation = s.max_deviation_ns as f64;
+        if residual.is_finite() && deviation.is_finite() {
+            edges.push((residual - deviation, 1));
+            edges.push((residual + deviation, -1));
+        }
+    }
+    // Openings before closings at one point: touching brackets agree there.
+    edges.sort_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)));
+    let (mut count, mut best, mut region) = (0, 0, (0.0, 0.0));
+    for (k, &(at, step)) in edges.iter().enumerate() {
+        count += step;
+        if step > 0 && count > best {
+            best = count;
+            // The region runs to the next closing edge.
+            let end = edges[k + 1..].iter().find(|e| e.1 < 0).map_or(at, |e| e.0);
+            region = (at, end);
+        }
+    }
+    if (best as usize) * 2 < samples.len() || best == 0 {
+        return 0.0;
+    }
+    region.0.abs().max(region.1.abs())
 }
 
 /// Samples sorted by reference time with their ticks unwrapped into a continuous u64 count.

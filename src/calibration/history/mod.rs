@@ -115,7 +115,9 @@ pub struct HistoryConfig {
     /// The standard error, in ppm, of the rate a segment starts with after a break (the previous segment's
     /// rate: a step in rate is not known until the new segment spans `min_rate_span_ns`).
     pub break_rate_sigma_ppm: f64,
-    /// At most this many segments are kept (at least 2); the oldest are dropped with their knots.
+    /// At most this many segments are kept (at least 2); the oldest are dropped with their knots. A tick of a
+    /// dropped segment then converts by the oldest segment kept (extrapolated back across the breaks between),
+    /// wrong by those breaks and not marked: convert ticks before their segment goes.
     pub max_segments: usize,
     /// How many standard errors of the map a conversion states (plus half the counter's resolution). Every
     /// timestamp converted with one fit shares that fit's error, so the errors of a whole second of timestamps
