@@ -31,14 +31,18 @@ pub struct CalibrationSample {
 
 impl CalibrationSample {
     /// A sample whose source read `source_ticks` happened somewhere in `[before_ns, after_ns]` on the reference
-    /// clock: the midpoint, and half the width rounded up (at least 1 ns) as the deviation.
+    /// clock: the midpoint, and half the width rounded up (at least 1 ns) as the deviation. The two reads in
+    /// the other order (a reference clock read backwards, or arguments swapped) bracket the same interval.
     ///
     /// ```
-    /// let s = tickline::calibration::CalibrationSample::from_bracket(42, 1_000, 1_010);
+    /// use tickline::calibration::CalibrationSample;
+    /// let s = CalibrationSample::from_bracket(42, 1_000, 1_010);
     /// assert_eq!((s.reference_ns, s.max_deviation_ns), (1_005, 5));
+    /// assert_eq!(CalibrationSample::from_bracket(42, 1_010, 1_000), s);
     /// ```
     pub fn from_bracket(source_ticks: u64, before_ns: u64, after_ns: u64) -> CalibrationSample {
-        let width = after_ns.saturating_sub(before_ns);
+        let (before_ns, after_ns) = (before_ns.min(after_ns), before_ns.max(after_ns));
+        let width = after_ns - before_ns;
         CalibrationSample {
             source_ticks,
             reference_ns: before_ns + width / 2,
