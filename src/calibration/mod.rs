@@ -122,6 +122,12 @@ impl std::error::Error for CalibrationError {}
 pub(crate) struct SplitMix64(pub(crate) u64);
 
 impl SplitMix64 {
+    /// Uniform in `[0, 1)` with 53 random bits (tests' own clock models).
+    #[cfg(test)]
+    pub(crate) fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
     pub(crate) fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;

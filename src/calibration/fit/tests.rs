@@ -664,13 +664,8 @@ fn a_fit_states_what_brackets_leaning_one_way_allow() {
     use crate::calibration::{ClockCalibration, ClockDomain};
     let domain = ClockDomain::new(64, 1.0).unwrap();
     let truth = |ticks: u64| -> u64 { 5_000_000_000 + ((ticks - 1_000_000) as f64 * 1.00005).round() as u64 };
-    let mut rng = 12345u64;
-    let mut uniform = move || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        (rng >> 11) as f64 / (1u64 << 53) as f64
-    };
+    let mut rng = crate::calibration::SplitMix64(12345);
+    let mut uniform = move || rng.uniform();
     // (bracket half-width, where in the bracket the read happens: 0 start, 1 end)
     for (half_width, lean) in [(3_000.0f64, Some(0.95)), (20.0, None)] {
         let samples: Vec<CalibrationSample> = (0..64u64)

@@ -610,6 +610,18 @@ fn live_conversions_of_a_clock_wandering_20x_the_prior_hold_in_every_second() {
     assert!(failing.is_empty(), "{failing:#?}");
 }
 
+/// A burst of 8 exact reads 2 µs apart from `at`, each bracketed ±20 ns, of a clock whose count at reference
+/// time `t` is `ticks_at(t)`.
+fn exact_burst(ticks_at: &impl Fn(u64) -> u64, at: u64) -> Vec<CalibrationSample> {
+    (0..8u64)
+        .map(|i| CalibrationSample {
+            source_ticks: ticks_at(at + i * 2_000),
+            reference_ns: at + i * 2_000,
+            max_deviation_ns: 20,
+        })
+        .collect()
+}
+
 /// A noise-free clock of its own (not the simulator): 1 GHz nominal, `drift_ppm` off it, and `jump_ns` added to
 /// its count from reference time `jump_at_ns` on. Bursts of 8 samples bracketed ±20 ns every 250 ms for 60 s;
 /// returns the history, the breaks it found, and how many of the ticks 100 ms after each burst, converted then
@@ -628,14 +640,7 @@ fn drifting_clock_with_a_jump(
     let (mut inside, mut converted) = (0, 0);
     for k in 0..240u64 {
         let at = start + k * 250_000_000;
-        let burst: Vec<_> = (0..8u64)
-            .map(|i| CalibrationSample {
-                source_ticks: ticks_at(at + i * 2_000),
-                reference_ns: at + i * 2_000,
-                max_deviation_ns: 20,
-            })
-            .collect();
-        history.add_burst(&burst).unwrap();
+        history.add_burst(&exact_burst(&ticks_at, at)).unwrap();
         let probe = at + 100_000_000;
         if let Some(got) = history.peek(ticks_at(probe)) {
             converted += 1;
@@ -721,14 +726,7 @@ fn after_a_reset_to_a_lower_count_old_ticks_keep_their_conversion() {
     let mut at = start;
     let mut add = |history: &mut CalibrationHistory, until: u64| {
         while at < until {
-            let burst: Vec<_> = (0..8u64)
-                .map(|i| CalibrationSample {
-                    source_ticks: ticks_at(at + i * 2_000),
-                    reference_ns: at + i * 2_000,
-                    max_deviation_ns: 20,
-                })
-                .collect();
-            history.add_burst(&burst).unwrap();
+            history.add_burst(&exact_burst(&ticks_at, at)).unwrap();
             at += 250_000_000;
         }
     };
@@ -767,13 +765,8 @@ fn a_wander_prior_set_to_the_clock_s_wander_converts_as_well_as_the_default() {
     let mut rate_ppm = 30.0f64;
     let mut ticks = Vec::with_capacity(steps + 1);
     let mut count = 1_000_000f64;
-    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
-    let mut uniform = move || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        (rng >> 11) as f64 / (1u64 << 53) as f64
-    };
+    let mut rng = crate::calibration::SplitMix64(7);
+    let mut uniform = move || rng.uniform();
     for _ in 0..=steps {
         ticks.push(count);
         // A normal step from twelve uniforms: 1 ppm/√s over 1 ms.
