@@ -1109,7 +1109,9 @@ mod tests {
         let s = CalibrationSample::from_bracket(42, 1_000, 1_010);
         assert_eq!((s.source_ticks, s.reference_ns, s.max_deviation_ns), (42, 1_005, 5));
         assert_eq!(CalibrationSample::from_bracket(1, 7, 7).max_deviation_ns, 1);
-        assert_eq!(CalibrationSample::from_bracket(1, 10, 3).reference_ns, 10);
+        // Reads in the other order bracket the same interval.
+        let reversed = CalibrationSample::from_bracket(1, 10, 3);
+        assert_eq!((reversed.reference_ns, reversed.max_deviation_ns), (6, 4));
     }
 
     #[test]
