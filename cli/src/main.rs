@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use tickline_cli::input::Input;
 use tickline_cli::output::print_report;
 
 use clap::{Parser, Subcommand};
@@ -86,7 +87,9 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Clock { seconds, json } => tickline_cli::clock::run(seconds, json),
-        Command::Convert { input, output, json } => match tickline_cli::capture::convert(&input, &output) {
+        Command::Convert { input, output, json } => match Input::open(&input)
+            .and_then(|input| tickline_cli::capture::convert(input.path(), &output).map_err(|e| input.named(e)))
+        {
             Ok(summary) => {
                 let report = if json {
                     let mut summary = tickline_cli::capture::summary_json(&summary);
@@ -106,14 +109,23 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
-        Command::Stats { file, json } => match tickline_cli::capture::is_capture_file(&file) {
-            Ok(true) => capture_stats(&file, json),
-            Ok(false) => stats(file, json),
-            Err(e) => {
-                eprintln!("tickline stats: {}: cannot read: {e}", file.display());
-                ExitCode::FAILURE
+        Command::Stats { file, json } => {
+            let input = match Input::open(&file) {
+                Ok(input) => input,
+                Err(e) => {
+                    eprintln!("tickline stats: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            match tickline_cli::capture::is_capture_file(input.path()) {
+                Ok(true) => capture_stats(&input, json),
+                Ok(false) => stats(&input, json),
+                Err(e) => {
+                    eprintln!("tickline stats: {}: cannot read: {e}", file.display());
+                    ExitCode::FAILURE
+                }
             }
-        },
+        }
         Command::Merge {
             inputs,
             output,
@@ -121,17 +133,35 @@ fn main() -> ExitCode {
             flow_out,
             flow_in,
         } => {
+            let mut opened = Vec::with_capacity(inputs.len());
+            for path in &inputs {
+                match Input::open(path) {
+                    Ok(input) => opened.push(input),
+                    Err(e) => {
+                        eprintln!("tickline merge: {e}");
+                        return ExitCode::FAILURE;
+                    }
+                }
+            }
+            // The reference names one of the inputs: its readable path.
+            let reference = reference.map(|r| {
+                opened
+                    .iter()
+                    .find(|input| input.original() == r.as_path())
+                    .map_or(r.clone(), |input| input.path().to_owned())
+            });
             let options = tickline_cli::merge::MergeOptions {
-                inputs,
+                inputs: opened.iter().map(|input| input.path().to_owned()).collect(),
                 output,
                 reference,
                 flow_out,
                 flow_in,
             };
+            let named = |text: String| opened.iter().fold(text, |text, input| input.named(text));
             match tickline_cli::merge::merge(&options) {
-                Ok(report) => print_report("merge", &report.to_string()),
+                Ok(report) => print_report("merge", &named(report.to_string())),
                 Err(e) => {
-                    eprintln!("tickline merge: {e}");
+                    eprintln!("tickline merge: {}", named(e.to_string()));
                     ExitCode::FAILURE
                 }
             }
@@ -139,8 +169,8 @@ fn main() -> ExitCode {
     }
 }
 
-fn capture_stats(file: &std::path::Path, json: bool) -> ExitCode {
-    match tickline_cli::capture::stats(file) {
+fn capture_stats(input: &Input, json: bool) -> ExitCode {
+    match tickline_cli::capture::stats(input.path()).map_err(|e| input.named(e)) {
         Ok(summary) => {
             let report = if json {
                 format!("{}\n", tickline_cli::capture::summary_json(&summary))
@@ -157,8 +187,8 @@ fn capture_stats(file: &std::path::Path, json: bool) -> ExitCode {
 }
 
 #[cfg(feature = "protos")]
-fn stats(file: PathBuf, json: bool) -> ExitCode {
-    match tickline_cli::stats::read(&file) {
+fn stats(input: &Input, json: bool) -> ExitCode {
+    match tickline_cli::stats::read(input.path()).map_err(|e| input.named(e)) {
         Ok(stats) => {
             let report = if json {
                 format!("{}\n", stats.to_json())
@@ -175,7 +205,7 @@ fn stats(file: PathBuf, json: bool) -> ExitCode {
 }
 
 #[cfg(not(feature = "protos"))]
-fn stats(_file: PathBuf, _json: bool) -> ExitCode {
+fn stats(_input: &Input, _json: bool) -> ExitCode {
     eprintln!("tickline stats: this build has no Perfetto schema (rebuild tickline-cli with its `protos` feature)");
     ExitCode::FAILURE
 }

@@ -281,7 +281,7 @@ impl std::fmt::Display for MergeReport {
         let machines = self.machines.len();
         writeln!(
             f,
-            "merged {traces} {} from {machines} {} into {}: {} packets, {} flows ({} across processes)",
+            "merged {traces} {} from {machines} {} into {}: {} packets, {} flows from flow fields ({} across processes)",
             plural(traces, "trace", "traces"),
             plural(machines, "machine", "machines"),
             self.output.display(),

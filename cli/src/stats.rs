@@ -115,7 +115,7 @@ const CPU_CLOCK_EVENT: &str = "tickline: CPU clock";
 /// Decodes every packet of `path` with Perfetto's schema. A file that ends inside a packet is read up to its
 /// last whole packet (and says so); a packet the schema cannot decode is an error naming it.
 pub fn read(path: &Path) -> Result<TraceStats, String> {
-    let data = std::fs::read(path).map_err(|e| format!("{}: cannot read: {e}", path.display()))?;
+    let data = crate::wire::read_trace_bytes(path).map_err(|e| format!("{}: {e}", path.display()))?;
     if data.is_empty() {
         // Framed, an empty file is a trace of no packets; as a file to look at, it is no trace at all.
         return Err(format!(
@@ -369,7 +369,7 @@ impl std::fmt::Display for TraceStats {
             self.bytes,
             human_ns(span),
             match self.cut_at {
-                Some(at) => format!(" (cut inside a packet at byte {at}: read up to it)"),
+                Some(at) => format!(" (cut at byte {at}, inside a packet or where zero bytes begin: read up to it)"),
                 None => String::new(),
             }
         )?;

@@ -196,11 +196,22 @@ impl TraceFile {
             path: path.to_owned(),
             message,
         };
-        let data = std::fs::read(path).map_err(|e| err(format!("cannot read: {e}")))?;
+        let data = crate::wire::read_trace_bytes(path).map_err(err)?;
         if data.is_empty() {
             return Err(err("the file is empty".into()));
         }
         let framing = wire::framing(&data).map_err(|e| err(e.to_string()))?;
+        // Merge reads only the fields it needs and copies the rest: a packet Perfetto's schema cannot decode
+        // would go into the merged trace as it is, and `tickline stats` (or Perfetto) reject that trace.
+        #[cfg(feature = "protos")]
+        for (index, &(start, end)) in framing.packets.iter().enumerate() {
+            use protobuf::Message;
+            if let Err(e) = perfetto_protos::trace_packet::TracePacket::parse_from_bytes(&data[start..end]) {
+                return Err(err(format!(
+                    "packet {index} (byte {start}): {e}: not a well-formed trace"
+                )));
+            }
+        }
         let mut t = TraceFile {
             path: path.to_owned(),
             packets: framing.packets,

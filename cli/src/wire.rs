@@ -125,12 +125,36 @@ pub struct Framing {
     pub cut_at: Option<usize>,
 }
 
+/// Reads the file at `path` whole, having first looked at its first packet's key: a file that does not start
+/// like a Perfetto trace (a disk image, a multi-GB file of zeros) is refused without being read into memory.
+pub fn read_trace_bytes(path: &std::path::Path) -> Result<Vec<u8>, String> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(path).map_err(|e| format!("cannot read: {e}"))?;
+    let mut first = [0u8; 1];
+    let n = file.read(&mut first).map_err(|e| format!("cannot read: {e}"))?;
+    if n == 1 && first[0] != (1 << 3 | 2) {
+        return Err(format!(
+            "byte 0: field key {} is not a Trace.packet: not a Perfetto protobuf trace",
+            first[0]
+        ));
+    }
+    let mut data = first[..n].to_vec();
+    file.read_to_end(&mut data).map_err(|e| format!("cannot read: {e}"))?;
+    Ok(data)
+}
+
 /// Splits a trace into packets. A file that ends inside a packet (a killed process) yields its whole
-/// packets and `cut_at`; anything else malformed is an error.
+/// packets and `cut_at`, and so does one whose whole packets are followed by nothing but zero bytes (a file
+/// system that extended the file after a crash without its data: a classic of delayed allocation); anything
+/// else malformed is an error.
 pub fn framing(data: &[u8]) -> Result<Framing, WireError> {
     let mut out = Framing::default();
     let mut pos = 0;
     while pos < data.len() {
+        if !out.packets.is_empty() && data[pos] == 0 && data[pos..].iter().all(|&b| b == 0) {
+            out.cut_at = Some(pos);
+            break;
+        }
         let mut rest = &data[pos..];
         let key = match decode_varint(&mut rest) {
             Ok(k) => k,
@@ -185,6 +209,26 @@ pub fn put_fixed64(buf: &mut Vec<u8>, number: u32, value: u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Whole packets then zeros (a crash's zero-filled tail): read up to the zeros, which are the cut. Zeros
+    /// before any packet, or junk that is not all zeros, are still errors.
+    #[test]
+    fn a_zero_filled_tail_is_a_cut() {
+        let mut data = Vec::new();
+        for n in 0..3u64 {
+            let mut packet = Vec::new();
+            put_varint(&mut packet, 8, n + 1);
+            put_bytes(&mut data, 1, &packet);
+        }
+        let whole = data.len();
+        data.extend_from_slice(&[0; 4096]);
+        let f = framing(&data).unwrap();
+        assert_eq!((f.packets.len(), f.cut_at), (3, Some(whole)));
+        assert!(framing(&[0; 64]).is_err());
+        let mut junk = data[..whole].to_vec();
+        junk.extend_from_slice(&[0, 0, 7, 0]);
+        assert!(framing(&junk).is_err());
+    }
 
     #[test]
     fn framing_stops_at_a_cut_packet_at_every_byte() {

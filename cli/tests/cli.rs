@@ -83,8 +83,8 @@ fn stats_of_an_empty_file_is_a_clear_error() {
 }
 
 /// A raw capture recorded here: spans with fields, native scopes and an event, on two threads.
-/// One timeline at a time: native macros record into the most recently started timeline, so two tests'
-/// timelines side by side would take each other's scopes.
+/// One timeline at a time: native macros on a thread that started no timeline record into the most recently
+/// started one, so two tests' timelines side by side would take each other's threads' scopes.
 fn exclusive() -> std::sync::MutexGuard<'static, ()> {
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
     LOCK.lock().unwrap_or_else(|e| e.into_inner())
@@ -547,4 +547,120 @@ fn merge_flow_options_and_packetless_files_are_clear_errors() {
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("no whole packet"), "{stderr}");
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Writes `bytes` into a new FIFO at `path` from another thread (the reader opens it); None where no FIFO can
+/// be made.
+fn fifo_with(path: &std::path::Path, bytes: Vec<u8>) -> Option<std::thread::JoinHandle<()>> {
+    let made = Command::new("mkfifo").arg(path).status();
+    if !made.is_ok_and(|s| s.success()) {
+        return None;
+    }
+    let path = path.to_owned();
+    Some(std::thread::spawn(move || std::fs::write(path, bytes).unwrap()))
+}
+
+/// A trace or capture through a pipe (here a FIFO: `<(cat FILE)` and `/dev/stdin` are the same to tickline):
+/// read like the file itself. The kind was told from the first bytes, and the file opened again from the
+/// start, where a pipe had already given them away.
+#[test]
+#[cfg(feature = "protos")]
+fn stats_convert_and_merge_read_pipes() {
+    let dir = scratch("pipes");
+    let (trace, capture) = (dir.join("t.pftrace"), dir.join("t.tickline"));
+    record_trace_and_capture(&trace, &capture);
+    let expected = tickline(&["stats", trace.to_str().unwrap(), "--json"]);
+    assert!(expected.status.success());
+    let fifo = dir.join("pipe");
+    let cases: [(&std::path::Path, Vec<&str>); 3] = [
+        (&trace, vec!["stats", "PIPE", "--json"]),
+        (&capture, vec!["convert", "PIPE", "-o", "OUT"]),
+        (&trace, vec!["merge", "PIPE", "-o", "OUT"]),
+    ];
+    for (source, args) in cases {
+        let Some(writer) = fifo_with(&fifo, std::fs::read(source).unwrap()) else {
+            eprintln!("SKIP: no mkfifo here");
+            return;
+        };
+        let out_path = dir.join("out.pftrace");
+        let args: Vec<String> = args
+            .iter()
+            .map(|a| match *a {
+                "PIPE" => fifo.display().to_string(),
+                "OUT" => out_path.display().to_string(),
+                other => other.to_owned(),
+            })
+            .collect();
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = tickline(&args);
+        writer.join().unwrap();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if args[0] == "stats" {
+            let json = |o: &std::process::Output| -> serde_json::Value { serde_json::from_slice(&o.stdout).unwrap() };
+            assert_eq!(json(&out)["slices_by_name"], json(&expected)["slices_by_name"]);
+        } else {
+            let merged = tickline(&["stats", out_path.to_str().unwrap()]);
+            assert!(merged.status.success(), "{}", String::from_utf8_lossy(&merged.stderr));
+            // Reports name the pipe, not a temporary copy.
+            assert!(String::from_utf8_lossy(&out.stdout).contains(fifo.to_str().unwrap()) || args[0] == "convert");
+        }
+        std::fs::remove_file(&fifo).unwrap();
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A trace whose whole packets are followed by zero bytes (a file system that extended the file without its
+/// data after a crash) reads up to the zeros, as a cut trace does; `merge` takes it too. A packet Perfetto's
+/// schema cannot decode is refused by `merge` as by `stats`: copied as it was, it made a merged trace that
+/// `stats` rejected.
+#[test]
+#[cfg(feature = "protos")]
+fn a_zero_tail_is_a_cut_and_a_malformed_packet_is_refused_by_merge() {
+    let dir = scratch("tails");
+    let (trace, capture) = (dir.join("t.pftrace"), dir.join("t.tickline"));
+    record_trace_and_capture(&trace, &capture);
+    let whole = std::fs::read(&trace).unwrap();
+    let mut zero_tail = whole.clone();
+    zero_tail.extend_from_slice(&[0; 4096]);
+    let tail_path = dir.join("zeros.pftrace");
+    std::fs::write(&tail_path, &zero_tail).unwrap();
+    let out = tickline(&["stats", tail_path.to_str().unwrap(), "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stats: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(stats["cut_at"], serde_json::json!(whole.len()));
+    let merged = dir.join("merged.pftrace");
+    let out = tickline(&["merge", tail_path.to_str().unwrap(), "-o", merged.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+
+    // The first field key of the last packet's body made field number 0: the framing still holds.
+    let mut bad = whole.clone();
+    let (mut pos, mut last_body) = (0, 0);
+    while pos < bad.len() {
+        let len_at = pos + 1;
+        let (mut len, mut shift, mut k) = (0usize, 0, len_at);
+        loop {
+            let b = bad[k];
+            len |= usize::from(b & 0x7f) << shift;
+            k += 1;
+            if b & 0x80 == 0 {
+                break;
+            }
+            shift += 7;
+        }
+        last_body = k;
+        pos = k + len;
+    }
+    bad[last_body] = 0;
+    let bad_path = dir.join("bad.pftrace");
+    std::fs::write(&bad_path, &bad).unwrap();
+    let stats = tickline(&["stats", bad_path.to_str().unwrap()]);
+    assert!(!stats.status.success());
+    let out = tickline(&["merge", bad_path.to_str().unwrap(), "-o", merged.to_str().unwrap()]);
+    assert!(!out.status.success(), "merge took a packet stats refuses");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a well-formed trace"));
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -533,7 +533,10 @@ fn merge_links_every_receiver_once_where_a_trace_already_linked_one() {
     ]);
     let report = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(out.status.success(), "{report}{}", String::from_utf8_lossy(&out.stderr));
-    assert!(report.contains("2 flows (1 across processes)"), "{report}");
+    assert!(
+        report.contains("2 flows from flow fields (1 across processes)"),
+        "{report}"
+    );
     let Some(script) = checker() else { return };
     for (trace, flows) in [(&a, "1 flows"), (&merged, "2 flows")] {
         let out = Command::new("python3").arg(&script).arg(trace).output().unwrap();
