@@ -60,6 +60,13 @@ impl ClockDomain {
         Ok(self)
     }
 
+    /// The same domain counted without wrapping (64 valid bits): the history fits and converts in its own
+    /// unwrapped count, where a counter narrower than the distance from a fit's anchor to a tick (a 30-bit ns
+    /// counter wraps every 1.07 s; a fit's anchor sits seconds back) must not be taken the short way round.
+    pub(crate) fn unwrapped(self) -> ClockDomain {
+        ClockDomain { valid_bits: 64, ..self }
+    }
+
     /// How often the counter changes, in ns: at least one tick ([`nominal_ns_per_tick`](Self::nominal_ns_per_tick)
     /// unless [`with_resolution_ns`](Self::with_resolution_ns) said more).
     pub fn resolution_ns(&self) -> f64 {
@@ -221,6 +228,19 @@ impl ClockCalibration {
         // Two standard errors at the anchor reach the far edge of the region the brackets agree on.
         let floor = bracket_agreement_ns(&fit, &unwrapped);
         Ok(fit.with_min_intercept_sigma(floor / 2.0))
+    }
+
+    /// The same calibration in `domain` (the same rate and nominal period; ticks masked to its valid bits): a
+    /// fit made in a history's unwrapped count, given out in the source's own domain.
+    pub(crate) fn in_domain(self, domain: ClockDomain) -> Self {
+        let mask = domain.mask();
+        ClockCalibration {
+            domain,
+            anchor_ticks: self.anchor_ticks & mask,
+            first_ticks: self.first_ticks & mask,
+            last_ticks: self.last_ticks & mask,
+            ..self
+        }
     }
 
     /// Builds the fixed-point segment from a fitted line (whose ticks are unwrapped).

@@ -39,7 +39,9 @@ impl CalibrationHistory {
             segment.knots.pop_back();
         }
         segment.latest = suspect.pre_fit;
-        segment.latest_public = suspect.pre_fit.map(|c| c.with_ticks_shifted(self.origin));
+        segment.latest_public = suspect
+            .pre_fit
+            .map(|c| c.in_domain(self.domain).with_ticks_shifted(self.origin));
         segment.has_rate = suspect.pre_has_rate;
         segment.last_burst = suspect.pre_last_burst;
         self.refresh_floors();
@@ -76,7 +78,8 @@ impl CalibrationHistory {
         let Some(fit) = self.latest_internal() else {
             return BurstCheck::default();
         };
-        let mask = self.domain.mask();
+        // The burst's ticks are unwrapped, as the fit is: no mask (a narrow counter wraps between the fit's
+        // anchor and the burst, which the short way round would take for a break).
         let test = &burst[..burst.len().div_ceil(2)];
         let span_s = fit.span_s();
         // How far the map already misses its newest burst points: a line that bends away from a wandering
@@ -101,7 +104,7 @@ impl CalibrationHistory {
         let mut residuals = Vec::with_capacity(test.len());
         let mut prediction_sigma = 0.0f64;
         for s in test {
-            let ticks = s.source_ticks & mask;
+            let ticks = s.source_ticks;
             let residual = (s.reference_ns as i128 - fit.to_reference_ns(ticks) as i128) as f64;
             residuals.push(residual);
             let beyond_s = fit.beyond_window_s(ticks);
@@ -124,7 +127,7 @@ impl CalibrationHistory {
         }
         let broken = 2 * above.max(below) > test.len();
         let point = burst_point(burst, self.burst_rate());
-        let miss = (point.1 as i128 - fit.to_reference_ns(point.0 & mask) as i128) as f64;
+        let miss = (point.1 as i128 - fit.to_reference_ns(point.0) as i128) as f64;
         let sigmas = miss.abs() / (prediction_sigma.powi(2) + point.2).sqrt();
         let rated = broken || self.open().is_some_and(|s| s.has_rate);
         BurstCheck {

@@ -66,7 +66,7 @@ impl CalibrationHistory {
         // the first burst after a break): state the difference.
         if let Some(suspect) = segment.suspect.as_ref().filter(|s| ext > s.pre_last_burst.0) {
             if let Some(pre) = suspect.pre_fit.as_ref() {
-                let without = self.scaled(pre, ext & self.domain.mask());
+                let without = self.scaled(pre, ext);
                 let apart = without.ns.abs_diff(converted.ns).saturating_add(without.uncertainty_ns);
                 converted.uncertainty_ns = converted.uncertainty_ns.max(apart);
             }
@@ -116,7 +116,7 @@ impl CalibrationHistory {
         let latest = segment.latest.as_ref()?;
         let newest = match segment.knots.back() {
             Some(&k) if ext < k.ticks => k,
-            _ => return Some(self.scaled(latest, ext & self.domain.mask())),
+            _ => return Some(self.scaled(latest, ext)),
         };
         let half_resolution = self.domain.half_resolution_ns();
         let oldest = segment.knots[0];

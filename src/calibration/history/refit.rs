@@ -33,7 +33,9 @@ impl CalibrationHistory {
             self.fit_offset_only(&samples, segment.rate_prior)?
         };
         let calibrated_at = samples.iter().map(|s| s.reference_ns).max().unwrap_or(0);
-        let fitted = ClockCalibration::from_line(&line, self.domain, calibrated_at)?.with_wander(self.stated_wander());
+        // In the history's unwrapped count: see `ClockDomain::unwrapped`.
+        let fitted = ClockCalibration::from_line(&line, self.domain.unwrapped(), calibrated_at)?
+            .with_wander(self.stated_wander());
         // The line's bow by the wander: what the estimate says (the statement beyond the window allows for its
         // upper bound, through `with_wander`); the line's error also sets how large a miss is a break.
         let wander = self.detection_wander();
@@ -50,7 +52,7 @@ impl CalibrationHistory {
             }
             let squares: f64 = points
                 .iter()
-                .map(|&&(x, y, _)| (y as i128 - fitted.to_reference_ns(x & self.domain.mask()) as i128) as f64)
+                .map(|&&(x, y, _)| (y as i128 - fitted.to_reference_ns(x) as i128) as f64)
                 .map(|r| r * r)
                 .sum();
             // Only the scatter beyond what noise alone reaches at one standard deviation of its chi-square
@@ -98,7 +100,7 @@ impl CalibrationHistory {
         }
         segment.has_rate = has_rate;
         segment.latest = Some(fitted);
-        segment.latest_public = Some(fitted.with_ticks_shifted(origin));
+        segment.latest_public = Some(fitted.in_domain(self.domain).with_ticks_shifted(origin));
         self.stats.window_bursts = bursts;
         self.stats.drift_ppm = fitted.drift_ppm();
         self.stats.error_bound_ns = fitted.error_bound_ns();
