@@ -29,6 +29,9 @@ struct LiveDevice {
     pending: HashMap<u32, (u32, u64)>,
     /// The backend's reset count last seen ([`GpuBackend::resets`](crate::gpu::GpuBackend::resets)).
     resets_seen: u64,
+    /// Pairs read and released whose recycling failed: tried again every pass, free once it succeeds (a pair
+    /// whose slots were not reset must not take a new scope, nor be lost for good over one failure).
+    unrecycled: Vec<u32>,
 }
 
 /// Every GPU device of one timeline, as the drain stage polls them.
@@ -61,6 +64,7 @@ impl GpuLive {
                     sampled: false,
                     pending: HashMap::new(),
                     resets_seen: link.resets(),
+                    unrecycled: Vec::new(),
                 });
                 Some(GpuInput::Device {
                     device,
@@ -180,10 +184,35 @@ fn read_pairs(
     config: GpuCalibrationConfig,
     out: &mut Vec<Input>,
 ) {
-    let states = d.link.pair_states();
+    let link = d.link.clone();
+    let states = link.pair_states();
     let lost_after = config.lost_after.as_nanos() as u64;
     let mut finished = Vec::new();
-    let mut failed = false;
+    // Each failed call is counted (`GpuClockStats::read_errors`), recycles included.
+    let mut failures = 0usize;
+    d.unrecycled.retain(|&pair| {
+        let failed = link.recycle_pair(pair).is_err();
+        failures += usize::from(failed);
+        failed
+    });
+    // A pair not read (yet): unwritten, or its read failed. Lost once it stays so for `lost_after`.
+    let unread = |d: &mut LiveDevice, pair: u32, generation: u32, out: &mut Vec<Input>| {
+        let seen = d.pending.entry(pair).or_insert((generation, now_ns));
+        if seen.0 != generation {
+            *seen = (generation, now_ns);
+        }
+        if now_ns.saturating_sub(seen.1) >= lost_after {
+            // Never written (its commands were not submitted), or never readable: retired, not reused (a
+            // late write would land in another scope).
+            d.pending.remove(&pair);
+            d.link.retire_pair(pair);
+            out.push(Input::Gpu(GpuInput::Lost {
+                device: d.device,
+                pair,
+                generation,
+            }));
+        }
+    };
     let mut pair = 0usize;
     while pair < states.len() {
         let state = states[pair].load(std::sync::atomic::Ordering::Acquire);
@@ -205,7 +234,10 @@ fn read_pairs(
         reads.clear();
         reads.resize(2 * generations.len(), None);
         if d.link.read_timestamps(2 * first as u32, reads).is_err() {
-            failed = true;
+            failures += 1;
+            for (k, &generation) in generations.iter().enumerate() {
+                unread(d, (first + k) as u32, generation, out);
+            }
             continue;
         }
         for (k, (&generation, ticks)) in generations.iter().zip(reads.chunks_exact(2)).enumerate() {
@@ -220,45 +252,27 @@ fn read_pairs(
                         end,
                     });
                 }
-                _ => {
-                    let seen = d.pending.entry(pair).or_insert((generation, now_ns));
-                    if seen.0 != generation {
-                        *seen = (generation, now_ns);
-                    }
-                    if now_ns.saturating_sub(seen.1) >= lost_after {
-                        // Never written: its commands were not submitted. Retired, not reused (a late write
-                        // would land in another scope).
-                        d.pending.remove(&pair);
-                        d.link.retire_pair(pair);
-                        out.push(Input::Gpu(GpuInput::Lost {
-                            device: d.device,
-                            pair,
-                            generation,
-                        }));
-                    }
-                }
+                _ => unread(d, pair, generation, out),
             }
         }
-    }
-    if failed {
-        out.push(Input::Gpu(GpuInput::ReadFailed { device: d.device }));
-    }
-    if finished.is_empty() {
-        return;
     }
     let read_ns = monotonic_ns().0;
     for r in &finished {
         // The ticks are read: the slots can take the next scope at once.
         if d.link.release_pair(r.pair).is_err() {
-            failed = true;
+            failures += 1;
+            d.unrecycled.push(r.pair);
         }
+    }
+    for _ in 0..failures {
+        out.push(Input::Gpu(GpuInput::ReadFailed { device: d.device }));
+    }
+    if finished.is_empty() {
+        return;
     }
     out.push(Input::Gpu(GpuInput::Reads {
         device: d.device,
         read_ns,
         reads: finished,
     }));
-    if failed {
-        out.push(Input::Gpu(GpuInput::ReadFailed { device: d.device }));
-    }
 }

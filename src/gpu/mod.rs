@@ -87,7 +87,8 @@ pub struct GpuDeviceInfo {
 /// **Recycling.** After [`recycle`](Self::recycle)`(first, count)` returns `Ok`, reading those slots must give
 /// `None` until the GPU writes them again (a host query reset, zeroing a word): a stale value read as a new one
 /// would place a scope at the time of an old one. tickline recycles only slots whose values it has read, or
-/// that it will never read again.
+/// that it will never read again. An `Err` is counted ([`GpuClockStats::read_errors`]) and the recycle tried
+/// again every pass; the pair takes no scope until one succeeds.
 ///
 /// **The clock.** [`calibrate`](Self::calibrate) brackets each read of the device clock between two reads of
 /// `CLOCK_MONOTONIC` ([`CalibrationSample::from_bracket`]`(ticks, before, after)`): a wide bracket is fine, an
@@ -164,8 +165,12 @@ pub(crate) enum GpuControl {
 pub(crate) trait DeviceLink: Send + Sync {
     fn read_timestamps(&self, first: u32, out: &mut [Option<GpuTicks>]) -> Result<(), GpuError>;
     fn calibrate(&self, samples: usize, budget: Duration, out: &mut Vec<CalibrationSample>) -> Result<(), GpuError>;
-    /// Recycles pair `pair` (both its ticks were read) and makes it available to scopes again.
+    /// Recycles pair `pair` (both its ticks were read) and makes it available to scopes again. On an `Err`
+    /// the pair is out of scopes' reach (no longer held) but not free: [`recycle_pair`](Self::recycle_pair)
+    /// tries again.
     fn release_pair(&self, pair: u32) -> Result<(), GpuError>;
+    /// Recycles a released pair whose recycling failed, and frees it once that succeeds.
+    fn recycle_pair(&self, pair: u32) -> Result<(), GpuError>;
     /// Takes pair `pair` out of use for good (it was never written; a late write must not hit a new scope).
     fn retire_pair(&self, pair: u32);
     /// Every pair's state (see [`pair_state`]).
@@ -239,15 +244,16 @@ impl<B: GpuBackend> DeviceLink for DeviceShared<B> {
         self.backend.calibrate(samples, budget, out)
     }
     fn release_pair(&self, pair: u32) -> Result<(), GpuError> {
-        let result = self.backend.recycle(2 * pair, 2);
         let state = &self.pairs[pair as usize];
         // Release: the scope's use of the pair is over before the free list hands it out again.
         state.store(pair_state::generation(state.load(Ordering::Relaxed)), Ordering::Release);
-        if result.is_ok() {
-            // Cannot fail: the queue holds every pair, and each pair is in at most one place at a time.
-            let _ = self.free_pairs.push(pair);
-        }
-        result
+        self.recycle_pair(pair)
+    }
+    fn recycle_pair(&self, pair: u32) -> Result<(), GpuError> {
+        self.backend.recycle(2 * pair, 2)?;
+        // Cannot fail: the queue holds every pair, and each pair is in at most one place at a time.
+        let _ = self.free_pairs.push(pair);
+        Ok(())
     }
     fn retire_pair(&self, pair: u32) {
         let state = &self.pairs[pair as usize];

@@ -115,8 +115,8 @@ pub struct GpuClockStats {
     pub requested_bursts: u64,
     /// Queues that took a calibration of their own (counted each time one does).
     pub own_calibrations: u64,
-    /// Timestamp reads the backend answered with an error (the collector retries them; a scope never read is
-    /// counted lost after `lost_after`).
+    /// Timestamp reads and recycles the backend answered with an error, each call (the collector retries them;
+    /// a scope never read is counted lost after `lost_after`, while the timeline runs).
     pub read_errors: u64,
 }
 

@@ -405,16 +405,26 @@ struct FaultySim {
     gpu: SimGpu,
     resets: std::sync::atomic::AtomicU64,
     failing_reads: std::sync::atomic::AtomicU64,
+    failing_recycles: std::sync::atomic::AtomicU64,
     empty_bursts_left: std::sync::atomic::AtomicU64,
     calibration_fails: bool,
 }
 
 impl FaultySim {
     fn new() -> Self {
+        Self::with_slots(SimGpuConfig::default().timestamp_slots)
+    }
+
+    fn with_slots(timestamp_slots: u32) -> Self {
         FaultySim {
-            gpu: SimGpu::new(SimGpuConfig::default()).unwrap(),
+            gpu: SimGpu::new(SimGpuConfig {
+                timestamp_slots,
+                ..SimGpuConfig::default()
+            })
+            .unwrap(),
             resets: 0.into(),
             failing_reads: 0.into(),
+            failing_recycles: 0.into(),
             empty_bursts_left: 0.into(),
             calibration_fails: false,
         }
@@ -446,6 +456,17 @@ impl tickline::gpu::GpuBackend for FaultySim {
         self.gpu.read_timestamps(first, out)
     }
     fn recycle(&self, first: u32, count: u32) -> Result<(), tickline::gpu::GpuError> {
+        use std::sync::atomic::Ordering::Relaxed;
+        if self
+            .failing_recycles
+            .fetch_update(Relaxed, Relaxed, |left| left.checked_sub(1))
+            .is_ok()
+        {
+            return Err(tickline::gpu::GpuError::Api {
+                call: "vkResetQueryPool",
+                detail: "VK_ERROR_OUT_OF_HOST_MEMORY".into(),
+            });
+        }
         self.gpu.recycle(first, count)
     }
     fn calibrate(
@@ -576,6 +597,73 @@ fn a_reported_reset_starts_a_calibration_segment_and_failed_reads_are_counted_an
         2,
         "read again after the failures"
     );
+}
+
+/// Reads that keep failing: the scopes are counted lost once `lost_after` passes, while the timeline runs (not
+/// only at shutdown), and their pairs retired; every failed call is counted (once per pass before). Recycles that
+/// fail: the pair is recycled again next pass, not lost for good (every failure leaked a pair: after as many
+/// failures as pairs, every scope starved), and counted among the read errors, each call.
+#[test]
+fn failing_reads_are_lost_in_time_and_failing_recycles_retried() {
+    use std::sync::atomic::Ordering;
+    let _one_at_a_time = crate::exclusive();
+    let memory = MemoryExporter::default();
+    let config = tickline::gpu::GpuCalibrationConfig {
+        lost_after: Duration::from_millis(300),
+        ..Default::default()
+    };
+    let timeline = Timeline::builder()
+        .exporter(memory.clone())
+        .gpu_calibration(config)
+        .start()
+        .unwrap();
+    let pairs = 32u32;
+    let gpu = timeline.gpu(FaultySim::with_slots(2 * pairs)).unwrap();
+    let queue = gpu.queue("compute").unwrap();
+    let frames = |n: u32, name: &'static str| {
+        for _ in 0..n {
+            let commands = SimCommands::new();
+            {
+                let _scope = tickline::gpu_scope!(queue, &commands, "frame", label = name);
+                commands.work(Duration::from_micros(20));
+            }
+            let _ = gpu.backend().gpu.submit(commands).wait();
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    };
+    let settle = || {
+        for _ in 0..20 {
+            std::thread::sleep(Duration::from_millis(10));
+            timeline.flush().unwrap();
+        }
+    };
+    // More failing recycles than the device has pairs: each pair's recycle fails once or more.
+    gpu.backend()
+        .failing_recycles
+        .store(u64::from(pairs) + 5, Ordering::Relaxed);
+    frames(2 * pairs, "recycled");
+    settle();
+    let errors_before = gpu.calibration().unwrap().placements.read_errors;
+    assert_eq!(errors_before, u64::from(pairs) + 5, "each failed recycle counted");
+    // Every pair came back: a run of as many scopes as pairs finds one each.
+    let (starved, exported) = (gpu.starved_scopes(), memory.snapshot().slice_count("frame"));
+    assert_eq!(exported as u64 + starved, 2 * u64::from(pairs));
+    frames(pairs, "after");
+    settle();
+    assert_eq!(gpu.starved_scopes(), starved, "pairs leaked by failed recycles");
+    assert_eq!(memory.snapshot().slice_count("frame"), exported + pairs as usize);
+    // Now every read fails: the scopes are lost after `lost_after`, while the timeline runs.
+    gpu.backend().failing_reads.store(u64::MAX, Ordering::Relaxed);
+    frames(3, "unreadable");
+    std::thread::sleep(Duration::from_millis(500));
+    timeline.flush().unwrap();
+    let stats = timeline.stats();
+    assert_eq!(stats.gpu_lost_scopes, 3, "{stats:?}");
+    let report = gpu.calibration().unwrap();
+    assert!(report.placements.read_errors > errors_before + 3, "{report:?}");
+    gpu.backend().failing_reads.store(0, Ordering::Relaxed);
+    let stats = timeline.shutdown().unwrap();
+    assert_eq!(stats.gpu_lost_scopes, 3, "{stats:?}");
 }
 
 #[test]
