@@ -73,7 +73,7 @@ pub struct TimelineStats {
     pub gpu_causality_violations: u64,
     /// GPU calibration bursts that failed or gave no usable sample.
     pub gpu_failed_calibrations: u64,
-    /// GPU timestamp reads that failed (counted, and retried on the next pass).
+    /// GPU timestamp reads and recycles that failed, each call (retried on the next pass).
     pub gpu_read_failures: u64,
     /// Async task tracks written (see [`AsyncTasks`](crate::AsyncTasks)): spans shown with their lifetime
     /// and polls.
