@@ -30,6 +30,8 @@ struct Finished {
     end: GpuTicks,
     /// When the drain stage read the ticks (reference ns): GPU work cannot end after.
     read_ns: u64,
+    /// What the history said of its conversion, and after how many bursts (it changes only with one).
+    readiness: Option<(u64, crate::gpu::tracker::Readiness)>,
 }
 
 /// What a laid-out slice carries to its begin event.
@@ -58,8 +60,11 @@ struct DeviceState {
     /// Scopes seen, by `(pair, generation)`, waiting for their ticks.
     in_flight: HashMap<(u32, u32), Scope>,
     finished: Vec<Finished>,
-    /// Reads that matched no scope yet (its begin record may still be on its way), with the pass they came in.
-    unmatched_reads: Vec<(PairRead, u64, u64)>,
+    /// Reads that matched no scope yet (its begin record may still be on its way), by `(pair, generation)`,
+    /// with their read time and the pass they came in. A map: a burst of many thousand scopes whose reads come
+    /// before their begin records made each begin search a list of all of them (quadratic: 24,000 scopes a
+    /// second at most, and a large burst still unmatched at shutdown was counted lost).
+    unmatched_reads: HashMap<(u32, u32), (PairRead, u64, u64)>,
     drift_track: TrackId,
     error_track: TrackId,
     offset_track: TrackId,
@@ -142,8 +147,12 @@ impl GpuCollector {
                             begin: read.begin,
                             end: read.end,
                             read_ns,
+                            readiness: None,
                         }),
-                        None => d.unmatched_reads.push((read, read_ns, self.drained_passes)),
+                        None => {
+                            d.unmatched_reads
+                                .insert((read.pair, read.generation), (read, read_ns, self.drained_passes));
+                        }
                     }
                 }
             }
@@ -206,7 +215,7 @@ impl GpuCollector {
                 tracker,
                 in_flight: HashMap::new(),
                 finished: Vec::new(),
-                unmatched_reads: Vec::new(),
+                unmatched_reads: HashMap::new(),
                 drift_track,
                 error_track,
                 offset_track,
@@ -261,18 +270,14 @@ impl GpuCollector {
             flow,
         };
         // Its ticks may have been read already (the drain stage polls GPUs after it drains the rings).
-        match d
-            .unmatched_reads
-            .iter()
-            .position(|(r, _, _)| (r.pair, r.generation) == (pair, generation))
-        {
-            Some(pos) => {
-                let (read, read_ns, _) = d.unmatched_reads.swap_remove(pos);
+        match d.unmatched_reads.remove(&(pair, generation)) {
+            Some((read, read_ns, _)) => {
                 d.finished.push(Finished {
                     scope,
                     begin: read.begin,
                     end: read.end,
                     read_ns,
+                    readiness: None,
                 });
             }
             None => {
@@ -298,7 +303,7 @@ impl GpuCollector {
         });
         for d in self.devices.values_mut() {
             d.unmatched_reads
-                .retain(|&(_, _, seen)| pass.saturating_sub(seen) < UNMATCHED_READ_PASSES);
+                .retain(|_, &mut (_, _, seen)| pass.saturating_sub(seen) < UNMATCHED_READ_PASSES);
             if let Some(fit) = d.tracker.history().latest() {
                 if fit.calibrated_at_ns() != d.reported_fit_ns {
                     d.reported_fit_ns = fit.calibrated_at_ns();
@@ -326,10 +331,22 @@ impl GpuCollector {
             // Convert what is ready, in begin-tick order so the history's monotonic guard holds.
             let mut ready = Vec::new();
             let mut i = 0;
+            let calibrated = d.tracker.history().latest().is_some();
+            let bursts = d.tracker.history().stats().bursts;
             while i < d.finished.len() {
-                let f = &d.finished[i];
-                let convert =
-                    d.tracker.history().latest().is_some() && (force || d.tracker.ready(f.end.0, f.read_ns, drain_ns));
+                let f = &mut d.finished[i];
+                let convert = calibrated
+                    && (force || {
+                        let readiness = match f.readiness {
+                            Some((at, r)) if at == bursts => r,
+                            _ => {
+                                let r = d.tracker.readiness(f.end.0, f.read_ns);
+                                f.readiness = Some((bursts, r));
+                                r
+                            }
+                        };
+                        d.tracker.ready_by(readiness, f.read_ns, drain_ns)
+                    });
                 if convert {
                     ready.push(d.finished.swap_remove(i));
                 } else {
