@@ -57,7 +57,9 @@ pub struct GpuDeviceInfo {
     pub api: &'static str,
     /// The device clock: valid bits and nominal ns per tick (Vulkan's `timestampPeriod`).
     pub clock: ClockDomain,
-    /// How many timestamp slots the backend holds (even; each scope uses two while in flight).
+    /// How many timestamp slots the backend holds: each scope uses two while in flight (an odd last slot
+    /// stays unused), and a device may have at most 2 Mi (2^21; [`Timeline::gpu`](crate::Timeline::gpu)
+    /// refuses more).
     pub timestamp_slots: u32,
 }
 
@@ -667,14 +669,20 @@ impl GpuFieldEncoder<'_, '_> {
 }
 
 /// Opens a GPU scope on a queue: writes a begin timestamp into `commands` now and the end timestamp when the
-/// returned [`GpuScope`] guard drops. Scopes nest. Optional fields follow the name as `name = value` (at most
+/// returned [`GpuScope`] guard drops. Scopes nest. The name is a constant `&'static str` (a literal or a
+/// `const`), as for [`scope!`](macro@crate::scope): it lives in the call site's `static`; a name known only at
+/// run time is a field. Optional fields follow the name as `name = value` (at most
 /// [`MAX_GPU_FIELDS`], as many as `tracing` allows a span; the values any [`GpuFieldValue`]: integers, floats,
 /// `bool`, strings), without `tracing`'s `?`/`%` sigils, shorthand or dotted names. A name given twice keeps the
 /// last value.
 ///
 /// The slice appears on the queue's track once the GPU has run the commands, placed on the CPU's time axis by
-/// the device clock's live calibration, with its uncertainty as the `uncertainty_ns` annotation and a flow from
-/// the point on this thread where the scope was recorded.
+/// the device clock's live calibration, with its uncertainty as the `uncertainty_ns` annotation (a field of the
+/// scope's own by that name is kept beside it: name yours otherwise) and a flow from the point on this thread
+/// where the scope was recorded. A device whose clock never calibrates (every `calibrate` fails) has no way to
+/// place its slices: its scopes are counted in [`TimelineStats::gpu_lost_scopes`](crate::TimelineStats) and the
+/// failures in `gpu_failed_calibrations`. A shutdown waits at most a second for GPU work still in flight (wait
+/// for your GPU work first); what has not finished then is counted lost.
 ///
 /// ```
 /// use std::time::Duration;

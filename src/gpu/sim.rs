@@ -192,9 +192,11 @@ impl SimGpu {
         if config.hardware_queues == 0 {
             return Err(invalid("a simulated GPU needs at least one hardware queue".into()));
         }
-        if config.timestamp_slots < 2 || config.timestamp_slots % 2 != 0 {
+        // At most what a timeline takes (2 Mi): beyond it the slot array alone was a process-ending
+        // allocation (34 GB for u32::MAX - 1) before `Timeline::gpu` could refuse it.
+        if config.timestamp_slots < 2 || config.timestamp_slots % 2 != 0 || config.timestamp_slots > 1 << 21 {
             return Err(invalid(format!(
-                "timestamp_slots must be even and at least 2, not {}",
+                "timestamp_slots must be even and in 2..=2097152, not {}",
                 config.timestamp_slots
             )));
         }

@@ -28,8 +28,10 @@ use crate::calibration::{CalibrationError, CalibrationHistory, CalibrationSample
 /// more gets the centred conversion for every slice.
 ///
 /// A slice between the last burst before a break and the first after it also waits until the new segment's
-/// rate reaches back to it, and a calibration that does not come at all (a failing device) releases slices
-/// after `latency_bound` plus two burst periods, converted by extrapolation with the uncertainty that implies.
+/// rate reaches back to it, and a calibration that does not come (a device whose bursts fail after it was
+/// calibrated) releases slices after `latency_bound` plus two burst periods, converted by extrapolation with
+/// the uncertainty that implies. A device never calibrated cannot place its slices at all: they are held, and
+/// counted lost at shutdown.
 ///
 /// The defaults place slices with ≥ 95 % of true times inside the stated uncertainty, in every second, on every
 /// device-clock model of `tests/it/gpu_clocks.rs` (the README's table).
