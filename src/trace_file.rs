@@ -295,12 +295,16 @@ impl TraceFile {
         self.file.try_clone()
     }
 
-    /// Flushes and returns the file, positioned at its end.
+    /// Flushes and returns the file, positioned at its end (a pipe or device as it is: written in order, it is
+    /// there already, and it cannot seek).
     pub fn into_file(mut self) -> io::Result<File> {
         use std::io::Seek;
         self.flush()?;
         let mut file = self.file.try_clone()?;
-        file.seek(io::SeekFrom::End(0))?;
+        // Only positioned writes (the direct writer's file) leave the position behind.
+        if self.direct.is_some() {
+            file.seek(io::SeekFrom::End(0))?;
+        }
         Ok(file)
     }
 
@@ -577,8 +581,13 @@ mod tests {
         file.write_all(&data[..1000]).unwrap();
         file.flush().unwrap();
         file.write_all(&data[1000..]).unwrap();
-        drop(file);
-        assert!(reader.join().unwrap() == data);
+        // Handed back as a plain file (as `PerfettoExporter::into_inner` does): a pipe cannot seek, nor need to.
+        let mut plain = file.into_file().unwrap();
+        plain.write_all(b"end").unwrap();
+        drop(plain);
+        let mut expected = data.clone();
+        expected.extend_from_slice(b"end");
+        assert!(reader.join().unwrap() == expected);
         std::fs::remove_file(&path).unwrap();
     }
 
