@@ -102,6 +102,8 @@ pub(crate) struct GpuCollector {
     uncertainty_name: Option<NameId>,
     /// `tickline.calibration_break` and `tickline.queue_calibration`.
     mark_names: Option<(NameId, NameId)>,
+    /// `tickline.gpu_scope_lost`.
+    lost_name: Option<NameId>,
 }
 
 impl GpuCollector {
@@ -111,6 +113,42 @@ impl GpuCollector {
             next_flow: 1,
             ..Default::default()
         }
+    }
+
+    /// Whether a scope with `key` has a queue to go to (else it is counted lost at once and needs no flow).
+    pub(crate) fn knows(&self, key: u64) -> bool {
+        let (device, queue, _, _) = split_key(key);
+        self.devices
+            .get(&device)
+            .is_some_and(|d| (queue as usize) < d.queues.len())
+    }
+
+    /// Counts `scope` lost, and shows it on its queue's track where its CPU recorded it (ending its flow):
+    /// `why` is the [`GPU_SCOPE_LOST`](crate::gpu::GPU_SCOPE_LOST) annotation.
+    fn lose(stats: &mut GpuStats, lost_name: NameId, d: &mut DeviceState, scope: Scope, why: &'static str) {
+        stats.lost_scopes += 1;
+        let Some(q) = d.queues.get_mut(scope.queue as usize) else {
+            return;
+        };
+        let mut fields = scope.fields;
+        fields.push(TraceField {
+            name: lost_name,
+            value: FieldValue::Str(why.into()),
+        });
+        q.lanes.push_instant(
+            scope.cpu_ns,
+            SlicePayload {
+                name: scope.name,
+                fields,
+                flow: scope.flow,
+            },
+        );
+    }
+
+    fn lost_name(&mut self, out: &mut Output) -> NameId {
+        *self
+            .lost_name
+            .get_or_insert_with(|| out.intern(crate::gpu::GPU_SCOPE_LOST))
     }
 
     /// A new flow id (unique per timeline).
@@ -161,9 +199,10 @@ impl GpuCollector {
                 pair,
                 generation,
             } => {
+                let lost_name = self.lost_name(out);
                 if let Some(d) = self.devices.get_mut(&device) {
-                    if d.in_flight.remove(&(pair, generation)).is_some() {
-                        self.stats.lost_scopes += 1;
+                    if let Some(scope) = d.in_flight.remove(&(pair, generation)) {
+                        Self::lose(&mut self.stats, lost_name, d, scope, "never read back");
                     }
                 }
             }
@@ -258,7 +297,12 @@ impl GpuCollector {
     pub(crate) fn begin(&mut self, key: u64, name: NameId, fields: Vec<TraceField>, cpu_ns: u64, flow: u64) {
         let (device, queue, pair, generation) = split_key(key);
         self.stats.scopes += 1;
-        let Some(d) = self.devices.get_mut(&device) else {
+        let Some(d) = self
+            .devices
+            .get_mut(&device)
+            .filter(|d| (queue as usize) < d.queues.len())
+        else {
+            // No queue to show it on (its flow was not started: see `knows`).
             self.stats.lost_scopes += 1;
             return;
         };
@@ -295,6 +339,7 @@ impl GpuCollector {
         let uncertainty_name = *self
             .uncertainty_name
             .get_or_insert_with(|| out.intern("uncertainty_ns"));
+        let lost_name = self.lost_name(out);
         let (break_name, queue_calibration_name) = *self.mark_names.get_or_insert_with(|| {
             (
                 out.intern(crate::gpu::CALIBRATION_BREAK),
@@ -367,7 +412,7 @@ impl GpuCollector {
                     recorded_ns: scope.cpu_ns,
                     read_ns: f.read_ns,
                 }) else {
-                    self.stats.lost_scopes += 1;
+                    Self::lose(&mut self.stats, lost_name, d, scope, "not placeable");
                     continue;
                 };
                 if placed.marks.outside_window {
@@ -406,58 +451,13 @@ impl GpuCollector {
                             fields,
                             flow: scope.flow,
                         },
+                        instant: false,
                     }),
                     None => self.stats.lost_scopes += 1,
                 }
             }
 
-            // Lay out and export, per queue, up to what no scope still to come can precede.
-            for (index, q) in d.queues.iter_mut().enumerate() {
-                let watermark = d
-                    .in_flight
-                    .values()
-                    .map(|s| (s.queue, s.cpu_ns))
-                    .chain(d.finished.iter().map(|f| (f.scope.queue, f.scope.cpu_ns)))
-                    .filter(|&(queue, _)| queue as usize == index)
-                    .map(|(_, cpu_ns)| cpu_ns)
-                    .min()
-                    .unwrap_or(u64::MAX)
-                    .min(drain_ns);
-                let device_track = d.track;
-                let QueueState {
-                    name: queue_name,
-                    tracks,
-                    lanes,
-                    open_names,
-                } = q;
-                lanes.emit(watermark, force, &mut |event| match event {
-                    LaneEvent::Begin { lane, ts_ns, payload } => {
-                        while tracks.len() <= lane {
-                            let kind = TrackKind::GpuQueue {
-                                name: queue_name.clone(),
-                                lane: tracks.len() as u32,
-                            };
-                            tracks.push(out.new_track(Some(device_track), kind));
-                        }
-                        if open_names.len() <= lane {
-                            open_names.resize_with(lane + 1, Vec::new);
-                        }
-                        open_names[lane].push(payload.name);
-                        out.push_gpu_event(
-                            ts_ns,
-                            tracks[lane],
-                            EventKind::SliceBegin,
-                            payload.name,
-                            &payload.fields,
-                            Some(payload.flow),
-                        );
-                    }
-                    LaneEvent::End { lane, ts_ns } => {
-                        let name = open_names.get_mut(lane).and_then(Vec::pop).unwrap_or(NameId(0));
-                        out.push_gpu_event(ts_ns, tracks[lane], EventKind::SliceEnd, name, &[], None);
-                    }
-                });
-            }
+            Self::emit_lanes(d, out, drain_ns, force);
             if d.violations != d.reported_violations {
                 d.reported_violations = d.violations;
                 let value = out.value_name();
@@ -466,13 +466,99 @@ impl GpuCollector {
         }
     }
 
+    /// Lays out and exports `d`'s slices, per queue, up to what no scope still to come can precede (`force`:
+    /// all of them).
+    fn emit_lanes(d: &mut DeviceState, out: &mut Output, drain_ns: u64, force: bool) {
+        for (index, q) in d.queues.iter_mut().enumerate() {
+            let watermark = d
+                .in_flight
+                .values()
+                .map(|s| (s.queue, s.cpu_ns))
+                .chain(d.finished.iter().map(|f| (f.scope.queue, f.scope.cpu_ns)))
+                .filter(|&(queue, _)| queue as usize == index)
+                .map(|(_, cpu_ns)| cpu_ns)
+                .min()
+                .unwrap_or(u64::MAX)
+                .min(drain_ns);
+            let device_track = d.track;
+            let QueueState {
+                name: queue_name,
+                tracks,
+                lanes,
+                open_names,
+            } = q;
+            let mut lane_track = |out: &mut Output, lane: usize| {
+                while tracks.len() <= lane {
+                    let kind = TrackKind::GpuQueue {
+                        name: queue_name.clone(),
+                        lane: tracks.len() as u32,
+                    };
+                    tracks.push(out.new_track(Some(device_track), kind));
+                }
+                tracks[lane]
+            };
+            lanes.emit(watermark, force, &mut |event| match event {
+                LaneEvent::Begin { lane, ts_ns, payload } => {
+                    let track = lane_track(out, lane);
+                    if open_names.len() <= lane {
+                        open_names.resize_with(lane + 1, Vec::new);
+                    }
+                    open_names[lane].push(payload.name);
+                    out.push_gpu_event(
+                        ts_ns,
+                        track,
+                        EventKind::SliceBegin,
+                        payload.name,
+                        &payload.fields,
+                        Some(payload.flow),
+                    );
+                }
+                LaneEvent::End { lane, ts_ns } => {
+                    let name = open_names.get_mut(lane).and_then(Vec::pop).unwrap_or(NameId(0));
+                    let track = lane_track(out, lane);
+                    out.push_gpu_event(ts_ns, track, EventKind::SliceEnd, name, &[], None);
+                }
+                LaneEvent::Instant { lane, ts_ns, payload } => {
+                    let track = lane_track(out, lane);
+                    out.push_gpu_event(
+                        ts_ns,
+                        track,
+                        EventKind::Instant,
+                        payload.name,
+                        &payload.fields,
+                        Some(payload.flow),
+                    );
+                }
+            });
+        }
+    }
+
     /// Shutdown: scopes still waiting for their ticks, or read but never convertible (no calibration of
     /// their device), are lost.
-    pub(crate) fn abandon(&mut self) {
+    /// Each is shown where its CPU recorded it ([`GPU_SCOPE_LOST`](crate::gpu::GPU_SCOPE_LOST)).
+    pub(crate) fn abandon(&mut self, out: &mut Output, end_ns: u64) {
+        let lost_name = self.lost_name(out);
         for d in self.devices.values_mut() {
-            self.stats.lost_scopes += (d.in_flight.len() + d.finished.len()) as u64;
-            d.in_flight.clear();
-            d.finished.clear();
+            let mut lost: Vec<_> = d
+                .in_flight
+                .drain()
+                .map(|(_, scope)| (scope, "timeline ended"))
+                .collect();
+            let uncalibrated = d.tracker.history().latest().is_none();
+            let why = if uncalibrated {
+                "device never calibrated"
+            } else {
+                "timeline ended"
+            };
+            lost.extend(d.finished.drain(..).map(|f| (f.scope, why)));
+            if lost.is_empty() {
+                continue;
+            }
+            lost.sort_by_key(|(scope, _)| scope.cpu_ns);
+            for (scope, why) in lost {
+                Self::lose(&mut self.stats, lost_name, d, scope, why);
+            }
+            Self::emit_lanes(d, out, end_ns, true);
         }
     }
 }

@@ -6,6 +6,8 @@
 //! *lanes*: lane 0 is the queue's track, further lanes are sibling tracks. A slice goes to the first lane where
 //! it starts after everything emitted there and either nests inside the lane's open slice or starts after it
 //! ended. Ends are emitted once no later slice can need to nest around them (the watermark passed them).
+//! Instants (a scope whose ticks were lost, shown where its CPU recorded it) take the same order, on the first
+//! lane whose time has not passed them.
 
 /// A converted slice waiting to be laid out. `T` is the payload the caller gets back (name, fields, flow).
 #[derive(Clone, Debug, PartialEq)]
@@ -13,6 +15,8 @@ pub(crate) struct Slice<T> {
     pub(crate) begin_ns: u64,
     pub(crate) end_ns: u64,
     pub(crate) payload: T,
+    /// An instant at `begin_ns` (`end_ns == begin_ns`), not a slice.
+    pub(crate) instant: bool,
 }
 
 /// What the lanes emit, in order per lane.
@@ -22,6 +26,8 @@ pub(crate) enum LaneEvent<T> {
     Begin { lane: usize, ts_ns: u64, payload: T },
     /// The innermost open slice of `lane` closes.
     End { lane: usize, ts_ns: u64 },
+    /// An instant on `lane` (inside whatever is open there).
+    Instant { lane: usize, ts_ns: u64, payload: T },
 }
 
 #[derive(Debug, Default)]
@@ -54,6 +60,16 @@ impl<T> Lanes<T> {
         self.waiting.push(slice);
     }
 
+    /// Adds an instant at `ts_ns`.
+    pub(crate) fn push_instant(&mut self, ts_ns: u64, payload: T) {
+        self.waiting.push(Slice {
+            begin_ns: ts_ns,
+            end_ns: ts_ns,
+            payload,
+            instant: true,
+        });
+    }
+
     /// How many lanes exist (lane indices are `0..count`).
     #[cfg(test)]
     pub(crate) fn lane_count(&self) -> usize {
@@ -80,6 +96,23 @@ impl<T> Lanes<T> {
         for slice in self.waiting.drain(..take) {
             for (index, lane) in self.lanes.iter_mut().enumerate() {
                 close_until(lane, index, slice.begin_ns, out);
+            }
+            if slice.instant {
+                // Zero width: it nests in anything open, so only the lane's time matters.
+                let index = match self.lanes.iter().position(|lane| lane.last_ns <= slice.begin_ns) {
+                    Some(index) => index,
+                    None => {
+                        self.lanes.push(Lane::default());
+                        self.lanes.len() - 1
+                    }
+                };
+                self.lanes[index].last_ns = slice.begin_ns;
+                out(LaneEvent::Instant {
+                    lane: index,
+                    ts_ns: slice.begin_ns,
+                    payload: slice.payload,
+                });
+                continue;
             }
             let fits =
                 |lane: &Lane| lane.last_ns <= slice.begin_ns && lane.open.last().is_none_or(|&end| slice.end_ns <= end);
@@ -130,6 +163,7 @@ mod tests {
             begin_ns,
             end_ns,
             payload: id,
+            instant: false,
         }
     }
 
@@ -146,7 +180,9 @@ mod tests {
         let mut seen = Vec::new();
         for e in events {
             let (lane, ts) = match e {
-                LaneEvent::Begin { lane, ts_ns, .. } | LaneEvent::End { lane, ts_ns } => (*lane, *ts_ns),
+                LaneEvent::Begin { lane, ts_ns, .. }
+                | LaneEvent::End { lane, ts_ns }
+                | LaneEvent::Instant { lane, ts_ns, .. } => (*lane, *ts_ns),
             };
             if stacks.len() <= lane {
                 stacks.resize(lane + 1, Vec::new());
@@ -160,6 +196,12 @@ mod tests {
                     let (id, begin) = stacks[lane].pop().expect("end without begin");
                     seen.push(slice(begin, ts, id));
                 }
+                LaneEvent::Instant { payload, .. } => seen.push(Slice {
+                    begin_ns: ts,
+                    end_ns: ts,
+                    payload: *payload,
+                    instant: true,
+                }),
             }
         }
         assert!(stacks.iter().all(Vec::is_empty), "unclosed slices");
@@ -220,6 +262,54 @@ mod tests {
         assert_eq!(lanes.lane_count(), 2);
     }
 
+    /// A lost scope's instant nests in the slice open around it, in time order with the slices' events; one
+    /// before time already emitted everywhere (after a forced flush) takes a lane of its own.
+    #[test]
+    fn instants_take_their_place_in_time() {
+        let mut lanes = Lanes::default();
+        lanes.push(slice(10, 100, 1));
+        lanes.push_instant(50, 2);
+        lanes.push(slice(60, 70, 3));
+        let mut all = run(&mut lanes, 1_000, false);
+        let at: Vec<_> = all
+            .iter()
+            .map(|e| match e {
+                LaneEvent::Begin { lane, ts_ns, .. } | LaneEvent::End { lane, ts_ns } => (*lane, *ts_ns, false),
+                LaneEvent::Instant { lane, ts_ns, .. } => (*lane, *ts_ns, true),
+            })
+            .collect();
+        assert_eq!(
+            at,
+            [
+                (0, 10, false),
+                (0, 50, true),
+                (0, 60, false),
+                (0, 70, false),
+                (0, 100, false)
+            ]
+        );
+        lanes.push_instant(20, 4);
+        all.extend(run(&mut lanes, 1_000, true));
+        assert!(matches!(
+            all.last(),
+            Some(LaneEvent::Instant {
+                lane: 1,
+                ts_ns: 20,
+                payload: 4
+            })
+        ));
+        let instant = |begin_ns, payload| Slice {
+            begin_ns,
+            end_ns: begin_ns,
+            payload,
+            instant: true,
+        };
+        check(
+            &all,
+            &[slice(10, 100, 1), instant(50, 2), slice(60, 70, 3), instant(20, 4)],
+        );
+    }
+
     #[test]
     fn random_slices_always_pair() {
         let mut rng = crate::calibration::SplitMix64(7);
@@ -230,9 +320,19 @@ mod tests {
             let mut watermark = 0;
             for id in 0..(round % 40 + 1) {
                 let begin = watermark + rng.next_u64() % 1_000;
-                let s = slice(begin, begin + rng.next_u64() % 500, id);
-                slices.push(s.clone());
-                lanes.push(s);
+                if rng.next_u64() % 5 == 0 {
+                    slices.push(Slice {
+                        begin_ns: begin,
+                        end_ns: begin,
+                        payload: id,
+                        instant: true,
+                    });
+                    lanes.push_instant(begin, id);
+                } else {
+                    let s = slice(begin, begin + rng.next_u64() % 500, id);
+                    slices.push(s.clone());
+                    lanes.push(s);
+                }
                 if rng.next_u64() % 4 == 0 {
                     watermark += rng.next_u64() % 300;
                     lanes.emit(watermark, false, &mut |e| events.push(e));

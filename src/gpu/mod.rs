@@ -23,7 +23,7 @@ pub mod vulkan;
 #[cfg(feature = "wgpu")]
 pub mod wgpu;
 
-pub use sanity::{SliceMarks, CALIBRATION_BREAK, QUEUE_CALIBRATION};
+pub use sanity::{SliceMarks, CALIBRATION_BREAK, GPU_SCOPE_LOST, QUEUE_CALIBRATION};
 pub use tracker::GpuCalibrationConfig;
 pub use tracker::GpuClockStats;
 #[doc(hidden)]
@@ -682,7 +682,8 @@ impl GpuFieldEncoder<'_, '_> {
 /// where the scope was recorded. A device whose clock never calibrates (every `calibrate` fails) has no way to
 /// place its slices: its scopes are counted in [`TimelineStats::gpu_lost_scopes`](crate::TimelineStats) and the
 /// failures in `gpu_failed_calibrations`. A shutdown waits at most a second for GPU work still in flight (wait
-/// for your GPU work first); what has not finished then is counted lost.
+/// for your GPU work first); what has not finished then is counted lost. A lost scope is shown as an instant on
+/// its queue's track where the CPU recorded it, annotated [`GPU_SCOPE_LOST`], so its flow still has both ends.
 ///
 /// ```
 /// use std::time::Duration;

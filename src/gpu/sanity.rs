@@ -84,6 +84,14 @@ pub const CALIBRATION_BREAK: &str = "tickline.calibration_break";
 /// The annotation (`true`) of a slice converted with its queue's own calibration.
 pub const QUEUE_CALIBRATION: &str = "tickline.queue_calibration";
 
+/// The annotation of the instant that stands for a lost GPU scope (counted in
+/// [`TimelineStats::gpu_lost_scopes`](crate::TimelineStats)): on its queue's track, at the time its CPU recorded
+/// it (the GPU cannot have started it earlier; when it ran is unknown), with the scope's name and fields and
+/// the end of the flow from that CPU point. The value says why: `"never read back"` (its ticks did not come
+/// within `lost_after`: commands never submitted, or reads that kept failing), `"timeline ended"` (still on
+/// the GPU at shutdown), `"device never calibrated"` or `"not placeable"`.
+pub const GPU_SCOPE_LOST: &str = "tickline.gpu_scope_lost";
+
 /// One slice as the sanity check sees it: its two placements (with their segments) and its CPU window.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct SliceInput {

@@ -224,6 +224,46 @@ fn overlapping_gpu_work_on_one_queue_goes_to_sibling_tracks() {
     }
 }
 
+/// Every flow has both ends: one event it starts at, one it ends at.
+fn assert_flows_pair(trace: &tickline::export::MemoryTrace) {
+    let mut ends: HashMap<u64, (usize, usize)> = HashMap::new();
+    for e in &trace.events {
+        if let Some(flow) = e.flow_out {
+            ends.entry(flow).or_default().0 += 1;
+        }
+        if let Some(flow) = e.flow_in {
+            ends.entry(flow).or_default().1 += 1;
+        }
+    }
+    for (flow, (starts, stops)) in ends {
+        assert_eq!((starts, stops), (1, 1), "flow {flow}: starts and ends");
+    }
+}
+
+/// The instants standing for lost scopes named `name`: (their time, the queue track's name, why).
+fn lost_instants(trace: &tickline::export::MemoryTrace, name: &str) -> Vec<(u64, String, String)> {
+    trace
+        .events
+        .iter()
+        .filter(|e| e.name == name && e.kind == tickline::export::EventKind::Instant)
+        .filter_map(
+            |e| match e.fields.iter().find(|(n, _)| n == tickline::gpu::GPU_SCOPE_LOST) {
+                Some((_, tickline::export::FieldValue::Str(why))) => {
+                    let track = trace.track(e.track).expect("known track");
+                    let queue = match &track.kind {
+                        tickline::export::TrackKind::GpuQueue { name, .. } => name.clone(),
+                        other => panic!("a lost scope's instant on {other:?}"),
+                    };
+                    Some((e.ts_ns, queue, why.to_string()))
+                }
+                _ => None,
+            },
+        )
+        .collect()
+}
+
+/// A lost scope is counted and shown where its CPU recorded it, on its queue's track, with its name, its fields
+/// and why it was lost: its flow from the CPU has both ends (it had only its start).
 #[test]
 fn a_scope_whose_commands_are_never_submitted_is_counted_lost() {
     let _one_at_a_time = crate::exclusive();
@@ -233,11 +273,34 @@ fn a_scope_whose_commands_are_never_submitted_is_counted_lost() {
     let queue = gpu.queue("graphics").unwrap();
     let commands = SimCommands::new();
     {
-        let _never = tickline::gpu_scope!(queue, &commands, "never submitted");
+        let _never = tickline::gpu_scope!(queue, &commands, "never submitted", frame = 3);
     }
     drop(commands);
     let stats = timeline.shutdown().unwrap();
     assert_eq!((stats.gpu_scopes, stats.gpu_lost_scopes), (1, 1));
+    let trace = memory.snapshot();
+    assert_eq!(trace.slice_count("never submitted"), 0);
+    let recorded: Vec<_> = trace
+        .events
+        .iter()
+        .filter(|e| e.name == "never submitted" && e.flow_out.is_some())
+        .collect();
+    assert_eq!(recorded.len(), 1, "the CPU's point where it was recorded");
+    let lost = lost_instants(&trace, "never submitted");
+    assert_eq!(
+        lost,
+        [(recorded[0].ts_ns, "graphics".to_string(), "never read back".to_string())]
+    );
+    let instant = trace
+        .events
+        .iter()
+        .find(|e| e.flow_in == recorded[0].flow_out)
+        .expect("the flow's end");
+    assert_eq!(
+        instant.fields.first(),
+        Some(&("frame".to_string(), tickline::export::FieldValue::I64(3)))
+    );
+    assert_flows_pair(&trace);
 }
 
 /// The collector's GPU clock tracker (burst schedule, hold-or-convert, conversion) on simulated time: 10
@@ -664,6 +727,13 @@ fn failing_reads_are_lost_in_time_and_failing_recycles_retried() {
     gpu.backend().failing_reads.store(0, Ordering::Relaxed);
     let stats = timeline.shutdown().unwrap();
     assert_eq!(stats.gpu_lost_scopes, 3, "{stats:?}");
+    let trace = memory.snapshot();
+    let lost = lost_instants(&trace, "frame");
+    assert_eq!(lost.len(), 3, "{lost:?}");
+    assert!(lost
+        .iter()
+        .all(|(_, queue, why)| queue == "compute" && why == "never read back"));
+    assert_flows_pair(&trace);
 }
 
 #[test]

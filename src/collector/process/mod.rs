@@ -1202,7 +1202,7 @@ impl Processor {
         for serial in self.spans.unwritten_tasks() {
             self.write_task(serial, end);
         }
-        self.gpu.abandon();
+        self.gpu.abandon(&mut self.out, end);
         self.report(end);
         self.export(end, true);
         self.finished = true;

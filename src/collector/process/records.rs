@@ -210,10 +210,11 @@ impl Processor {
                 fields,
             } => {
                 let (ts, name, values) = self.stamped_values(track, (ticks, now_ticks), callsite, fields);
-                let flow = self.gpu.next_flow();
-                // Where this thread recorded the GPU work: the flow's start.
-                self.emit(track, ts, EventKind::Instant, name, Vec::new(), Some(flow));
-                self.gpu.begin(key, name, values, ts, flow);
+                // Where this thread recorded the GPU work: the flow's start (its end is the GPU slice, or the
+                // instant that stands for the scope if it is lost; none for a scope with no queue to go to).
+                let flow = self.gpu.knows(key).then(|| self.gpu.next_flow());
+                self.emit(track, ts, EventKind::Instant, name, Vec::new(), flow);
+                self.gpu.begin(key, name, values, ts, flow.unwrap_or(0));
             }
             Item::Gap { ticks, dropped } => {
                 self.counts.gap_markers += 1;
