@@ -31,7 +31,9 @@
 //! machine was aligned. Spans and events carrying a
 //! `tickline.flow_out` field are linked by Perfetto flows to those carrying `tickline.flow_in` with the same
 //! value, in any process (each receiver to its one sender; the flow an exporter already drew within its own
-//! trace is replaced, not drawn twice).
+//! trace is replaced, not drawn twice). Within one trace a key's first sender is its sender (a span entered
+//! twice, or an async task's lifetime slice beside its polls, carries the field more than once); senders of
+//! one key in two traces are ambiguous, and left unlinked.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -263,7 +265,7 @@ pub struct MergeReport {
     pub flows: usize,
     /// Those of them between two traces (two processes).
     pub cross_process_flows: usize,
-    /// Flow ids with no match (or more than one sender).
+    /// Flow ids with no match (no receiver, no sender, or senders in more than one trace).
     pub unmatched_flow_ids: Vec<String>,
     /// Inputs whose last packet was cut short (dropped).
     pub cut_inputs: Vec<PathBuf>,
@@ -1000,7 +1002,23 @@ fn match_flows(traces: &[TraceFile]) -> Flows {
     type Ends = Vec<(usize, usize)>;
     let mut by_key: BTreeMap<&str, (Ends, Ends)> = BTreeMap::new();
     for (ti, t) in traces.iter().enumerate() {
+        // An async task's lifetime slice carries its span's flow field, as the span's slices on threads do:
+        // one end, counted once (the thread's), unless the field is on the task's slice alone. A span entered
+        // twice sends twice: within a trace the first sender of a key is its sender, as the exporter links it.
+        let on_thread: HashSet<(&str, bool)> = t
+            .flow_marks
+            .iter()
+            .filter(|m| !m.on_task)
+            .map(|m| (m.key.as_str(), m.out))
+            .collect();
+        let mut sent = HashSet::new();
         for m in &t.flow_marks {
+            if m.on_task && on_thread.contains(&(m.key.as_str(), m.out)) {
+                continue;
+            }
+            if m.out && !sent.insert(m.key.as_str()) {
+                continue;
+            }
             let e = by_key.entry(m.key.as_str()).or_default();
             if m.out {
                 e.0.push((ti, m.packet));

@@ -72,6 +72,9 @@ pub struct FlowMark {
     pub out: bool,
     /// The id the two ends share, as text.
     pub key: String,
+    /// On an async task's track (`tickline_perfetto::DESCRIPTION_ASYNC_TASK`): the task's lifetime slice,
+    /// which carries its span's fields as the span's slices on a thread do.
+    pub on_task: bool,
 }
 
 /// A process track the trace describes.
@@ -231,6 +234,8 @@ impl TraceFile {
         };
         // Interned debug-annotation names, per sequence.
         let mut seq_names: HashMap<u64, HashMap<u64, String>> = HashMap::new();
+        // Async task tracks, by uuid (see `FlowMark::on_task`).
+        let mut task_tracks = std::collections::HashSet::new();
         for (index, &(start, end)) in t.packets.iter().enumerate() {
             let body = &data[start..end];
             let (mut ts, mut seq) = (None, 0u64);
@@ -267,12 +272,13 @@ impl TraceFile {
                         }
                     }
                     packet::TRACK_DESCRIPTOR => {
-                        let (mut uuid, mut parent, mut process) = (0, None, None);
+                        let (mut uuid, mut parent, mut process, mut task) = (0, None, None, false);
                         for f in wire::fields(v.as_bytes().unwrap_or_default()) {
                             let (n, v, _) = f.map_err(|e| err(format!("packet {index}: track: {e}")))?;
                             match n {
                                 1 => uuid = v.as_u64().unwrap_or(0),
                                 5 => parent = v.as_u64(),
+                                14 => task = v.as_str().as_deref() == Some(tickline_perfetto::DESCRIPTION_ASYNC_TASK),
                                 3 => {
                                     let (mut pid, mut name) = (0, String::new());
                                     for f in wire::fields(v.as_bytes().unwrap_or_default()) {
@@ -296,6 +302,9 @@ impl TraceFile {
                             }
                         }
                         t.track_uuids.push(uuid);
+                        if task {
+                            task_tracks.insert(uuid);
+                        }
                         if let Some((pid, _)) = &process {
                             t.os_ids.insert(*pid);
                         }
@@ -330,11 +339,13 @@ impl TraceFile {
             let empty = HashMap::new();
             let table = seq_names.get(&seq).unwrap_or(&empty);
             let mut name = None;
+            let mut track = None;
             let mut annotations = Vec::new();
             for f in wire::fields(event) {
                 let (n, v, _) = f.map_err(|e| err(format!("packet {index}: track event: {e}")))?;
                 match n {
                     23 => name = v.as_str(),
+                    11 => track = v.as_u64(),
                     4 => annotations.push(
                         parse_annotation(v.as_bytes().unwrap_or_default(), table)
                             .map_err(|e| err(format!("packet {index}: annotation: {e}")))?,
@@ -419,6 +430,7 @@ impl TraceFile {
                                 packet: index,
                                 out,
                                 key,
+                                on_task: track.is_some_and(|track| task_tracks.contains(&track)),
                             });
                         }
                     }

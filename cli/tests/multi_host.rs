@@ -548,6 +548,47 @@ fn merge_links_every_receiver_once_where_a_trace_already_linked_one() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A sender span that is an async task (entered twice) carries its flow field on its thread slices and on its
+/// task's lifetime slice: still one sender (it was two, and the flow was left unlinked), one flow to the
+/// receiver in the other trace.
+#[test]
+fn merge_counts_an_async_task_sender_once() {
+    let dir = scratch("task-flow");
+    let (a, b, merged) = (dir.join("a.pftrace"), dir.join("b.pftrace"), dir.join("ab.pftrace"));
+    let exporter = tickline_perfetto::PerfettoExporter::create(&a)
+        .unwrap()
+        .machine_id(tickline::sync::MachineId::from_name("one"));
+    let timeline = tickline::Timeline::builder().exporter(exporter).start().unwrap();
+    let subscriber = tracing_subscriber::registry().with(timeline.layer());
+    tracing::subscriber::with_default(subscriber, || {
+        let send = info_span!("send", "tickline.flow_out" = "req-7");
+        drop(send.enter());
+        drop(send.enter());
+    });
+    timeline.shutdown().unwrap();
+    flow_trace(&b, "two", &[("receive", "in", "req-7")]);
+    let out = tickline_cmd(&[
+        "merge",
+        a.to_str().unwrap(),
+        b.to_str().unwrap(),
+        "-o",
+        merged.to_str().unwrap(),
+    ]);
+    let report = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{report}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        report.contains("1 flows from flow fields (1 across processes)"),
+        "{report}"
+    );
+    assert!(!report.contains("without exactly one sender"), "{report}");
+    if let Some(script) = checker() {
+        let out = Command::new("python3").arg(&script).arg(&merged).output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Two processes on one machine recording at the same time, merged: each trace's clock snapshots run from its
 /// own start, so appended one after the other the second's would go back in time, which Perfetto's importer
 /// rejects ("the trace clock is not monotonic", an import error). The merge writes the machine's snapshots

@@ -250,7 +250,10 @@ impl FieldFlows {
         for field in fields {
             match self.flow_field(field) {
                 Some((id, true)) => {
-                    if self.ended_early.remove(id) {
+                    if self.linked.contains(id) {
+                        // A sender of a flow already linked (an async task's lifetime slice after its first
+                        // poll's, both the span's): Perfetto would chain it on from the receiver.
+                    } else if self.ended_early.remove(id) {
                         // Its receiver was written first.
                         self.linked.insert(id);
                         flows.0 = Some(id);

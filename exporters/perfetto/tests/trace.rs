@@ -816,6 +816,82 @@ fn a_flow_links_a_sender_written_batches_after_its_receiver() {
     let _ = std::fs::remove_file(&path);
 }
 
+/// A sender span that becomes an async task (entered twice; or every span a task) is written twice, its poll on
+/// the thread and its lifetime on the task's track, both with its fields; so is a receiver under `Always`. The
+/// flow is still one arrow: its id on one sender and one receiver (it was on 3 events, and 4: Perfetto chained
+/// them). The task's track is named without tickline's own fields.
+#[test]
+fn a_flow_field_on_an_async_task_links_once() {
+    use tracing_subscriber::layer::SubscriberExt;
+    let _one_at_a_time = exclusive();
+    for (label, mode) in [
+        ("auto", tickline::AsyncTasks::Auto),
+        ("always", tickline::AsyncTasks::Always),
+    ] {
+        let path = std::env::temp_dir().join(format!(
+            "tickline-perfetto-{}-task-flow-{label}.pftrace",
+            std::process::id()
+        ));
+        let exporter = PerfettoExporter::create(&path).unwrap();
+        let uuid = exporter.trace_uuid();
+        let timeline = tickline::Timeline::builder()
+            .exporter(exporter)
+            .async_tasks(mode)
+            .start()
+            .unwrap();
+        let dispatch = tracing::Dispatch::new(tracing_subscriber::registry().with(timeline.layer()));
+        tracing::dispatcher::with_default(&dispatch, || {
+            let send = tracing::info_span!("send", "tickline.flow_out" = 42u64);
+            drop(send.enter());
+            if mode == tickline::AsyncTasks::Auto {
+                // A second poll: a task.
+                drop(send.enter());
+            }
+            drop(send);
+            drop(tracing::info_span!("receive", "tickline.flow_in" = 42u64).entered());
+        });
+        timeline.shutdown().unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        let events = named_flows(&bytes);
+        // The field's flow (the polls' flows, from thread to task, are tickline's own).
+        let field_flow = |id: &u64| tickline_perfetto::is_field_flow_id(uuid, *id);
+        let ids: Vec<u64> = events
+            .iter()
+            .flat_map(|e| e.1.iter().copied())
+            .filter(field_flow)
+            .collect();
+        let of_flow: Vec<&String> = events
+            .iter()
+            .filter(|e| e.1.iter().any(field_flow))
+            .map(|e| &e.0)
+            .collect();
+        assert_eq!(
+            ids.len(),
+            2,
+            "{label}: the flow's id on a sender and a receiver only: {events:?}"
+        );
+        assert_eq!(ids[0], ids[1], "{label}: {events:?}");
+        assert!(
+            of_flow.contains(&&"send".to_string()) && of_flow.contains(&&"receive".to_string()),
+            "{label}: {of_flow:?}"
+        );
+        let text = String::from_utf8_lossy(&bytes);
+        assert!(
+            !text.contains("send tickline.flow_out"),
+            "{label}: the task track's name"
+        );
+        if let Some(out) = run_checker(&bytes, &format!("task-flow-{label}"), &[]) {
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success(),
+                "{label}: {stdout}{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        let _ = std::fs::remove_file(&path);
+    }
+}
+
 /// Perfetto nests at most 512 slices on one track: its importer drops a deeper begin, and the end after it
 /// then closes the wrong slice, cutting every slice around it short. Slices nested deeper (recursion 1,200 deep
 /// here) go on child tracks of their thread's, 512 levels each, so the checker (which replays that rule) finds

@@ -123,7 +123,12 @@ impl Processor {
             return String::new();
         };
         let mut name = self.out.name_of(span.name).to_owned();
-        for field in span.creation_values() {
+        // tickline's own fields (`tickline.flow_out`, ...) say nothing of which task it is.
+        for field in span
+            .creation_values()
+            .iter()
+            .filter(|f| !self.out.name_of(f.name).starts_with("tickline."))
+        {
             if name.len() >= MAX_TASK_NAME {
                 break;
             }
