@@ -36,7 +36,7 @@ enum Command {
     Convert {
         /// The raw capture.
         input: PathBuf,
-        /// The Perfetto trace to write.
+        /// The Perfetto trace to write (`-` for stdout: the report then goes to stderr).
         #[arg(short, long)]
         output: PathBuf,
         /// Print the summary as one JSON object instead of text.
@@ -61,7 +61,7 @@ enum Command {
         /// The traces (tickline .pftrace files).
         #[arg(required = true, num_args = 1..)]
         inputs: Vec<PathBuf>,
-        /// The merged trace.
+        /// The merged trace (`-` for stdout: the report then goes to stderr).
         #[arg(short, long)]
         output: PathBuf,
         /// The trace whose machine's clock is the time axis (default: the first input).
@@ -87,28 +87,10 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Clock { seconds, json } => tickline_cli::clock::run(seconds, json),
-        Command::Convert { input, output, json } => match Input::open(&input)
-            .and_then(|input| tickline_cli::capture::convert(input.path(), &output).map_err(|e| input.named(e)))
-        {
-            Ok(summary) => {
-                let report = if json {
-                    let mut summary = tickline_cli::capture::summary_json(&summary);
-                    summary["output"] = serde_json::json!(output.display().to_string());
-                    format!("{summary}\n")
-                } else {
-                    format!(
-                        "wrote {}\n{}",
-                        output.display(),
-                        tickline_cli::capture::summary_text(&summary)
-                    )
-                };
-                print_report("convert", &report)
-            }
-            Err(e) => {
-                eprintln!("tickline convert: {e}");
-                ExitCode::FAILURE
-            }
-        },
+        Command::Convert { input, output, json } => {
+            let output = tickline_cli::output::output_path(output);
+            convert(&input, &output, json)
+        }
         Command::Stats { file, json } => {
             let input = match Input::open(&file) {
                 Ok(input) => input,
@@ -150,21 +132,47 @@ fn main() -> ExitCode {
                     .find(|input| input.original() == r.as_path())
                     .map_or(r.clone(), |input| input.path().to_owned())
             });
+            let output = tickline_cli::output::output_path(output);
             let options = tickline_cli::merge::MergeOptions {
                 inputs: opened.iter().map(|input| input.path().to_owned()).collect(),
-                output,
+                output: output.clone(),
                 reference,
                 flow_out,
                 flow_in,
             };
             let named = |text: String| opened.iter().fold(text, |text, input| input.named(text));
             match tickline_cli::merge::merge(&options) {
-                Ok(report) => print_report("merge", &named(report.to_string())),
+                Ok(report) => tickline_cli::output::print_report_beside("merge", &named(report.to_string()), &output),
                 Err(e) => {
                     eprintln!("tickline merge: {}", named(e.to_string()));
                     ExitCode::FAILURE
                 }
             }
+        }
+    }
+}
+
+fn convert(input: &std::path::Path, output: &std::path::Path, json: bool) -> ExitCode {
+    match Input::open(input)
+        .and_then(|input| tickline_cli::capture::convert(input.path(), output).map_err(|e| input.named(e)))
+    {
+        Ok(summary) => {
+            let report = if json {
+                let mut summary = tickline_cli::capture::summary_json(&summary);
+                summary["output"] = serde_json::json!(output.display().to_string());
+                format!("{summary}\n")
+            } else {
+                format!(
+                    "wrote {}\n{}",
+                    output.display(),
+                    tickline_cli::capture::summary_text(&summary)
+                )
+            };
+            tickline_cli::output::print_report_beside("convert", &report, output)
+        }
+        Err(e) => {
+            eprintln!("tickline convert: {e}");
+            ExitCode::FAILURE
         }
     }
 }

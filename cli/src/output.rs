@@ -61,6 +61,45 @@ pub fn is_same_file(a: &Path, b: &Path) -> bool {
     }
 }
 
+/// The output path a command was given, `-` read as stdout (`/dev/stdout`).
+pub fn output_path(output: PathBuf) -> PathBuf {
+    if output.as_os_str() == "-" {
+        PathBuf::from("/dev/stdout")
+    } else {
+        output
+    }
+}
+
+/// Whether `output` is this process's stdout (`-o /dev/stdout`, `/dev/fd/1`, `/proc/self/fd/1`, or the pipe
+/// or file stdout is): the trace goes there, so the report must not.
+pub fn is_stdout(output: &Path) -> bool {
+    if output.as_os_str() == "-" {
+        return true;
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        if let (Ok(out), Ok(stdout)) = (std::fs::metadata(output), std::fs::metadata("/dev/stdout")) {
+            return out.dev() == stdout.dev() && out.ino() == stdout.ino();
+        }
+    }
+    false
+}
+
+/// Writes a command's report, to stdout unless the command's output (a trace) goes there: then to stderr, so the
+/// trace piped on is the trace alone.
+pub fn print_report_beside(command: &str, report: &str, output: &Path) -> std::process::ExitCode {
+    if is_stdout(output) {
+        use std::io::Write;
+        let mut stderr = io::stderr().lock();
+        return match stderr.write_all(report.as_bytes()) {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(_) => std::process::ExitCode::SUCCESS,
+        };
+    }
+    print_report(command, report)
+}
+
 /// Writes a command's report to stdout and says how the command ends: a reader that closed the pipe early
 /// (`| head`) is no failure, but a report that could not be written (a full disk, `> /dev/full`) is one, said
 /// on stderr: the user would otherwise take an empty output for the command's answer.

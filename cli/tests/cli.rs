@@ -613,6 +613,49 @@ fn stats_convert_and_merge_read_pipes() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `convert` and `merge` writing their trace to stdout (`-o /dev/stdout`, `-o -`) put the trace alone there and
+/// their report on stderr: the report followed the trace on stdout, and the piped trace failed to load.
+#[test]
+#[cfg(feature = "protos")]
+fn a_trace_written_to_stdout_is_the_trace_alone() {
+    let dir = scratch("stdout");
+    let (trace, capture) = (dir.join("t.pftrace"), dir.join("t.tickline"));
+    record_trace_and_capture(&trace, &capture);
+    let file = dir.join("converted.pftrace");
+    let out = tickline(&["convert", capture.to_str().unwrap(), "-o", file.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("wrote"),
+        "the report on stdout, as before"
+    );
+    let converted = std::fs::read(&file).unwrap();
+    for target in ["/dev/stdout", "-"] {
+        for command in ["convert", "merge"] {
+            let input = if command == "convert" { &capture } else { &trace };
+            let out = tickline_in(&dir, &[command, input.to_str().unwrap(), "-o", target]);
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "{command} -o {target}: {stderr}");
+            assert!(
+                stderr.contains("wrote") || stderr.contains("merged"),
+                "{command} -o {target}: the report on stderr: {stderr}"
+            );
+            if command == "convert" {
+                assert_eq!(out.stdout.len(), converted.len(), "-o {target}: the trace's bytes only");
+            }
+            let piped = dir.join(format!("piped-{command}.pftrace"));
+            std::fs::write(&piped, &out.stdout).unwrap();
+            let stats = tickline(&["stats", piped.to_str().unwrap()]);
+            assert!(
+                stats.status.success(),
+                "{command} -o {target}: {}",
+                String::from_utf8_lossy(&stats.stderr)
+            );
+            assert!(!dir.join("-").exists(), "no file named -");
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// A trace whose whole packets are followed by zero bytes (a file system that extended the file without its
 /// data after a crash) reads up to the zeros, as a cut trace does; `merge` takes it too. A packet Perfetto's
 /// schema cannot decode is refused by `merge` as by `stats`: copied as it was, it made a merged trace that
