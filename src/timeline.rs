@@ -312,7 +312,8 @@ impl TimelineBuilder {
 ///
 /// On a normal exit, `std::process::exit` included, every running timeline is flushed first (an `atexit`
 /// hook), so the trace holds everything recorded before the exit; the exporters are flushed, not finished.
-/// The hook waits at most 5 s per timeline (an exporter that blocks cannot hold the exit longer).
+/// A [`shutdown`](Timeline::shutdown) under way on another thread is waited for. The hook waits at most 5 s per
+/// timeline, and 5 s for the shutdowns (an exporter that blocks cannot hold the exit longer).
 /// A process killed with `SIGKILL`, or ended by `abort()` (a panic with `panic = "abort"`), runs no code:
 /// the Perfetto exporter writes whole packets at least every `flush_interval` (500 ms by default), and a raw
 /// capture is written out as often, so such a trace loses at most about its last 0.6 s and still loads.
@@ -447,6 +448,9 @@ impl Timeline {
         let Some(collector) = self.collector.take() else {
             return Ok(());
         };
+        // Counted until the collector is joined: an exit meanwhile (another thread calls `process::exit`)
+        // waits for it, as it flushes a running timeline, instead of ending the process mid-shutdown.
+        let _stopping = Stopping::begin();
         self.shared.running.store(false, Ordering::Release);
         self.shared.processing_paused.store(false, Ordering::Relaxed);
         recorder::stopped(self.shared.id);
@@ -503,6 +507,33 @@ fn request(
 /// Longest the exit hook waits for one timeline's flush.
 const EXIT_FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// Timelines whose shutdown is under way (no longer running, not joined yet), and its change.
+static STOPPING: (std::sync::Mutex<usize>, std::sync::Condvar) = (std::sync::Mutex::new(0), std::sync::Condvar::new());
+
+/// One shutdown under way, counted in [`STOPPING`] while it lives.
+struct Stopping;
+
+impl Stopping {
+    fn begin() -> Stopping {
+        *STOPPING.0.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        Stopping
+    }
+
+    /// Waits until no shutdown is under way, at most `timeout`.
+    fn wait_all(timeout: Duration) {
+        let count = STOPPING.0.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = STOPPING.1.wait_timeout_while(count, timeout, |count| *count > 0);
+    }
+}
+
+impl Drop for Stopping {
+    fn drop(&mut self) {
+        let mut count = STOPPING.0.lock().unwrap_or_else(|e| e.into_inner());
+        *count = count.saturating_sub(1);
+        STOPPING.1.notify_all();
+    }
+}
+
 /// Registers, once per process, an `atexit` hook that flushes every running timeline, so a program that
 /// ends with `std::process::exit` (or returns from `main` with a timeline still alive, say in a static)
 /// keeps everything it recorded.
@@ -515,6 +546,8 @@ fn register_exit_flush() {
                 for shared in recorder::running_timelines() {
                     let _ = request(&shared, Control::Flush, Some(EXIT_FLUSH_TIMEOUT));
                 }
+                // A shutdown under way on another thread finishes its exporters first.
+                Stopping::wait_all(EXIT_FLUSH_TIMEOUT);
             });
         }
         // SAFETY: `atexit` takes a function pointer with the C ABI and no arguments, which this is; the

@@ -12,6 +12,10 @@ const EXIT_AFTER_MS: &str = "TICKLINE_DURABILITY_EXIT_AFTER_MS";
 /// whole blocks past the page cache) instead of ~100 slices a second.
 const BUSY: &str = "TICKLINE_DURABILITY_BUSY";
 
+/// Set to a count: the child records that many slices, hands its timeline to a thread that shuts it down, and
+/// calls `std::process::exit` at once, while the shutdown is under way.
+const EXIT_DURING_SHUTDOWN: &str = "TICKLINE_DURABILITY_EXIT_DURING_SHUTDOWN";
+
 /// The child: ~100 slices per second (or, with [`BUSY`], as many as it can) until it is killed.
 #[test]
 fn child() {
@@ -19,7 +23,20 @@ fn child() {
     let exporter = tickline_perfetto::PerfettoExporter::create(&path)
         .unwrap()
         .flush_interval(Duration::from_millis(200));
-    let _timeline = tickline::Timeline::builder().exporter(exporter).start().unwrap();
+    let timeline = tickline::Timeline::builder().exporter(exporter).start().unwrap();
+    if let Some(count) = std::env::var(EXIT_DURING_SHUTDOWN).ok() {
+        for _ in 0..count.parse::<usize>().unwrap() {
+            let _tick = tickline::scope!("tick");
+        }
+        let (started_tx, started_rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            started_tx.send(()).unwrap();
+            let _ = timeline.shutdown();
+        });
+        started_rx.recv().unwrap();
+        std::process::exit(0);
+    }
+    let _timeline = timeline;
     let exit_after = std::env::var(EXIT_AFTER_MS)
         .ok()
         .map(|ms| Duration::from_millis(ms.parse().unwrap()));
@@ -121,6 +138,29 @@ fn an_exiting_process_keeps_every_slice_and_a_closing_clock_snapshot() {
         last_snapshot >= last_tick,
         "the last clock snapshot ({last_snapshot}) is before the last slice ({last_tick})"
     );
+}
+
+/// `std::process::exit` while another thread shuts the timeline down: the exit waits for the shutdown, and the
+/// trace holds every slice (it was empty, or cut at 1 MiB: the exit hook flushed running timelines only).
+#[test]
+fn an_exit_during_a_shutdown_keeps_every_slice() {
+    for round in 0..3 {
+        let path = std::env::temp_dir().join(format!(
+            "tickline-durability-exit-shutdown-{}-{round}.pftrace",
+            std::process::id()
+        ));
+        let status = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "child", "--nocapture", "--test-threads", "1"])
+            .env(CHILD, &path)
+            .env(EXIT_DURING_SHUTDOWN, "20000")
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let bytes = std::fs::read(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        let (n, _, _) = ticks(&bytes);
+        assert_eq!(n, 20_000, "round {round}: {} bytes", bytes.len());
+    }
 }
 
 #[test]
