@@ -24,7 +24,7 @@ fn child() {
         .unwrap()
         .flush_interval(Duration::from_millis(200));
     let timeline = tickline::Timeline::builder().exporter(exporter).start().unwrap();
-    if let Some(count) = std::env::var(EXIT_DURING_SHUTDOWN).ok() {
+    if let Ok(count) = std::env::var(EXIT_DURING_SHUTDOWN) {
         for _ in 0..count.parse::<usize>().unwrap() {
             let _tick = tickline::scope!("tick");
         }
