@@ -21,7 +21,7 @@ const CAPTURE: &str = "TICKLINE_CRASH_CAPTURE";
 fn child() {
     let Ok(kind) = std::env::var(CHILD) else { return };
     let trace = std::env::var(TRACE).expect("trace path");
-    // The default configuration: a Perfetto file with its default flush interval (1 s).
+    // The default configuration: a Perfetto file with its default flush interval (500 ms).
     let exporter = tickline_perfetto::PerfettoExporter::create(&trace).expect("trace file");
     let mut builder = tickline::Timeline::builder().exporter(exporter);
     if let Ok(capture) = std::env::var(CAPTURE) {
@@ -29,6 +29,12 @@ fn child() {
     }
     let timeline = builder.start().expect("timeline");
     tracing_subscriber::registry().with(timeline.layer()).init();
+    {
+        // The parent of a "steady" child may wait for this line (stdout piped) to kill it at once.
+        use std::io::Write as _;
+        let mut stdout = std::io::stdout().lock();
+        let _ = writeln!(stdout, "timeline started").and_then(|()| stdout.flush());
+    }
     match kind.as_str() {
         // ~90 spans a second until killed.
         "steady" => {
@@ -65,7 +71,8 @@ fn spawn_child(kind: &str, trace: &Path, capture: Option<&Path>) -> Child {
     command
         .args(["--exact", "child", "--nocapture", "--test-threads", "1"])
         .env(CHILD, kind)
-        .env(TRACE, trace);
+        .env(TRACE, trace)
+        .stdout(std::process::Stdio::piped());
     if let Some(capture) = capture {
         command.env(CAPTURE, capture);
     }
@@ -86,6 +93,32 @@ fn slices(stats: &tickline_cli::stats::TraceStats, name: &str) -> (u64, Duration
     (count, covered)
 }
 
+/// Killed 100 ms after its timeline started, well inside the first flush interval (500 ms): the trace loads
+/// and the capture converts (both were empty files that no tool read).
+#[test]
+fn sigkill_at_once_leaves_a_trace_that_loads_and_a_capture_that_converts() {
+    use std::io::BufRead as _;
+    let (trace, capture) = (temp("early.pftrace"), temp("early.tickline"));
+    let mut child = spawn_child("steady", &trace, Some(&capture));
+    let mut lines = std::io::BufReader::new(child.stdout.take().expect("piped")).lines();
+    assert!(lines.any(|line| line.is_ok_and(|l| l.contains("timeline started"))));
+    std::thread::sleep(Duration::from_millis(100));
+    child.kill().expect("SIGKILL");
+    child.wait().expect("reaped");
+    let stats = tickline_cli::stats::read(&trace).expect("the trace loads");
+    assert!(stats.packets > 0 && stats.cut_at.is_none(), "{stats:?}");
+    let converted = temp("early-converted.pftrace");
+    let out = Command::new(env!("CARGO_BIN_EXE_tickline"))
+        .args(["convert", capture.to_str().unwrap(), "-o", converted.to_str().unwrap()])
+        .output()
+        .expect("tickline convert runs");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("not finished by its writer"));
+    for path in [&trace, &capture, &converted] {
+        let _ = std::fs::remove_file(path);
+    }
+}
+
 #[test]
 fn sigkill_after_3_s_keeps_at_least_the_first_2_s_and_the_trace_loads() {
     let (trace, capture) = (temp("killed.pftrace"), temp("killed.tickline"));
@@ -96,7 +129,7 @@ fn sigkill_after_3_s_keeps_at_least_the_first_2_s_and_the_trace_loads() {
     let ran = started.elapsed();
     child.wait().expect("reaped");
 
-    // The Perfetto file: whole packets up to about the last flush interval (1 s) before the kill.
+    // The Perfetto file: whole packets up to about the last flush interval (500 ms) before the kill.
     let stats = tickline_cli::stats::read(&trace).expect("the trace loads");
     let (count, covered) = slices(&stats, "tick");
     println!(

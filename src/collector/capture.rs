@@ -146,7 +146,9 @@ pub(crate) struct CaptureWriter {
     /// Whole frames not yet written to the file. A frame is built here in place (no copy between a frame
     /// buffer and a write buffer: a chunk's records are copied once, from the chunk).
     buf: Vec<u8>,
-    last_flush: Instant,
+    /// The last durable write-out; `None` before the first, which the first pass end does (a process killed
+    /// in its first flush interval leaves a capture that converts, not an empty file).
+    last_flush: Option<Instant>,
     failed: bool,
     /// Each ring's count of slices dropped whole, as last written (a frame is written when it changes).
     slices_dropped: std::collections::HashMap<u32, u64>,
@@ -191,7 +193,7 @@ impl CaptureWriter {
             file,
             path: path.to_owned(),
             buf,
-            last_flush: Instant::now(),
+            last_flush: None,
             failed: false,
             slices_dropped: std::collections::HashMap::new(),
             since_pass_end: true,
@@ -396,8 +398,8 @@ impl CaptureWriter {
                     self.since_pass_end = false;
                     result
                 };
-                if result.is_ok() && self.last_flush.elapsed() >= FLUSH_INTERVAL {
-                    self.last_flush = Instant::now();
+                if result.is_ok() && self.last_flush.is_none_or(|last| last.elapsed() >= FLUSH_INTERVAL) {
+                    self.last_flush = Some(Instant::now());
                     self.write_clocks().and_then(|()| self.write_out_durably())
                 } else {
                     result
@@ -466,7 +468,7 @@ impl CaptureWriter {
     /// Makes everything written so far durable.
     pub(crate) fn flush(&mut self, stats: &SharedStats) -> Result<(), String> {
         if !self.failed {
-            self.last_flush = Instant::now();
+            self.last_flush = Some(Instant::now());
             if let Err(e) = self.write_out_durably() {
                 self.fail(stats, e);
             }

@@ -42,7 +42,8 @@
 //!
 //! Packets are written to the file whole, at the latest every [`flush_interval`](PerfettoExporter::flush_interval)
 //! (500 ms by default) while the timeline exports (it calls [`Exporter::export`] at least every ~100 ms, with
-//! an empty batch when idle), so a killed process loses at most about its last 0.6 s; a file cut at any byte
+//! an empty batch when idle), so a killed process loses at most about its last 0.6 s; the first export writes
+//! out at once, so a process killed in its first moments leaves a trace that loads; a file cut at any byte
 //! still loads up to its last whole packet.
 //!
 //! # Flows between spans
@@ -463,7 +464,9 @@ pub struct PerfettoExporter<W: Write + Send = File> {
     simulate: Option<SimulatedClock>,
     flush_interval: Duration,
     snapshot_interval: Duration,
-    last_write: Instant,
+    /// The last timed write-out; `None` before the first, which the first export does at once (a process
+    /// killed in its first `flush_interval` leaves a trace that loads, not an empty file).
+    last_write: Option<Instant>,
     last_snapshot: Instant,
     /// The process track's uuid, once the timeline described it (the clock track hangs under it).
     process_uuid: Option<u64>,
@@ -798,7 +801,7 @@ impl<W: Write + Send> PerfettoExporter<W> {
             simulate: tickline::sync::simulation().copied(),
             flush_interval: Duration::from_millis(500),
             snapshot_interval: Duration::from_secs(2),
-            last_write: now,
+            last_write: None,
             last_snapshot: now,
             process_uuid: None,
             clock_track_described: false,
@@ -1328,8 +1331,11 @@ impl<W: Write + Send> PerfettoExporter<W> {
             self.write_clock_snapshot(false);
         }
         self.write_exchange_samples();
-        if force_write || now.duration_since(self.last_write) >= self.flush_interval {
-            self.last_write = now;
+        let due = self
+            .last_write
+            .is_none_or(|last| now.duration_since(last) >= self.flush_interval);
+        if force_write || due {
+            self.last_write = Some(now);
             self.write_out()?;
             let flushed = match &mut self.file {
                 Some(file) => file.flush(),

@@ -12,6 +12,9 @@ const EXIT_AFTER_MS: &str = "TICKLINE_DURABILITY_EXIT_AFTER_MS";
 /// whole blocks past the page cache) instead of ~100 slices a second.
 const BUSY: &str = "TICKLINE_DURABILITY_BUSY";
 
+/// Set: the child prints a line once its timeline started (the parent kills it right after).
+const SAY_STARTED: &str = "TICKLINE_DURABILITY_SAY_STARTED";
+
 /// Set to a count: the child records that many slices, hands its timeline to a thread that shuts it down, and
 /// calls `std::process::exit` at once, while the shutdown is under way.
 const EXIT_DURING_SHUTDOWN: &str = "TICKLINE_DURABILITY_EXIT_DURING_SHUTDOWN";
@@ -24,6 +27,11 @@ fn child() {
         .unwrap()
         .flush_interval(Duration::from_millis(200));
     let timeline = tickline::Timeline::builder().exporter(exporter).start().unwrap();
+    if std::env::var_os(SAY_STARTED).is_some() {
+        use std::io::Write as _;
+        let mut stdout = std::io::stdout().lock();
+        let _ = writeln!(stdout, "timeline started").and_then(|()| stdout.flush());
+    }
     if let Ok(count) = std::env::var(EXIT_DURING_SHUTDOWN) {
         for _ in 0..count.parse::<usize>().unwrap() {
             let _tick = tickline::scope!("tick");
@@ -161,6 +169,31 @@ fn an_exit_during_a_shutdown_keeps_every_slice() {
         let (n, _, _) = ticks(&bytes);
         assert_eq!(n, 20_000, "round {round}: {} bytes", bytes.len());
     }
+}
+
+/// A process killed 100 ms after its timeline started, well inside its first flush interval (200 ms): the
+/// trace holds its opening packets and loads (it was an empty file no tool read).
+#[test]
+fn a_process_killed_at_once_leaves_a_trace_that_loads() {
+    use std::io::BufRead as _;
+    let path = std::env::temp_dir().join(format!("tickline-durability-early-{}.pftrace", std::process::id()));
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child", "--nocapture", "--test-threads", "1"])
+        .env(CHILD, &path)
+        .env(SAY_STARTED, "1")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    assert!(lines.any(|line| line.is_ok_and(|l| l.contains("timeline started"))));
+    std::thread::sleep(Duration::from_millis(100));
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    let bytes = std::fs::read(&path).unwrap();
+    let _ = std::fs::remove_file(&path);
+    let (_, _, _, _, whole) = walk(&bytes);
+    assert!(whole > 0, "{} bytes, no whole packet", bytes.len());
+    assert_eq!(whole, bytes.len(), "whole packets only");
 }
 
 #[test]
