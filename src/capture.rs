@@ -92,7 +92,7 @@ pub struct CaptureSummary {
     pub slices: u64,
     /// Instant events the conversion produced, the facts about tracks (such as the CPU clock decision) that
     /// exporters show as instants included: a Perfetto file of the conversion holds these and the
-    /// exporter's own (its identity, clock snapshots and exchange rounds; see [`TimelineStats::events`]).
+    /// exporter's own (its identity, clock snapshots, exchange rounds and its end marker; see [`TimelineStats::events`]).
     pub instants: u64,
     /// The conversion's counters (truncated slices, unknown spans...).
     pub stats: TimelineStats,
@@ -273,6 +273,7 @@ fn run(path: &Path, exporter: Box<dyn Exporter>) -> Result<CaptureSummary, Captu
         clock_sync,
         replay: true,
         recording,
+        finished: summary.complete && summary.stopped_early.is_none(),
     };
     let out = Output::new(&origin, vec![Box::new(counting)]);
     let mut processor = Processor::new(out, GpuCalibrationConfig::default(), None, stats.clone());

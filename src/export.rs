@@ -301,6 +301,10 @@ pub struct RecordingOrigin {
     /// made of one recording (written live, converted from its capture, converted again) carries the same.
     /// `tickline merge` refuses two traces of one recording.
     pub recording: crate::sync::TraceUuid,
+    /// Whether the recording ended with its timeline stopped (a live timeline's exporters are finished only
+    /// then: `true`), or was cut short: a converted capture that its process never finished (killed,
+    /// aborted). Exporters say so in the trace (the Perfetto exporter's end marker).
+    pub finished: bool,
 }
 
 impl RecordingOrigin {
@@ -320,6 +324,7 @@ impl RecordingOrigin {
             clock_sync: Vec::new(),
             replay: false,
             recording: crate::sync::TraceUuid::new_random(),
+            finished: true,
         }
     }
 }

@@ -70,6 +70,10 @@ pub struct TraceStats {
     /// From each `tickline trace` instant (one per process; several in a merged trace): host, machine id, pid,
     /// process.
     pub identity: Vec<String>,
+    /// `tickline trace end` instants: recordings that ended with their timeline stopped. Fewer than
+    /// [`identity`](Self::identity) entries: a recording never stopped its timeline (its process killed or
+    /// aborted, ended by `exit` with it running, or still running), and the trace holds what it had written out.
+    pub recordings_ended: u64,
     /// The CPU clock decision, from each `tickline: CPU clock` instant (at start, and when the decision was
     /// revised): the decision in words, prefixed when the timeline fell back to CLOCK_MONOTONIC or the TSC
     /// is in doubt.
@@ -270,6 +274,9 @@ pub fn read(path: &Path) -> Result<TraceStats, String> {
                         };
                         s.cpu_clock.push(format!("{tag}{}", get("decision")));
                     }
+                    if name == tickline_perfetto::TRACE_END_EVENT {
+                        s.recordings_ended += 1;
+                    }
                     if name == tickline_perfetto::TRACE_INFO_EVENT {
                         let get = |k: &str| {
                             ev.debug_annotations
@@ -348,6 +355,7 @@ impl TraceStats {
             "trace_uuid": self.trace_uuid,
             "system": self.system,
             "identity": self.identity,
+            "recordings_ended": self.recordings_ended,
             "cpu_clock": self.cpu_clock,
             "exchange_rounds": self.exchange_rounds,
             "counters": counters,
@@ -375,6 +383,25 @@ impl std::fmt::Display for TraceStats {
         )?;
         for id in &self.identity {
             writeln!(f, "recorded by:   {id}")?;
+        }
+        let recordings = self.identity.len() as u64;
+        if recordings > 0 {
+            let ended = self.recordings_ended.min(recordings);
+            if ended == recordings {
+                writeln!(f, "ended:         with its timeline stopped (its end marker is in)")?;
+            } else {
+                let which = if recordings == 1 {
+                    "its recording".to_owned()
+                } else {
+                    format!("{} of its {recordings} recordings", recordings - ended)
+                };
+                writeln!(
+                    f,
+                    "ended:         without its end marker: {which} never stopped its timeline (the process was \
+                     killed or aborted, called `exit` with it running, or still runs): the trace holds what was \
+                     written out"
+                )?;
+            }
         }
         for c in &self.cpu_clock {
             writeln!(f, "CPU clock:     {c}")?;

@@ -437,6 +437,27 @@ fn record_trace_and_capture(trace: &std::path::Path, capture: &std::path::Path) 
     timeline.shutdown().unwrap();
 }
 
+/// A trace whose timeline was stopped ends with its end marker, and so does its capture converted; `stats`
+/// says so (a killed process's trace has none: see `tests/crash.rs`).
+#[test]
+#[cfg(feature = "protos")]
+fn a_finished_trace_and_its_converted_capture_say_they_ended() {
+    let dir = scratch("ended");
+    let (trace, capture, converted) = (dir.join("t.pftrace"), dir.join("t.tickline"), dir.join("c.pftrace"));
+    record_trace_and_capture(&trace, &capture);
+    let out = tickline(&["convert", capture.to_str().unwrap(), "-o", converted.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for file in [&trace, &converted] {
+        let out = tickline(&["stats", file.to_str().unwrap()]);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains("ended:         with its timeline stopped"), "{text}");
+        let out = tickline(&["stats", file.to_str().unwrap(), "--json"]);
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(json["recordings_ended"], serde_json::json!(1));
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// `merge --reference` names an input by file identity, as the output check does, and a raw capture given to
 /// `merge` says to convert it first.
 #[test]

@@ -145,6 +145,8 @@ fn sigkill_after_3_s_keeps_at_least_the_first_2_s_and_the_trace_loads() {
         "only {covered:?} of the 3 s survived"
     );
     assert!(count >= 170, "only {count} spans survived (~90/s for 2 s and more)");
+    assert_eq!(stats.recordings_ended, 0, "a killed process's trace has no end marker");
+    assert!(stats.to_string().contains("without its end marker"), "{stats}");
 
     // The raw capture left by the same process: cut anywhere, it converts up to its last whole frame.
     let converted = temp("killed-converted.pftrace");
@@ -160,6 +162,10 @@ fn sigkill_after_3_s_keeps_at_least_the_first_2_s_and_the_trace_loads() {
         "a killed capture is reported as such: {text}"
     );
     let from_capture = tickline_cli::stats::read(&converted).expect("the converted trace loads");
+    assert_eq!(
+        from_capture.recordings_ended, 0,
+        "converted from a killed capture: no end marker"
+    );
     let (captured, captured_covered) = slices(&from_capture, "tick");
     assert!(
         captured_covered >= Duration::from_secs(2),

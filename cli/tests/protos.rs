@@ -153,7 +153,8 @@ fn every_packet_tickline_writes_decodes_with_perfettos_schema() {
 }
 
 /// `TimelineStats::events` counts every event the timeline handed the exporter; the Perfetto exporter adds its
-/// own instants besides (the trace's identity, one per clock snapshot and one per clock-exchange round), and
+/// own instants besides (the trace's identity, one per clock snapshot, one per clock-exchange round and its
+/// end), and
 /// nothing else: the file's track events are exactly the two.
 #[test]
 fn timeline_stats_count_every_event_in_the_file_but_the_exporters_own() {
@@ -187,7 +188,7 @@ fn timeline_stats_count_every_event_in_the_file_but_the_exporters_own() {
     let _ = std::fs::remove_file(&path);
     assert_eq!(s.open_slices, 0);
     let in_file = 2 * s.slices + s.instants + s.counter_values;
-    let exporters_own = s.identity.len() as u64 + s.clock_snapshots + s.exchange_rounds;
+    let exporters_own = s.identity.len() as u64 + s.recordings_ended + s.clock_snapshots + s.exchange_rounds;
     assert!(s.clock_snapshots >= 3, "{}", s.clock_snapshots);
     assert_eq!(stats.events, in_file - exporters_own, "{stats:?}\n{s}");
 }
@@ -212,7 +213,7 @@ fn a_converted_captures_instants_are_its_files_but_the_exporters_own() {
     let summary = tickline::capture::convert(&capture, exporter).unwrap();
     let s = tickline_cli::stats::read(&converted).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
-    let exporters_own = s.identity.len() as u64 + s.clock_snapshots + s.exchange_rounds;
+    let exporters_own = s.identity.len() as u64 + s.recordings_ended + s.clock_snapshots + s.exchange_rounds;
     assert_eq!(summary.instants, s.instants - exporters_own, "{summary:?}\n{s}");
     assert_eq!(summary.slices, s.slices);
 }

@@ -40,8 +40,8 @@ pub struct TimelineStats {
     /// among them), counter values, tickline's own (its counters and markers, and facts about a track such as
     /// the CPU clock decision, which exporters show as instants) included. Not a count of `tracing` events.
     /// An exporter may write events of its own besides: the Perfetto exporter adds an instant on its
-    /// `tickline clock` track for the trace's identity, for each clock snapshot and for each clock-exchange
-    /// round, and nothing else.
+    /// `tickline clock` track for the trace's identity, for each clock snapshot, for each clock-exchange
+    /// round and for its end (a timeline stopped), and nothing else.
     pub events: u64,
     /// Thread rings registered so far.
     pub threads: u64,

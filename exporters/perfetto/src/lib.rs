@@ -303,6 +303,11 @@ pub const TRACE_INFO_EVENT: &str = "tickline trace";
 pub const CLOCK_SNAPSHOT_EVENT: &str = "tickline clock snapshot";
 /// See [`TRACE_INFO_EVENT`].
 pub const CLOCK_EXCHANGE_EVENT: &str = "tickline clock exchange";
+/// The last packet of a trace whose recording ended with its timeline stopped (written by
+/// [`finish`](Exporter::finish), after the closing clock snapshot). A trace without it was cut short: its
+/// process was killed or aborted (or still runs), or it was converted from a capture that was; `tickline
+/// stats` says which.
+pub const TRACE_END_EVENT: &str = "tickline trace end";
 /// The name of the track holding them.
 pub const CLOCK_TRACK_NAME: &str = "tickline clock";
 /// Mixed into a converted trace's UUID, so that it differs from its recording's id.
@@ -460,6 +465,8 @@ pub struct PerfettoExporter<W: Write + Send = File> {
     trace_uuid: TraceUuid,
     /// The recording the events come from (from the timeline's origin; `None` for batches made by hand).
     recording: Option<TraceUuid>,
+    /// The recording ended with its timeline stopped (see `RecordingOrigin::finished`).
+    recording_finished: bool,
     host: HostInfo,
     simulate: Option<SimulatedClock>,
     flush_interval: Duration,
@@ -797,6 +804,7 @@ impl<W: Write + Send> PerfettoExporter<W> {
             stats: PerfettoStats::default(),
             trace_uuid,
             recording: None,
+            recording_finished: true,
             host: HostInfo::current().clone(),
             simulate: tickline::sync::simulation().copied(),
             flush_interval: Duration::from_millis(500),
@@ -1696,6 +1704,7 @@ impl<W: Write + Send> Exporter for PerfettoExporter<W> {
         self.recorded_pid = origin.pid;
         self.recorded_process = origin.process_name.clone();
         self.recording = Some(origin.recording);
+        self.recording_finished = origin.finished;
         if origin.replay {
             self.host = origin.host.clone();
             let sync = origin.clock_sync.iter().copied().chain(std::iter::repeat(None));
@@ -1787,6 +1796,10 @@ impl<W: Write + Send> Exporter for PerfettoExporter<W> {
             self.replay_snapshots(None);
         } else {
             self.write_clock_snapshot(false);
+        }
+        if self.recording_finished {
+            let track = self.uuid_salt ^ OWN_TRACKS;
+            self.write_own_instant(self.last_clock_ts, track, TRACE_END_EVENT, &[]);
         }
         self.finished = true;
         self.housekeeping(true)
