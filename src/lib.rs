@@ -150,9 +150,12 @@
 //!   [`TimelineStats::unrecorded_records`]: `tracing` calls on the collector's own thread (an exporter's or a
 //!   GPU backend's logging: recorded, they would be the timeline's own input, and in lossless mode the
 //!   collector would wait on itself), records from a thread-local destructor that runs after tickline's own
-//!   per-thread state is gone (a thread-local first used before the thread's first record), and everything a
-//!   child made by `fork` records (the collector's threads stay in the parent; in the child `flush` and
-//!   `shutdown` fail at once with [`TicklineError::CollectorGone`] and the exit hook does not wait). A
+//!   per-thread state is gone (a thread-local first used before the thread's first record), and what a child
+//!   made by `fork` records on its threads' first records (the collector's threads stay in the parent; in the
+//!   child `flush` and `shutdown` fail at once with [`TicklineError::CollectorGone`] and the exit hook does not
+//!   wait). **Not counted:** records a forked child makes on the thread that forked, if that thread had
+//!   recorded before: they go into the child's copy of its ring, which nothing drains (stop the timeline, or
+//!   record nothing on that thread, in a child that goes on working). A
 //!   thread's first record registers its ring, which allocates: a signal handler must not make a thread's
 //!   first record (it may have interrupted the allocator).
 //! - **Span ids.** `tracing`'s registry reuses a span's id once it closes; tickline gives every span a serial

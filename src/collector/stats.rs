@@ -85,8 +85,9 @@ pub struct TimelineStats {
     /// backend's `tracing` calls: recording them would feed the timeline its own output, and in lossless mode
     /// the collector would wait on itself), from a thread-local destructor that runs after tickline's own
     /// per-thread state is gone (a thread-local first used before the thread's first record), in a child
-    /// made by `fork` (it has no collector), or on a thread beyond the most rings a timeline numbers. Not
-    /// among `dropped_records`: no ring has a place to mark them.
+    /// made by `fork` (it has no collector; but not on the thread that forked if it had recorded before: see the
+    /// crate docs' Caveats), or on a thread beyond the most rings a timeline numbers. Not among
+    /// `dropped_records`: no ring has a place to mark them.
     pub unrecorded_records: u64,
 }
 
