@@ -677,6 +677,27 @@ fn a_trace_written_to_stdout_is_the_trace_alone() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A capture cut inside its magic (1 to 7 bytes) is named a cut capture by `stats` and `convert`, not "not a
+/// Perfetto trace".
+#[test]
+fn a_capture_cut_inside_its_magic_is_called_a_cut_capture() {
+    let dir = scratch("cut-magic");
+    for len in 1..8 {
+        let path = dir.join(format!("cut{len}.tickline"));
+        std::fs::write(&path, &b"TICKLINE"[..len]).unwrap();
+        for args in [
+            vec!["stats", path.to_str().unwrap()],
+            vec!["convert", path.to_str().unwrap(), "-o", "x.pftrace"],
+        ] {
+            let out = tickline_in(&dir, &args);
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+            assert!(stderr.contains("shorter than the 16-byte header"), "{args:?}: {stderr}");
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// A trace whose whole packets are followed by zero bytes (a file system that extended the file without its
 /// data after a crash) reads up to the zeros, as a cut trace does; `merge` takes it too. A packet Perfetto's
 /// schema cannot decode is refused by `merge` as by `stats`: copied as it was, it made a merged trace that
