@@ -33,6 +33,9 @@ pub struct TscCalibratorConfig {
     /// this process fitted (the live fit, or the first baseline), as long as that rate's standard error is no
     /// larger than [`HistoryConfig::nominal_rate_sigma_ppm`], so a second timeline starts without this wait.
     /// `CLOCK_MONOTONIC` ([`TickSource::Monotonic`]) needs no baseline: its rate is 1 ns per tick by definition.
+    /// A timeline that lets the process decide its tick source (no `TimelineBuilder::tick_source`) measures
+    /// the first baseline during that decision's TSC check, over the default 20 ms, and does not use this
+    /// setting; a forced tick source, or a calibrator made directly, does.
     pub startup_baseline: Duration,
 }
 
@@ -58,8 +61,16 @@ impl TscCalibratorConfig {
                 what: "burst_samples must be 8 to 4096",
             });
         }
-        Ok(())
+        if self.startup_baseline > Self::MAX_STARTUP_BASELINE {
+            return Err(CalibrationError::InvalidConfig {
+                what: "startup_baseline must be at most 60 s",
+            });
+        }
+        self.history.validate()
     }
+
+    /// The longest [`startup_baseline`](Self::startup_baseline): a start that sleeps longer is a mistake.
+    pub const MAX_STARTUP_BASELINE: Duration = Duration::from_secs(60);
 }
 
 impl Default for TscCalibratorConfig {
@@ -141,7 +152,7 @@ impl TscCalibrator {
                 .startup_baseline
                 .max(Duration::from_nanos(config.history.min_rate_span_ns))
                 + Duration::from_millis(1);
-            calibrator.quiet_until_ns = monotonic_ns().0 + span.as_nanos() as u64;
+            calibrator.quiet_until_ns = monotonic_ns().0.saturating_add(crate::clock::saturating_ns(span));
             calibrator.next_burst_ns = calibrator.quiet_until_ns;
         }
         Ok(calibrator)
@@ -168,7 +179,9 @@ impl TscCalibrator {
         let samples: Vec<_> = (0..self.config.burst_samples.max(1))
             .map(|_| bracketed_sample(self.source, monotonic_ns))
             .collect();
-        self.next_burst_ns = monotonic_ns().0 + self.config.interval.as_nanos() as u64;
+        self.next_burst_ns = monotonic_ns()
+            .0
+            .saturating_add(crate::clock::saturating_ns(self.config.interval));
         self.history.add_burst(&samples)?;
         if let Some(latest) = self.history.latest() {
             remember_rate(self.source, latest.ns_per_tick(), latest.rate_sigma_ppm());

@@ -129,6 +129,12 @@ fn clock_gettime_ns(clock: libc::clockid_t) -> u64 {
         .wrapping_add(ts.tv_nsec as u64)
 }
 
+/// `d` in whole ns, `u64::MAX` for a duration beyond it (a setting of `Duration::MAX` means "never", not a
+/// wrapped-around few seconds).
+pub(crate) fn saturating_ns(d: std::time::Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
 /// `CLOCK_MONOTONIC` now, in nanoseconds: tickline's reference clock.
 #[inline]
 pub fn monotonic_ns() -> Nanos {

@@ -336,7 +336,7 @@ impl Drain {
         self.clock_revision();
         let now_ns = monotonic_ns().0;
         if force || now_ns >= self.next_cpu_burst_ns {
-            self.next_cpu_burst_ns = now_ns + self.config.cpu_burst_interval.as_nanos() as u64;
+            self.next_cpu_burst_ns = now_ns.saturating_add(crate::clock::saturating_ns(self.config.cpu_burst_interval));
             let samples = cpu_burst(self.source, self.config.cpu_burst_samples);
             self.tail.push(Input::CpuCalibration(samples));
         }
@@ -371,7 +371,9 @@ impl Drain {
     /// The last passes; returns the requests they read.
     fn finish(&mut self) -> Vec<Request> {
         let mut requests = self.pass(true);
-        let deadline = monotonic_ns().0 + GPU_SHUTDOWN_WAIT.as_nanos() as u64;
+        let deadline = monotonic_ns()
+            .0
+            .saturating_add(crate::clock::saturating_ns(GPU_SHUTDOWN_WAIT));
         while self.gpu.busy() && monotonic_ns().0 < deadline {
             std::thread::sleep(Duration::from_millis(1));
             self.gpu.poll(monotonic_ns().0, false, &mut self.tail);

@@ -98,11 +98,11 @@ impl GpuLive {
                 out.push(Input::Gpu(GpuInput::Reset { device: d.device }));
             }
             let since = d.last_burst_ns.map(|t| now_ns.saturating_sub(t));
-            let gap = config.min_burst_gap.as_nanos() as u64;
+            let gap = crate::clock::saturating_ns(config.min_burst_gap);
             let due = match since {
                 None => true,
                 Some(since) => {
-                    since >= config.burst_period.as_nanos() as u64
+                    since >= crate::clock::saturating_ns(config.burst_period)
                         || d.retry_gap_ns.is_some_and(|retry| since >= retry)
                         || (since >= gap && (force || d.link.take_burst_request()))
                 }
@@ -163,8 +163,8 @@ fn burst(d: &mut LiveDevice, config: GpuCalibrationConfig, samples: &mut Vec<Cal
     let empty = result.is_err() || samples.is_empty();
     d.sampled |= !empty;
     d.retry_gap_ns = empty.then(|| {
-        let min = config.min_burst_gap.as_nanos() as u64;
-        let max = (config.burst_period.as_nanos() as u64).max(min);
+        let min = crate::clock::saturating_ns(config.min_burst_gap);
+        let max = crate::clock::saturating_ns(config.burst_period).max(min);
         d.retry_gap_ns.map_or(min, |gap| gap.saturating_mul(2)).clamp(min, max)
     });
     out.push(Input::Gpu(GpuInput::Calibration {
@@ -186,7 +186,7 @@ fn read_pairs(
 ) {
     let link = d.link.clone();
     let states = link.pair_states();
-    let lost_after = config.lost_after.as_nanos() as u64;
+    let lost_after = crate::clock::saturating_ns(config.lost_after);
     let mut finished = Vec::new();
     // Each failed call is counted (`GpuClockStats::read_errors`), recycles included.
     let mut failures = 0usize;

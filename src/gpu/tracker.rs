@@ -62,6 +62,42 @@ pub struct GpuCalibrationConfig {
     pub history: HistoryConfig,
 }
 
+impl GpuCalibrationConfig {
+    /// The fewest samples a burst may take (the history keeps the tightest quarter of each).
+    pub const MIN_BURST_SAMPLES: usize = 4;
+    /// The most samples a burst may take.
+    pub const MAX_BURST_SAMPLES: usize = 4096;
+    /// The longest a burst may take: the collector waits for it.
+    pub const MAX_BURST_BUDGET: Duration = Duration::from_secs(1);
+
+    /// Whether every setting is in its range: `burst_samples` from
+    /// [`MIN_BURST_SAMPLES`](Self::MIN_BURST_SAMPLES) to [`MAX_BURST_SAMPLES`](Self::MAX_BURST_SAMPLES),
+    /// `burst_budget` above 0 and at most [`MAX_BURST_BUDGET`](Self::MAX_BURST_BUDGET), and the history's
+    /// ([`HistoryConfig::validate`]). Durations may be as long as `Duration::MAX` (never). `TimelineBuilder::start`
+    /// refuses a configuration that fails this.
+    ///
+    /// ```
+    /// use tickline::gpu::GpuCalibrationConfig;
+    /// assert!(GpuCalibrationConfig::default().validate().is_ok());
+    /// let no_samples = GpuCalibrationConfig { burst_samples: 0, ..Default::default() };
+    /// assert!(no_samples.validate().is_err());
+    /// ```
+    pub fn validate(&self) -> Result<(), crate::calibration::CalibrationError> {
+        use crate::calibration::CalibrationError;
+        if !(Self::MIN_BURST_SAMPLES..=Self::MAX_BURST_SAMPLES).contains(&self.burst_samples) {
+            return Err(CalibrationError::InvalidConfig {
+                what: "GPU burst_samples must be 4 to 4096",
+            });
+        }
+        if self.burst_budget.is_zero() || self.burst_budget > Self::MAX_BURST_BUDGET {
+            return Err(CalibrationError::InvalidConfig {
+                what: "GPU burst_budget must be above 0 and at most 1 s",
+            });
+        }
+        self.history.validate()
+    }
+}
+
 impl Default for GpuCalibrationConfig {
     fn default() -> Self {
         GpuCalibrationConfig {
@@ -194,10 +230,10 @@ impl GpuClockTracker {
             return true;
         };
         let since = now_ns.saturating_sub(last);
-        if since >= self.config.burst_period.as_nanos() as u64 {
+        if since >= crate::clock::saturating_ns(self.config.burst_period) {
             return true;
         }
-        if since < self.config.min_burst_gap.as_nanos() as u64 {
+        if since < crate::clock::saturating_ns(self.config.min_burst_gap) {
             return false;
         }
         self.burst_requested
@@ -253,9 +289,10 @@ impl GpuClockTracker {
     /// [`ready`](Self::ready) from a [`readiness`](Self::readiness) taken since the last burst.
     pub(crate) fn ready_by(&self, r: Readiness, finished_ns: u64, now_ns: u64) -> bool {
         let waited = now_ns.saturating_sub(finished_ns);
-        let bound = self.config.latency_bound.as_nanos() as u64;
-        let period = self.config.burst_period.as_nanos() as u64;
-        waited >= bound.saturating_add(2 * period) || (r.burst_after && r.settled && (waited >= bound || r.bracketed))
+        let bound = crate::clock::saturating_ns(self.config.latency_bound);
+        let period = crate::clock::saturating_ns(self.config.burst_period);
+        waited >= bound.saturating_add(period.saturating_mul(2))
+            || (r.burst_after && r.settled && (waited >= bound || r.bracketed))
     }
 
     /// Converts device ticks to reference ns with their uncertainty (monotonic for inputs in increasing order

@@ -802,3 +802,105 @@ fn a_large_burst_then_shutdown_exports_every_scope() {
     );
     assert_eq!(memory.snapshot().slice_count("step"), scopes as usize);
 }
+
+/// Settings out of range are refused by `start`, naming the setting; settings of `Duration::MAX` ("never") are
+/// taken as such. (A CPU calibration interval of `Duration::MAX` panicked in `start`, a GPU burst period of
+/// `Duration::MAX` panicked the collector and lost every GPU scope; a GPU burst of 0 samples, or a history
+/// keeping no sample of a burst, was accepted and lost everything or failed with a message naming nothing.)
+#[test]
+fn calibration_settings_out_of_range_are_refused_and_never_means_never() {
+    use tickline::calibration::HistoryConfig;
+    use tickline::clock::TscCalibratorConfig;
+    use tickline::gpu::GpuCalibrationConfig;
+    let _one_at_a_time = crate::exclusive();
+    let refused = |builder: tickline::TimelineBuilder, what: &str| {
+        let err = builder.start().err().unwrap_or_else(|| panic!("{what}: started"));
+        assert!(err.to_string().contains(what), "{what}: {err}");
+    };
+    refused(
+        Timeline::builder().gpu_calibration(GpuCalibrationConfig {
+            burst_samples: 0,
+            ..Default::default()
+        }),
+        "burst_samples",
+    );
+    refused(
+        Timeline::builder().gpu_calibration(GpuCalibrationConfig {
+            burst_budget: Duration::ZERO,
+            ..Default::default()
+        }),
+        "burst_budget",
+    );
+    for (history, what) in [
+        (
+            HistoryConfig {
+                burst_keep: 0.0,
+                ..Default::default()
+            },
+            "burst_keep",
+        ),
+        (
+            HistoryConfig {
+                max_knots: 0,
+                ..Default::default()
+            },
+            "max_knots",
+        ),
+        (
+            HistoryConfig {
+                uncertainty_sigmas: f64::NAN,
+                ..Default::default()
+            },
+            "uncertainty_sigmas",
+        ),
+    ] {
+        refused(
+            Timeline::builder().calibration(TscCalibratorConfig {
+                history,
+                ..Default::default()
+            }),
+            what,
+        );
+    }
+    let foreign = if cfg!(target_arch = "x86_64") {
+        Some(tickline::clock::TickSource::ArmVirtualCounter)
+    } else if cfg!(target_arch = "aarch64") {
+        Some(tickline::clock::TickSource::Tsc)
+    } else {
+        None
+    };
+    if let Some(source) = foreign {
+        refused(Timeline::builder().tick_source(source), "tick_source");
+    }
+
+    // Never: no periodic CPU burst after the first, no periodic GPU burst; the scopes still go out.
+    let memory = MemoryExporter::new();
+    let timeline = Timeline::builder()
+        .exporter(memory.clone())
+        .calibration(TscCalibratorConfig {
+            interval: Duration::MAX,
+            ..Default::default()
+        })
+        .gpu_calibration(GpuCalibrationConfig {
+            burst_period: Duration::MAX,
+            latency_bound: Duration::MAX,
+            lost_after: Duration::MAX,
+            ..Default::default()
+        })
+        .start()
+        .unwrap();
+    let gpu = timeline.gpu(SimGpu::new(SimGpuConfig::default()).unwrap()).unwrap();
+    let queue = gpu.queue("compute").unwrap();
+    for _ in 0..20 {
+        let commands = SimCommands::new();
+        {
+            let _scope = tickline::gpu_scope!(queue, &commands, "kernel");
+            commands.work(Duration::from_micros(20));
+        }
+        let _ = gpu.backend().submit(commands).wait();
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    let stats = timeline.shutdown().unwrap();
+    assert_eq!((stats.gpu_scopes, stats.gpu_lost_scopes), (20, 0), "{stats:?}");
+    assert_eq!(memory.snapshot().slice_count("kernel"), 20);
+}

@@ -126,6 +126,55 @@ pub struct HistoryConfig {
     pub uncertainty_sigmas: f64,
 }
 
+impl HistoryConfig {
+    /// Whether every setting is in its range: `burst_keep` and the fit's `keep_tightest` in (0, 1],
+    /// `window_bursts` at least 1, `max_knots` at least 4, `max_segments` at least 2, the ppm and sigma settings
+    /// finite and not negative (`break_sigmas` may be `f64::INFINITY`: no break detection), `uncertainty_sigmas`
+    /// above 0.
+    ///
+    /// ```
+    /// use tickline::calibration::HistoryConfig;
+    /// assert!(HistoryConfig::default().validate().is_ok());
+    /// let none_kept = HistoryConfig { burst_keep: 0.0, ..Default::default() };
+    /// assert!(none_kept.validate().is_err());
+    /// ```
+    pub fn validate(&self) -> Result<(), CalibrationError> {
+        let fraction = |v: f64| v > 0.0 && v <= 1.0;
+        let non_negative = |v: f64| v.is_finite() && v >= 0.0;
+        let checks: [(bool, &'static str); 10] = [
+            (fraction(self.burst_keep), "burst_keep must be in (0, 1]"),
+            (fraction(self.fit.keep_tightest), "fit.keep_tightest must be in (0, 1]"),
+            (self.window_bursts >= 1, "window_bursts must be at least 1"),
+            (self.max_knots >= 4, "max_knots must be at least 4"),
+            (self.max_segments >= 2, "max_segments must be at least 2"),
+            (
+                non_negative(self.wander_ppm_per_sqrt_s),
+                "wander_ppm_per_sqrt_s must be finite and not negative",
+            ),
+            (
+                non_negative(self.nominal_rate_sigma_ppm),
+                "nominal_rate_sigma_ppm must be finite and not negative",
+            ),
+            (
+                self.break_sigmas > 0.0,
+                "break_sigmas must be above 0 (infinity: no break detection)",
+            ),
+            (
+                non_negative(self.break_rate_sigma_ppm),
+                "break_rate_sigma_ppm must be finite and not negative",
+            ),
+            (
+                self.uncertainty_sigmas.is_finite() && self.uncertainty_sigmas > 0.0,
+                "uncertainty_sigmas must be finite and above 0",
+            ),
+        ];
+        match checks.iter().find(|(ok, _)| !ok) {
+            Some(&(_, what)) => Err(CalibrationError::InvalidConfig { what }),
+            None => Ok(()),
+        }
+    }
+}
+
 impl Default for HistoryConfig {
     fn default() -> Self {
         HistoryConfig {
