@@ -117,9 +117,13 @@ impl TimelineBuilder {
     /// let builder = Timeline::builder().ring_capacity(usize::MAX);
     /// let max = TimelineBuilder::MAX_RING_CAPACITY;
     /// assert!(format!("{builder:?}").contains(&format!("ring_capacity: {max}")));
+    /// // Rounded up to a power of two.
+    /// let builder = Timeline::builder().ring_capacity(100);
+    /// assert!(format!("{builder:?}").contains("ring_capacity: 128"));
     /// ```
     pub fn ring_capacity(mut self, records: usize) -> Self {
-        self.ring_capacity = records.clamp(64, Self::MAX_RING_CAPACITY);
+        // MAX_RING_CAPACITY is a power of two: the clamped value rounds up to at most it.
+        self.ring_capacity = records.clamp(64, Self::MAX_RING_CAPACITY).next_power_of_two();
         self.max_ring_capacity = self.ring_capacity;
         self
     }
@@ -139,7 +143,9 @@ impl TimelineBuilder {
     /// the starting size this grows from). Until the rings a thread grew out of are drained, it holds them
     /// too: at most a third more (64 Ki + 256 Ki + 1 Mi records by default, 21 MiB).
     pub fn max_ring_capacity(mut self, records: usize) -> Self {
-        self.max_ring_capacity = records.clamp(self.ring_capacity, Self::MAX_RING_CAPACITY);
+        self.max_ring_capacity = records
+            .clamp(self.ring_capacity, Self::MAX_RING_CAPACITY)
+            .next_power_of_two();
         self
     }
 
