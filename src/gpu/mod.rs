@@ -681,8 +681,10 @@ impl GpuFieldEncoder<'_, '_> {
 /// scope's own by that name is kept beside it: name yours otherwise) and a flow from the point on this thread
 /// where the scope was recorded. A device whose clock never calibrates (every `calibrate` fails) has no way to
 /// place its slices: its scopes are counted in [`TimelineStats::gpu_lost_scopes`](crate::TimelineStats) and the
-/// failures in `gpu_failed_calibrations`. A shutdown waits at most a second for GPU work still in flight (wait
-/// for your GPU work first); what has not finished then is counted lost. A lost scope is shown as an instant on
+/// failures in `gpu_failed_calibrations`. A shutdown waits about a second for GPU work still in flight (wait
+/// for your GPU work first); what has not finished then is counted lost. A backend may wait longer for its own
+/// work queued behind yours (the Vulkan backend's fallback calibration probe: its fence must signal before the
+/// backend frees it), and scopes read meanwhile are exported. A lost scope is shown as an instant on
 /// its queue's track where the CPU recorded it, annotated [`GPU_SCOPE_LOST`], so its flow still has both ends.
 ///
 /// ```

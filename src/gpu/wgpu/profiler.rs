@@ -241,7 +241,10 @@ impl WgpuProfiler {
     ///
     /// `label` names the slice. Each distinct `(label, call site)` becomes a call site once per process and is found
     /// again through a per-thread table; [`wgpu_scope!`](macro@crate::wgpu_scope) fixes it at compile time and takes
-    /// fields.
+    /// fields. A process keeps at most 4096 distinct labels (each is kept for the process's life): beyond them a
+    /// slice is named `wgpu scope (label table full)` with its label in a `label` field. Labels made per frame
+    /// (`format!("frame {n}")`) reach that soon: name the scope `"frame"` and put the number in a field with
+    /// [`wgpu_scope!`](macro@crate::wgpu_scope).
     ///
     /// ```no_run
     /// # #[allow(dead_code)]
