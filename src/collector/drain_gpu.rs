@@ -110,7 +110,11 @@ impl GpuLive {
             if due {
                 burst(d, config, &mut self.samples, out);
             }
-            read_pairs(d, &mut self.reads, now_ns, config, out);
+            // The time of the read, not of the pass: a burst may have waited (the fallback probe, queued behind
+            // the program's GPU work, for hundreds of ms), and a pair first seen unwritten then was timed from the
+            // pass's start: a scope allocated during the wait was counted lost (and its pair retired) at the next
+            // pass, before its GPU work could run.
+            read_pairs(d, &mut self.reads, monotonic_ns().0.max(now_ns), config, out);
         }
     }
 

@@ -471,6 +471,9 @@ struct FaultySim {
     failing_recycles: std::sync::atomic::AtomicU64,
     empty_bursts_left: std::sync::atomic::AtomicU64,
     calibration_fails: bool,
+    /// The next burst takes this long (ms; 0: as long as the simulated GPU takes), and says when it began.
+    slow_burst_ms: std::sync::atomic::AtomicU64,
+    slow_burst_began: std::sync::atomic::AtomicBool,
 }
 
 impl FaultySim {
@@ -490,6 +493,8 @@ impl FaultySim {
             failing_recycles: 0.into(),
             empty_bursts_left: 0.into(),
             calibration_fails: false,
+            slow_burst_ms: 0.into(),
+            slow_burst_began: false.into(),
         }
     }
 }
@@ -551,6 +556,11 @@ impl tickline::gpu::GpuBackend for FaultySim {
             .is_ok()
         {
             return Ok(());
+        }
+        let slow = self.slow_burst_ms.swap(0, Relaxed);
+        if slow > 0 {
+            self.slow_burst_began.store(true, std::sync::atomic::Ordering::Release);
+            std::thread::sleep(Duration::from_millis(slow));
         }
         self.gpu.calibrate(samples, budget, out)
     }
@@ -734,6 +744,48 @@ fn failing_reads_are_lost_in_time_and_failing_recycles_retried() {
         .iter()
         .all(|(_, queue, why)| queue == "compute" && why == "never read back"));
     assert_flows_pair(&trace);
+}
+
+/// A calibration burst that takes long (Vulkan's fallback probe queued behind the program's GPU work) while a
+/// scope is recorded: the scope's loss bound runs from when its pair was first read unwritten, not from the
+/// start of the pass the burst delayed. (It ran from the pass's start: a scope recorded during a 500 ms burst
+/// was counted lost at the next pass, 1 ms after its first read, its pair retired, though it ran 50 ms later;
+/// seen on lavapipe with `lost_after` 300 ms.)
+#[test]
+fn a_slow_burst_does_not_make_a_scope_recorded_meanwhile_lost() {
+    use std::sync::atomic::Ordering;
+    let _one_at_a_time = crate::exclusive();
+    let memory = MemoryExporter::default();
+    let config = tickline::gpu::GpuCalibrationConfig {
+        lost_after: Duration::from_millis(300),
+        ..Default::default()
+    };
+    let timeline = Timeline::builder()
+        .exporter(memory.clone())
+        .gpu_calibration(config)
+        .start()
+        .unwrap();
+    let gpu = timeline.gpu(FaultySim::new()).unwrap();
+    let queue = gpu.queue("compute").unwrap();
+    while gpu.calibration().is_none() {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    gpu.backend().slow_burst_ms.store(500, Ordering::Relaxed);
+    while !gpu.backend().slow_burst_began.load(Ordering::Acquire) {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // Recorded while the burst runs, submitted 50 ms after it ended.
+    let commands = SimCommands::new();
+    {
+        let _scope = tickline::gpu_scope!(queue, &commands, "late submit");
+        commands.work(Duration::from_micros(20));
+    }
+    std::thread::sleep(Duration::from_millis(550));
+    let _ = gpu.backend().gpu.submit(commands).wait();
+    std::thread::sleep(Duration::from_millis(100));
+    let stats = timeline.shutdown().unwrap();
+    assert_eq!((stats.gpu_scopes, stats.gpu_lost_scopes), (1, 0), "{stats:?}");
+    assert_eq!(memory.snapshot().slice_count("late submit"), 1);
 }
 
 #[test]
