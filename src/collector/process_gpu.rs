@@ -65,6 +65,10 @@ struct DeviceState {
     /// before their begin records made each begin search a list of all of them (quadratic: 24,000 scopes a
     /// second at most, and a large burst still unmatched at shutdown was counted lost).
     unmatched_reads: HashMap<(u32, u32), (PairRead, u64, u64)>,
+    /// Pairs retired before their scope's begin record came (a pair allocated and timed out while the begin
+    /// was on its way), by `(pair, generation)`, with the pass they came in: the begin is lost on arrival
+    /// instead of waiting in flight until shutdown.
+    unmatched_lost: HashMap<(u32, u32), u64>,
     drift_track: TrackId,
     error_track: TrackId,
     offset_track: TrackId,
@@ -201,8 +205,11 @@ impl GpuCollector {
             } => {
                 let lost_name = self.lost_name(out);
                 if let Some(d) = self.devices.get_mut(&device) {
-                    if let Some(scope) = d.in_flight.remove(&(pair, generation)) {
-                        Self::lose(&mut self.stats, lost_name, d, scope, "never read back");
+                    match d.in_flight.remove(&(pair, generation)) {
+                        Some(scope) => Self::lose(&mut self.stats, lost_name, d, scope, "never read back"),
+                        None => {
+                            d.unmatched_lost.insert((pair, generation), self.drained_passes);
+                        }
                     }
                 }
             }
@@ -255,6 +262,7 @@ impl GpuCollector {
                 in_flight: HashMap::new(),
                 finished: Vec::new(),
                 unmatched_reads: HashMap::new(),
+                unmatched_lost: HashMap::new(),
                 drift_track,
                 error_track,
                 offset_track,
@@ -294,7 +302,16 @@ impl GpuCollector {
     }
 
     /// A scope's begin record, recorded by the CPU at `cpu_ns` with flow `flow`.
-    pub(crate) fn begin(&mut self, key: u64, name: NameId, fields: Vec<TraceField>, cpu_ns: u64, flow: u64) {
+    pub(crate) fn begin(
+        &mut self,
+        out: &mut Output,
+        key: u64,
+        name: NameId,
+        fields: Vec<TraceField>,
+        cpu_ns: u64,
+        flow: u64,
+    ) {
+        let lost_name = self.lost_name(out);
         let (device, queue, pair, generation) = split_key(key);
         self.stats.scopes += 1;
         let Some(d) = self
@@ -313,6 +330,11 @@ impl GpuCollector {
             cpu_ns,
             flow,
         };
+        if d.unmatched_lost.remove(&(pair, generation)).is_some() {
+            // Its pair timed out before this record came.
+            Self::lose(&mut self.stats, lost_name, d, scope, "never read back");
+            return;
+        }
         // Its ticks may have been read already (the drain stage polls GPUs after it drains the rings).
         match d.unmatched_reads.remove(&(pair, generation)) {
             Some((read, read_ns, _)) => {
@@ -349,6 +371,8 @@ impl GpuCollector {
         for d in self.devices.values_mut() {
             d.unmatched_reads
                 .retain(|_, &mut (_, _, seen)| pass.saturating_sub(seen) < UNMATCHED_READ_PASSES);
+            d.unmatched_lost
+                .retain(|_, &mut seen| pass.saturating_sub(seen) < UNMATCHED_READ_PASSES);
             if let Some(fit) = d.tracker.history().latest() {
                 if fit.calibrated_at_ns() != d.reported_fit_ns {
                     d.reported_fit_ns = fit.calibrated_at_ns();

@@ -788,6 +788,50 @@ fn a_slow_burst_does_not_make_a_scope_recorded_meanwhile_lost() {
     assert_eq!(memory.snapshot().slice_count("late submit"), 1);
 }
 
+/// A pair timed out before its scope's begin record reached the processing stage (the rings not drained
+/// meanwhile): the scope is lost when its record comes, not held in flight until shutdown (it was, and counted
+/// lost only then, as "timeline ended").
+#[test]
+fn a_pair_lost_before_its_begin_record_came_loses_the_scope_at_once() {
+    let _one_at_a_time = crate::exclusive();
+    let memory = MemoryExporter::default();
+    let config = tickline::gpu::GpuCalibrationConfig {
+        lost_after: Duration::from_millis(200),
+        ..Default::default()
+    };
+    let timeline = Timeline::builder()
+        .exporter(memory.clone())
+        .gpu_calibration(config)
+        .start()
+        .unwrap();
+    let gpu = timeline.gpu(SimGpu::new(SimGpuConfig::default()).unwrap()).unwrap();
+    let queue = gpu.queue("compute").unwrap();
+    timeline.flush().unwrap();
+    // The GPU is polled while the rings wait: the pair times out before its begin record is drained.
+    timeline.pause_drain(true);
+    let commands = SimCommands::new();
+    {
+        let _never = tickline::gpu_scope!(queue, &commands, "never submitted");
+    }
+    drop(commands);
+    std::thread::sleep(Duration::from_millis(500));
+    timeline.pause_drain(false);
+    timeline.flush().unwrap();
+    timeline.flush().unwrap();
+    let stats = timeline.stats();
+    assert_eq!((stats.gpu_scopes, stats.gpu_lost_scopes), (1, 1), "{stats:?}");
+    timeline.shutdown().unwrap();
+    let trace = memory.snapshot();
+    assert_eq!(
+        lost_instants(&trace, "never submitted")
+            .into_iter()
+            .map(|(_, _, why)| why)
+            .collect::<Vec<_>>(),
+        ["never read back"]
+    );
+    assert_flows_pair(&trace);
+}
+
 #[test]
 fn timestamp_pairs_come_back_as_soon_as_their_ticks_are_read() {
     let _one_at_a_time = crate::exclusive();

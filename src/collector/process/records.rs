@@ -214,7 +214,7 @@ impl Processor {
                 // instant that stands for the scope if it is lost; none for a scope with no queue to go to).
                 let flow = self.gpu.knows(key).then(|| self.gpu.next_flow());
                 self.emit(track, ts, EventKind::Instant, name, Vec::new(), flow);
-                self.gpu.begin(key, name, values, ts, flow.unwrap_or(0));
+                self.gpu.begin(&mut self.out, key, name, values, ts, flow.unwrap_or(0));
             }
             Item::Gap { ticks, dropped } => {
                 self.counts.gap_markers += 1;
