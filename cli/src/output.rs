@@ -70,12 +70,9 @@ pub fn output_path(output: PathBuf) -> PathBuf {
     }
 }
 
-/// Whether `output` is this process's stdout (`-o /dev/stdout`, `/dev/fd/1`, `/proc/self/fd/1`, or the pipe
-/// or file stdout is): the trace goes there, so the report must not.
+/// Whether `output` (as [`output_path`] gives it) is this process's stdout (`/dev/stdout`, `/dev/fd/1`,
+/// `/proc/self/fd/1`, or the pipe or file stdout is): the trace goes there, so the report must not.
 pub fn is_stdout(output: &Path) -> bool {
-    if output.as_os_str() == "-" {
-        return true;
-    }
     #[cfg(unix)]
     {
         use std::os::unix::fs::MetadataExt;
@@ -91,11 +88,9 @@ pub fn is_stdout(output: &Path) -> bool {
 pub fn print_report_beside(command: &str, report: &str, output: &Path) -> std::process::ExitCode {
     if is_stdout(output) {
         use std::io::Write;
-        let mut stderr = io::stderr().lock();
-        return match stderr.write_all(report.as_bytes()) {
-            Ok(()) => std::process::ExitCode::SUCCESS,
-            Err(_) => std::process::ExitCode::SUCCESS,
-        };
+        // The command's output was written: a report stderr cannot take does not fail it.
+        let _ = io::stderr().lock().write_all(report.as_bytes());
+        return std::process::ExitCode::SUCCESS;
     }
     print_report(command, report)
 }

@@ -119,14 +119,6 @@ impl GpuCollector {
         }
     }
 
-    /// Whether a scope with `key` has a queue to go to (else it is counted lost at once and needs no flow).
-    pub(crate) fn knows(&self, key: u64) -> bool {
-        let (device, queue, _, _) = split_key(key);
-        self.devices
-            .get(&device)
-            .is_some_and(|d| (queue as usize) < d.queues.len())
-    }
-
     /// Counts `scope` lost, and shows it on its queue's track where its CPU recorded it (ending its flow):
     /// `why` is the [`GPU_SCOPE_LOST`](crate::gpu::GPU_SCOPE_LOST) annotation.
     fn lose(stats: &mut GpuStats, lost_name: NameId, d: &mut DeviceState, scope: Scope, why: &'static str) {
@@ -301,7 +293,8 @@ impl GpuCollector {
         }
     }
 
-    /// A scope's begin record, recorded by the CPU at `cpu_ns` with flow `flow`.
+    /// A scope's begin record, recorded by the CPU at `cpu_ns`. Returns the flow from the CPU to the scope (its
+    /// GPU slice, or the instant standing for it if lost), or `None` when it has no queue to go to (counted lost).
     pub(crate) fn begin(
         &mut self,
         out: &mut Output,
@@ -309,8 +302,7 @@ impl GpuCollector {
         name: NameId,
         fields: Vec<TraceField>,
         cpu_ns: u64,
-        flow: u64,
-    ) {
+    ) -> Option<u64> {
         let lost_name = self.lost_name(out);
         let (device, queue, pair, generation) = split_key(key);
         self.stats.scopes += 1;
@@ -319,10 +311,12 @@ impl GpuCollector {
             .get_mut(&device)
             .filter(|d| (queue as usize) < d.queues.len())
         else {
-            // No queue to show it on (its flow was not started: see `knows`).
+            // No queue to show it on: no flow to start.
             self.stats.lost_scopes += 1;
-            return;
+            return None;
         };
+        let flow = self.next_flow;
+        self.next_flow += 1;
         let scope = Scope {
             queue,
             name,
@@ -333,7 +327,7 @@ impl GpuCollector {
         if d.unmatched_lost.remove(&(pair, generation)).is_some() {
             // Its pair timed out before this record came.
             Self::lose(&mut self.stats, lost_name, d, scope, "never read back");
-            return;
+            return Some(flow);
         }
         // Its ticks may have been read already (the drain stage polls GPUs after it drains the rings).
         match d.unmatched_reads.remove(&(pair, generation)) {
@@ -350,6 +344,7 @@ impl GpuCollector {
                 d.in_flight.insert((pair, generation), scope);
             }
         }
+        Some(flow)
     }
 
     /// End of a drain pass at `drain_ns` (reference ns): every scope recorded before it has been seen. Converts

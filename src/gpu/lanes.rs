@@ -99,13 +99,7 @@ impl<T> Lanes<T> {
             }
             if slice.instant {
                 // Zero width: it nests in anything open, so only the lane's time matters.
-                let index = match self.lanes.iter().position(|lane| lane.last_ns <= slice.begin_ns) {
-                    Some(index) => index,
-                    None => {
-                        self.lanes.push(Lane::default());
-                        self.lanes.len() - 1
-                    }
-                };
+                let index = first_lane_where(&mut self.lanes, |lane| lane.last_ns <= slice.begin_ns);
                 self.lanes[index].last_ns = slice.begin_ns;
                 out(LaneEvent::Instant {
                     lane: index,
@@ -116,13 +110,7 @@ impl<T> Lanes<T> {
             }
             let fits =
                 |lane: &Lane| lane.last_ns <= slice.begin_ns && lane.open.last().is_none_or(|&end| slice.end_ns <= end);
-            let index = match self.lanes.iter().position(fits) {
-                Some(index) => index,
-                None => {
-                    self.lanes.push(Lane::default());
-                    self.lanes.len() - 1
-                }
-            };
+            let index = first_lane_where(&mut self.lanes, fits);
             let lane = &mut self.lanes[index];
             lane.open.push(slice.end_ns);
             lane.last_ns = slice.begin_ns;
@@ -135,6 +123,17 @@ impl<T> Lanes<T> {
         let until = if force { u64::MAX } else { watermark_ns };
         for (index, lane) in self.lanes.iter_mut().enumerate() {
             close_until(lane, index, until, out);
+        }
+    }
+}
+
+/// The first of `lanes` where `fits`, or a new one.
+fn first_lane_where(lanes: &mut Vec<Lane>, fits: impl Fn(&Lane) -> bool) -> usize {
+    match lanes.iter().position(fits) {
+        Some(index) => index,
+        None => {
+            lanes.push(Lane::default());
+            lanes.len() - 1
         }
     }
 }

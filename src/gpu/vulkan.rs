@@ -851,7 +851,7 @@ impl VulkanGpu {
         if !probe.pending {
             return Ok(true);
         }
-        let timeout_ns = timeout.as_nanos().min(u128::from(u64::MAX)) as u64;
+        let timeout_ns = crate::clock::saturating_ns(timeout);
         // SAFETY: the fence is ours and was submitted with the probe (`pending`); only the holder of the probe
         // lock waits on or resets it.
         match unsafe { self.owned.device.wait_for_fences(&[self.owned.fence], true, timeout_ns) } {

@@ -212,9 +212,8 @@ impl Processor {
                 let (ts, name, values) = self.stamped_values(track, (ticks, now_ticks), callsite, fields);
                 // Where this thread recorded the GPU work: the flow's start (its end is the GPU slice, or the
                 // instant that stands for the scope if it is lost; none for a scope with no queue to go to).
-                let flow = self.gpu.knows(key).then(|| self.gpu.next_flow());
+                let flow = self.gpu.begin(&mut self.out, key, name, values, ts);
                 self.emit(track, ts, EventKind::Instant, name, Vec::new(), flow);
-                self.gpu.begin(&mut self.out, key, name, values, ts, flow.unwrap_or(0));
             }
             Item::Gap { ticks, dropped } => {
                 self.counts.gap_markers += 1;
