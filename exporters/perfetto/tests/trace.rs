@@ -1035,35 +1035,49 @@ fn a_track_made_after_sixteen_million_others_still_splits_deep_nesting() {
 /// was written before).
 #[test]
 fn an_exporter_dropped_unfinished_writes_what_it_holds() {
-    #[derive(Clone, Default)]
-    struct Shared(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
-    impl Write for Shared {
-        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(b);
-            Ok(b.len())
+    // The first export writes out at once; the second (the same slices again, later, on the tracks described,
+    // without flows) stays in the buffer until the drop.
+    let again = || {
+        let mut batch = sample_batch(false);
+        batch.new_tracks.clear();
+        batch.new_names.clear();
+        for event in &mut batch.events {
+            event.ts_ns += 1_000_000;
+            (event.flow_out, event.flow_in) = (None, None);
         }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
+        batch
+    };
     let written = Shared::default();
     let mut exporter = PerfettoExporter::new(written.clone());
     exporter.export(&sample_batch(false)).unwrap();
+    let opening = written.len();
+    exporter.export(&again()).unwrap();
+    assert_eq!(written.len(), opening, "the second export is buffered");
     drop(exporter);
-    let from_writer = written.0.lock().unwrap().clone();
+    let from_writer = written.bytes();
 
     let path = std::env::temp_dir().join(format!("tickline-dropped-{}.pftrace", std::process::id()));
     let mut exporter = PerfettoExporter::create(&path).unwrap();
     exporter.export(&sample_batch(false)).unwrap();
+    let file_opening = std::fs::metadata(&path).unwrap().len() as usize;
+    exporter.export(&again()).unwrap();
     drop(exporter);
     let from_file = std::fs::read(&path).unwrap();
-    assert!(from_writer.len() > 100, "{} bytes", from_writer.len());
-    assert!(from_file.len() > 100, "{} bytes", from_file.len());
+    assert!(
+        from_writer.len() > opening + 100,
+        "{} bytes after {opening}",
+        from_writer.len()
+    );
+    assert!(
+        from_file.len() > file_opening + 100,
+        "{} bytes after {file_opening}",
+        from_file.len()
+    );
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.ci/check_perfetto.py");
     let checked = Command::new("python3")
         .arg(script)
         .arg(&path)
-        .args(["--expect-slices", "frame=1", "--expect-slices", "upload=1"])
+        .args(["--expect-slices", "frame=2", "--expect-slices", "upload=2"])
         .output();
     std::fs::remove_file(&path).unwrap();
     match checked {
