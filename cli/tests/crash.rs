@@ -79,6 +79,14 @@ fn spawn_child(kind: &str, trace: &Path, capture: Option<&Path>) -> Child {
     command.spawn().expect("child starts")
 }
 
+/// `tickline convert CAPTURE -o CONVERTED`.
+fn convert(capture: &Path, converted: &Path) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_tickline"))
+        .args(["convert", capture.to_str().unwrap(), "-o", converted.to_str().unwrap()])
+        .output()
+        .expect("tickline convert runs")
+}
+
 fn temp(name: &str) -> PathBuf {
     std::env::temp_dir().join(format!("tickline-crash-{}-{name}", std::process::id()))
 }
@@ -108,10 +116,7 @@ fn sigkill_at_once_leaves_a_trace_that_loads_and_a_capture_that_converts() {
     let stats = tickline_cli::stats::read(&trace).expect("the trace loads");
     assert!(stats.packets > 0 && stats.cut_at.is_none(), "{stats:?}");
     let converted = temp("early-converted.pftrace");
-    let out = Command::new(env!("CARGO_BIN_EXE_tickline"))
-        .args(["convert", capture.to_str().unwrap(), "-o", converted.to_str().unwrap()])
-        .output()
-        .expect("tickline convert runs");
+    let out = convert(&capture, &converted);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stdout).contains("not finished by its writer"));
     for path in [&trace, &capture, &converted] {
@@ -150,10 +155,7 @@ fn sigkill_after_3_s_keeps_at_least_the_first_2_s_and_the_trace_loads() {
 
     // The raw capture left by the same process: cut anywhere, it converts up to its last whole frame.
     let converted = temp("killed-converted.pftrace");
-    let out = Command::new(env!("CARGO_BIN_EXE_tickline"))
-        .args(["convert", capture.to_str().unwrap(), "-o", converted.to_str().unwrap()])
-        .output()
-        .expect("tickline convert runs");
+    let out = convert(&capture, &converted);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let text = String::from_utf8_lossy(&out.stdout);
     println!("{text}");

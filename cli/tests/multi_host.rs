@@ -498,7 +498,8 @@ fn merge_refuses_an_output_that_is_one_of_its_inputs() {
 }
 
 /// A trace of a timeline in this process claiming `machine`, with spans carrying flow fields: each
-/// `(name, field, key)` one span, in order.
+/// `(name, field, key)` one span, in order; field `"out"` or `"out-task"` (a sender entered twice: an async
+/// task) sends, any other receives.
 fn flow_trace(path: &Path, machine: &str, spans: &[(&str, &str, &str)]) {
     let exporter = tickline_perfetto::PerfettoExporter::create(path)
         .unwrap()
@@ -509,11 +510,30 @@ fn flow_trace(path: &Path, machine: &str, spans: &[(&str, &str, &str)]) {
         for &(name, field, key) in spans {
             match field {
                 "out" => drop(info_span!("flow", span = name, "tickline.flow_out" = key).entered()),
+                "out-task" => {
+                    let send = info_span!("flow", span = name, "tickline.flow_out" = key);
+                    drop(send.enter());
+                    drop(send.enter());
+                }
                 _ => drop(info_span!("flow", span = name, "tickline.flow_in" = key).entered()),
             }
         }
     });
     timeline.shutdown().unwrap();
+}
+
+/// `tickline merge A B -o MERGED`, which must succeed: its report.
+fn merge_two(a: &Path, b: &Path, merged: &Path) -> String {
+    let out = tickline_cmd(&[
+        "merge",
+        a.to_str().unwrap(),
+        b.to_str().unwrap(),
+        "-o",
+        merged.to_str().unwrap(),
+    ]);
+    let report = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{report}{}", String::from_utf8_lossy(&out.stderr));
+    report
 }
 
 #[test]
@@ -524,15 +544,7 @@ fn merge_links_every_receiver_once_where_a_trace_already_linked_one() {
     flow_trace(&a, "one", &[("send", "out", "req-1"), ("here", "in", "req-1")]);
     flow_trace(&b, "two", &[("there", "in", "req-1")]);
     let merged = dir.join("merged.pftrace");
-    let out = tickline_cmd(&[
-        "merge",
-        a.to_str().unwrap(),
-        b.to_str().unwrap(),
-        "-o",
-        merged.to_str().unwrap(),
-    ]);
-    let report = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(out.status.success(), "{report}{}", String::from_utf8_lossy(&out.stderr));
+    let report = merge_two(&a, &b, &merged);
     assert!(
         report.contains("2 flows from flow fields (1 across processes)"),
         "{report}"
@@ -555,27 +567,9 @@ fn merge_links_every_receiver_once_where_a_trace_already_linked_one() {
 fn merge_counts_an_async_task_sender_once() {
     let dir = scratch("task-flow");
     let (a, b, merged) = (dir.join("a.pftrace"), dir.join("b.pftrace"), dir.join("ab.pftrace"));
-    let exporter = tickline_perfetto::PerfettoExporter::create(&a)
-        .unwrap()
-        .machine_id(tickline::sync::MachineId::from_name("one"));
-    let timeline = tickline::Timeline::builder().exporter(exporter).start().unwrap();
-    let subscriber = tracing_subscriber::registry().with(timeline.layer());
-    tracing::subscriber::with_default(subscriber, || {
-        let send = info_span!("send", "tickline.flow_out" = "req-7");
-        drop(send.enter());
-        drop(send.enter());
-    });
-    timeline.shutdown().unwrap();
+    flow_trace(&a, "one", &[("send", "out-task", "req-7")]);
     flow_trace(&b, "two", &[("receive", "in", "req-7")]);
-    let out = tickline_cmd(&[
-        "merge",
-        a.to_str().unwrap(),
-        b.to_str().unwrap(),
-        "-o",
-        merged.to_str().unwrap(),
-    ]);
-    let report = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(out.status.success(), "{report}{}", String::from_utf8_lossy(&out.stderr));
+    let report = merge_two(&a, &b, &merged);
     assert!(
         report.contains("1 flows from flow fields (1 across processes)"),
         "{report}"

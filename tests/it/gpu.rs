@@ -224,6 +224,19 @@ fn overlapping_gpu_work_on_one_queue_goes_to_sibling_tracks() {
     }
 }
 
+/// A timeline exporting to `memory` whose GPU scopes are lost after `lost_after` unread.
+fn exporting_losing_after(memory: &MemoryExporter, lost_after: Duration) -> Timeline {
+    let config = tickline::gpu::GpuCalibrationConfig {
+        lost_after,
+        ..Default::default()
+    };
+    Timeline::builder()
+        .exporter(memory.clone())
+        .gpu_calibration(config)
+        .start()
+        .unwrap()
+}
+
 /// Every flow has both ends: one event it starts at, one it ends at.
 fn assert_flows_pair(trace: &tickline::export::MemoryTrace) {
     let mut ends: HashMap<u64, (usize, usize)> = HashMap::new();
@@ -681,15 +694,7 @@ fn failing_reads_are_lost_in_time_and_failing_recycles_retried() {
     use std::sync::atomic::Ordering;
     let _one_at_a_time = crate::exclusive();
     let memory = MemoryExporter::default();
-    let config = tickline::gpu::GpuCalibrationConfig {
-        lost_after: Duration::from_millis(300),
-        ..Default::default()
-    };
-    let timeline = Timeline::builder()
-        .exporter(memory.clone())
-        .gpu_calibration(config)
-        .start()
-        .unwrap();
+    let timeline = exporting_losing_after(&memory, Duration::from_millis(300));
     let pairs = 32u32;
     let gpu = timeline.gpu(FaultySim::with_slots(2 * pairs)).unwrap();
     let queue = gpu.queue("compute").unwrap();
@@ -756,15 +761,7 @@ fn a_slow_burst_does_not_make_a_scope_recorded_meanwhile_lost() {
     use std::sync::atomic::Ordering;
     let _one_at_a_time = crate::exclusive();
     let memory = MemoryExporter::default();
-    let config = tickline::gpu::GpuCalibrationConfig {
-        lost_after: Duration::from_millis(300),
-        ..Default::default()
-    };
-    let timeline = Timeline::builder()
-        .exporter(memory.clone())
-        .gpu_calibration(config)
-        .start()
-        .unwrap();
+    let timeline = exporting_losing_after(&memory, Duration::from_millis(300));
     let gpu = timeline.gpu(FaultySim::new()).unwrap();
     let queue = gpu.queue("compute").unwrap();
     while gpu.calibration().is_none() {
@@ -795,15 +792,7 @@ fn a_slow_burst_does_not_make_a_scope_recorded_meanwhile_lost() {
 fn a_pair_lost_before_its_begin_record_came_loses_the_scope_at_once() {
     let _one_at_a_time = crate::exclusive();
     let memory = MemoryExporter::default();
-    let config = tickline::gpu::GpuCalibrationConfig {
-        lost_after: Duration::from_millis(200),
-        ..Default::default()
-    };
-    let timeline = Timeline::builder()
-        .exporter(memory.clone())
-        .gpu_calibration(config)
-        .start()
-        .unwrap();
+    let timeline = exporting_losing_after(&memory, Duration::from_millis(200));
     let gpu = timeline.gpu(SimGpu::new(SimGpuConfig::default()).unwrap()).unwrap();
     let queue = gpu.queue("compute").unwrap();
     timeline.flush().unwrap();

@@ -68,6 +68,15 @@ fn child() {
     }
 }
 
+/// This test binary run as the [`child`], writing its trace to `path`.
+fn child_writing(path: &std::path::Path) -> Command {
+    let mut command = Command::new(std::env::current_exe().unwrap());
+    command
+        .args(["--exact", "child", "--nocapture", "--test-threads", "1"])
+        .env(CHILD, path);
+    command
+}
+
 /// Slices named "tick" begun in `bytes` (a cut tail ignored), and their first and last timestamps.
 fn ticks(bytes: &[u8]) -> (usize, u64, u64) {
     let (n, first, last, _, _) = walk(bytes);
@@ -131,12 +140,7 @@ fn walk(bytes: &[u8]) -> (usize, u64, u64, u64, usize) {
 #[test]
 fn an_exiting_process_keeps_every_slice_and_a_closing_clock_snapshot() {
     let path = std::env::temp_dir().join(format!("tickline-durability-exit-{}.pftrace", std::process::id()));
-    let status = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child", "--nocapture", "--test-threads", "1"])
-        .env(CHILD, &path)
-        .env(EXIT_AFTER_MS, "700")
-        .status()
-        .unwrap();
+    let status = child_writing(&path).env(EXIT_AFTER_MS, "700").status().unwrap();
     assert!(status.success());
     let bytes = std::fs::read(&path).unwrap();
     let _ = std::fs::remove_file(&path);
@@ -157,9 +161,7 @@ fn an_exit_during_a_shutdown_keeps_every_slice() {
             "tickline-durability-exit-shutdown-{}-{round}.pftrace",
             std::process::id()
         ));
-        let status = Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "child", "--nocapture", "--test-threads", "1"])
-            .env(CHILD, &path)
+        let status = child_writing(&path)
             .env(EXIT_DURING_SHUTDOWN, "20000")
             .status()
             .unwrap();
@@ -177,9 +179,7 @@ fn an_exit_during_a_shutdown_keeps_every_slice() {
 fn a_process_killed_at_once_leaves_a_trace_that_loads() {
     use std::io::BufRead as _;
     let path = std::env::temp_dir().join(format!("tickline-durability-early-{}.pftrace", std::process::id()));
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child", "--nocapture", "--test-threads", "1"])
-        .env(CHILD, &path)
+    let mut child = child_writing(&path)
         .env(SAY_STARTED, "1")
         .stdout(std::process::Stdio::piped())
         .spawn()
@@ -199,11 +199,7 @@ fn a_process_killed_at_once_leaves_a_trace_that_loads() {
 #[test]
 fn a_killed_process_keeps_all_but_its_last_moments() {
     let path = std::env::temp_dir().join(format!("tickline-durability-{}.pftrace", std::process::id()));
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child", "--nocapture", "--test-threads", "1"])
-        .env(CHILD, &path)
-        .spawn()
-        .unwrap();
+    let mut child = child_writing(&path).spawn().unwrap();
     let started = Instant::now();
     std::thread::sleep(Duration::from_millis(2000));
     child.kill().unwrap(); // SIGKILL
@@ -256,12 +252,7 @@ fn a_process_killed_mid_burst_leaves_whole_packets_up_to_its_end() {
             "tickline-durability-busy-{}-{round}.pftrace",
             std::process::id()
         ));
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "child", "--nocapture", "--test-threads", "1"])
-            .env(CHILD, &path)
-            .env(BUSY, "1")
-            .spawn()
-            .unwrap();
+        let mut child = child_writing(&path).env(BUSY, "1").spawn().unwrap();
         // Killed at a different moment each round: mid-write, between writes, around a flush.
         std::thread::sleep(Duration::from_millis(1500 + 137 * round));
         child.kill().unwrap(); // SIGKILL
