@@ -56,7 +56,7 @@
 //!   and N reads from one launch share one bracket.
 //! - **Resolution, measured.** [`CudaGpu::new`] launches `tickline_steps`, which spins on `%globaltimer` and
 //!   records the first values it sees change; the smallest step is the timer's update granularity
-//!   ([`CudaClock::resolution_ns`]): 32 ns on Hopper, 1 µs before it (32 ns while NVIDIA's tools run). A
+//!   ([`CudaClock::resolution_ns`]): 32 ns on Hopper (measured on an H200), 1 µs before it (32 ns while NVIDIA's tools run). A
 //!   timer that does not advance at all is not used (events instead, or [`GpuError::NoTimestamps`] with
 //!   [`CudaTiming::GlobalTimer`]).
 //! - **Clock frequency.** `%globaltimer` is nominally 1 GHz (1 ns per tick; [`GpuDeviceInfo::clock`]); the SM
@@ -71,8 +71,13 @@
 //!
 //! # Limits
 //!
-//! - Nothing here has run on a GPU yet: the PTX, the mapped-memory reads and both timings are checked only by
-//!   the GPU tests (which skip without a device) and the `cuda_kernels` example.
+//! - Run on one GPU so far (an H200, 2026-11-28; figures in the README): the PTX, the mapped-memory reads, both
+//!   timings and 20,400 scopes placed inside their `[launch, synchronize]` windows. The fix to calibration bursts
+//!   that ended after one or two samples ([`CudaGpu`]'s `private_idle`) has not run on a GPU yet.
+//! - A probe's bracket is lopsided: on an idle H200 the kernel starts some 27 µs after the launch call and its
+//!   store is seen about 0.4 µs after it ran, so the read sits near the bracket's end, and the stated uncertainty
+//!   is wide (p50 5.9 µs there). On a real GPU the truth is known only up to each scope's window, and every slice
+//!   lay inside its window.
 //! - The PTX is `.version 7.0`, `.target sm_50`: a CUDA 11.0 or newer driver.
 //! - `write_timestamp` costs one `cuLaunchKernel` (or one `cuEventRecord`) and one entry in the stream; the
 //!   CPU cost is to be measured on a GPU machine (`benches/cuda_scope.rs`).
@@ -937,6 +942,28 @@ impl CudaGpu {
         // `Owned::drop`; `params` outlives the call (the driver copies the arguments at launch).
         unsafe { result::launch_kernel(stamp, (1, 1, 1), (1, 1, 1), 0, stream, &mut params) }
     }
+
+    /// Whether the private stream is idle, so a probe launched now runs at once. At a burst's start
+    /// (`wait == false`) a busy stream means a probe of an earlier burst is still queued behind the GPU's work:
+    /// `false` at once. Within a burst (`wait`), the stream is busy only while this burst's last probe retires
+    /// (its store is visible to the host a few µs before the stream reports it complete): spin until it does,
+    /// within the burst's budget. (Returning at the first busy answer, as this once did,
+    /// ended every burst after one or two samples: seen on an H200, "2 samples in 50 ms".)
+    fn private_idle(&self, wait: bool, started: Instant, budget: Duration) -> Result<bool, GpuError> {
+        loop {
+            // SAFETY: our stream, alive until `owned` drops.
+            match unsafe { sys::cuStreamQuery(self.owned.private) } {
+                sys::cudaError_enum::CUDA_SUCCESS => return Ok(true),
+                sys::cudaError_enum::CUDA_ERROR_NOT_READY => {
+                    if !wait || started.elapsed() >= budget {
+                        return Ok(false);
+                    }
+                    std::hint::spin_loop();
+                }
+                e => return Err(api("cuStreamQuery")(DriverError(e))),
+            }
+        }
+    }
 }
 
 impl GpuBackend for CudaGpu {
@@ -988,16 +1015,14 @@ impl GpuBackend for CudaGpu {
             Stamps::Events(events) => return events.calibrate(self.owned.private, samples, budget, out),
         };
         let word = self.slots;
-        for _ in 0..samples {
+        for taken in 0..samples {
             if started.elapsed() >= budget {
                 break;
             }
-            // SAFETY: our stream, alive until `owned` drops.
-            match unsafe { sys::cuStreamQuery(self.owned.private) } {
-                sys::cudaError_enum::CUDA_SUCCESS => {}
-                // A probe of an earlier burst is still queued behind the GPU's work: no sample this time.
-                sys::cudaError_enum::CUDA_ERROR_NOT_READY => return Ok(()),
-                e => return Err(api("cuStreamQuery")(DriverError(e))),
+            if !self.private_idle(taken > 0, started, budget)? {
+                // A probe of an earlier burst is still queued behind the GPU's work, or this burst's last probe
+                // has not retired within the budget: no further sample this time.
+                break;
             }
             self.store_word(word, 0);
             let before_ns = monotonic_ns().0;
