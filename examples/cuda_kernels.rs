@@ -3,7 +3,15 @@
 //!
 //! ```text
 //! cargo run --release --features cuda --example cuda_kernels [-- out.pftrace]
+//! cargo run --release --features cupti --example cuda_kernels -- --cupti [out.pftrace]
 //! ```
+//!
+//! With `--cupti` (feature `cupti`) a [`CuptiCapture`](tickline::gpu::cupti::CuptiCapture) runs beside the
+//! scopes: every kernel and copy also appears, without a scope, on the CUPTI device's stream tracks. The example
+//! then prints how many of its launches CUPTI brought back, and how each captured `scale` and `spin` kernel
+//! lies against the manual scope around the same launch (a scope's begin and end are kernels of their own just
+//! before and after it, so the captured kernel must lie inside, up to both slices' stated uncertainties). If
+//! CUPTI cannot start (no libcupti, another CUPTI client), it says why and the rest of the timeline runs on.
 //!
 //! The kernels are PTX text loaded by the driver (`cuModuleLoadData`): no CUDA toolkit or NVRTC is needed. On a
 //! machine without a CUDA driver or device the example prints one line saying so and exits with status 1.
@@ -14,6 +22,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tickline::export::MemoryExporter;
 use tickline::gpu::cuda::cudarc::driver::{result, sys, CudaContext, CudaStream, DevicePtr};
 use tickline::gpu::cuda::{open, CudaGpu, CudaOptions};
 use tickline::Timeline;
@@ -124,7 +133,7 @@ impl Kernels {
     }
 }
 
-fn run(ctx: Arc<CudaContext>, path: &str) -> Result<(), Box<dyn Error>> {
+fn run(ctx: Arc<CudaContext>, path: &str, cupti: bool) -> Result<(), Box<dyn Error>> {
     let backend = CudaGpu::new(&ctx, CudaOptions::default())?;
     let clock = backend.clock();
     println!(
@@ -137,8 +146,13 @@ fn run(ctx: Arc<CudaContext>, path: &str) -> Result<(), Box<dyn Error>> {
         clock.resolution_ns
     );
     let exporter = PerfettoExporter::create(path)?;
-    let timeline = Timeline::builder().exporter(exporter).start()?;
+    let memory = MemoryExporter::default();
+    let timeline = Timeline::builder()
+        .exporter(exporter)
+        .exporter(memory.clone())
+        .start()?;
     tracing_subscriber::registry().with(timeline.layer()).init();
+    let capture = if cupti { capture::start(&timeline, &ctx) } else { None };
     let gpu = timeline.gpu(backend)?;
     let kernels = Kernels::load(&ctx)?;
     let streams = [ctx.new_stream()?, ctx.new_stream()?];
@@ -187,6 +201,7 @@ fn run(ctx: Arc<CudaContext>, path: &str) -> Result<(), Box<dyn Error>> {
         std::thread::sleep(Duration::from_millis(2));
     }
     let failed = gpu.backend().failed_writes();
+    let cupti_stats = capture.map(capture::stop);
     let stats = timeline.shutdown()?;
     let calibration = gpu.calibration();
     println!(
@@ -202,13 +217,180 @@ fn run(ctx: Arc<CudaContext>, path: &str) -> Result<(), Box<dyn Error>> {
             c.latest.error_bound_ns()
         );
     }
+    if let Some(cupti_stats) = cupti_stats {
+        // Per frame and stream: the upload, `scale`, `spin` and the download.
+        capture::compare(&memory.snapshot(), cupti_stats, 4 * FRAMES as usize * 2)?;
+    }
     Ok(())
 }
 
+/// The `--cupti` mode.
+#[cfg(feature = "cupti")]
+mod capture {
+    use std::error::Error;
+    use std::sync::Arc;
+
+    use tickline::export::{EventKind, FieldValue, MemoryTrace, TrackKind};
+    use tickline::gpu::cuda::cudarc::driver::CudaContext;
+    use tickline::gpu::cupti::{CuptiCapture, CuptiOptions, CuptiStats};
+    use tickline::Timeline;
+
+    pub(super) fn start(timeline: &Timeline, ctx: &Arc<CudaContext>) -> Option<CuptiCapture> {
+        match CuptiCapture::start(timeline, ctx, CuptiOptions::default()) {
+            Ok(capture) => {
+                let (library, version) = capture.library();
+                println!("CUPTI {version} from {}", library.display());
+                Some(capture)
+            }
+            Err(e) => {
+                println!("CUPTI capture not running ({e}); the scopes are recorded without it");
+                None
+            }
+        }
+    }
+
+    pub(super) fn stop(capture: CuptiCapture) -> CuptiStats {
+        capture.stop()
+    }
+
+    /// A GPU slice: its name, begin, end and stated uncertainty, and whether CUPTI captured it.
+    struct Slice {
+        name: String,
+        begin: u64,
+        end: u64,
+        uncertainty: u64,
+        captured: bool,
+    }
+
+    fn slices(trace: &MemoryTrace) -> Vec<Slice> {
+        let mut open: std::collections::HashMap<_, Vec<Slice>> = std::collections::HashMap::new();
+        let mut done = Vec::new();
+        for e in &trace.events {
+            let Some(track) = trace.track(e.track) else { continue };
+            if !matches!(track.kind, TrackKind::GpuQueue { .. }) {
+                continue;
+            }
+            let captured = track
+                .parent
+                .and_then(|p| trace.track(p))
+                .is_some_and(|d| matches!(&d.kind, TrackKind::GpuDevice { name, .. } if name.ends_with("(CUPTI)")));
+            match e.kind {
+                EventKind::SliceBegin => {
+                    let uncertainty = e
+                        .fields
+                        .iter()
+                        .find_map(|(k, v)| match (k.as_str(), v) {
+                            ("uncertainty_ns", FieldValue::U64(u)) => Some(*u),
+                            _ => None,
+                        })
+                        .unwrap_or(0);
+                    open.entry(e.track).or_default().push(Slice {
+                        name: e.name.clone(),
+                        begin: e.ts_ns,
+                        end: 0,
+                        uncertainty,
+                        captured,
+                    });
+                }
+                EventKind::SliceEnd => {
+                    if let Some(mut s) = open.get_mut(&e.track).and_then(Vec::pop) {
+                        s.end = e.ts_ns;
+                        done.push(s);
+                    }
+                }
+                _ => {}
+            }
+        }
+        done
+    }
+
+    fn percentile(sorted: &[u64], p: f64) -> u64 {
+        sorted
+            .get(((sorted.len().max(1) - 1) as f64 * p).round() as usize)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Prints how many launches CUPTI brought back and how its kernels lie against the manual scopes.
+    pub(super) fn compare(trace: &MemoryTrace, stats: CuptiStats, launched: usize) -> Result<(), Box<dyn Error>> {
+        let all = slices(trace);
+        let (captured, manual): (Vec<&Slice>, Vec<&Slice>) = all.iter().partition(|s| s.captured);
+        println!(
+            "CUPTI: {} of {launched} launches captured as slices; {stats:?}",
+            captured.len()
+        );
+        let mut outside = Vec::new();
+        let mut beyond = 0;
+        let mut unmatched = 0;
+        for kernel in captured.iter().filter(|s| s.name == "scale" || s.name == "spin") {
+            // The manual scope of the same name whose span overlaps the kernel the most is its launch's.
+            let scope = manual
+                .iter()
+                .filter(|m| m.name == kernel.name)
+                .max_by_key(|m| m.end.min(kernel.end).saturating_sub(m.begin.max(kernel.begin)));
+            let Some(scope) = scope.filter(|m| m.end >= kernel.begin && m.begin <= kernel.end) else {
+                unmatched += 1;
+                continue;
+            };
+            let out = scope
+                .begin
+                .saturating_sub(kernel.begin)
+                .max(kernel.end.saturating_sub(scope.end));
+            beyond += usize::from(out > scope.uncertainty + kernel.uncertainty);
+            outside.push(out);
+        }
+        outside.sort_unstable();
+        println!(
+            "CUPTI kernels against their manual scopes: {} matched, {unmatched} unmatched; outside the scope by \
+             p50/p99/max {}/{}/{} ns; {beyond} beyond both stated uncertainties",
+            outside.len(),
+            percentile(&outside, 0.5),
+            percentile(&outside, 0.99),
+            outside.last().copied().unwrap_or(0),
+        );
+        if captured.len() != launched || unmatched > 0 || beyond > 0 {
+            return Err(format!(
+                "CUPTI: {} of {launched} launches captured, {unmatched} kernels without their scope, {beyond} beyond \
+                 their uncertainty",
+                captured.len()
+            )
+            .into());
+        }
+        Ok(())
+    }
+}
+
+/// The `--cupti` mode needs the `cupti` feature.
+#[cfg(not(feature = "cupti"))]
+mod capture {
+    use std::error::Error;
+    use std::sync::Arc;
+
+    use tickline::export::MemoryTrace;
+    use tickline::gpu::cuda::cudarc::driver::CudaContext;
+    use tickline::Timeline;
+
+    pub(super) enum Never {}
+
+    pub(super) fn start(_: &Timeline, _: &Arc<CudaContext>) -> Option<Never> {
+        println!("--cupti needs the `cupti` feature (cargo run --features cupti ...); running without it");
+        None
+    }
+
+    pub(super) fn stop(never: Never) -> Never {
+        never
+    }
+
+    pub(super) fn compare(_: &MemoryTrace, never: Never, _: usize) -> Result<(), Box<dyn Error>> {
+        match never {}
+    }
+}
+
 fn main() -> ExitCode {
-    let path = std::env::args()
-        .nth(1)
-        .unwrap_or_else(|| "cuda_kernels.pftrace".to_owned());
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let cupti = args.iter().any(|a| a == "--cupti");
+    args.retain(|a| a != "--cupti");
+    let path = args.pop().unwrap_or_else(|| "cuda_kernels.pftrace".to_owned());
     let ctx = match open(0) {
         Ok(ctx) => ctx,
         Err(e) => {
@@ -216,7 +398,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match run(ctx, &path) {
+    match run(ctx, &path, cupti) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("cuda_kernels: {e}");

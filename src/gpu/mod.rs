@@ -14,6 +14,8 @@
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "cupti")]
+pub mod cupti;
 pub(crate) mod lanes;
 mod sanity;
 pub mod sim;
@@ -433,6 +435,22 @@ impl<B: GpuBackend> GpuDevice<B> {
     pub fn starved_scopes(&self) -> u64 {
         self.shared.starved.load(Ordering::Relaxed)
     }
+
+    /// Pair `pair`'s state word (held or not, and its use count): a backend that writes a pair's slots later
+    /// checks that the pair still belongs to the scope it was handed out for.
+    #[cfg(feature = "cupti")]
+    pub(crate) fn pair_state(&self, pair: u32) -> u32 {
+        self.shared
+            .pairs
+            .get(pair as usize)
+            .map_or(0, |s| s.load(Ordering::Acquire))
+    }
+
+    /// Counts `n` records lost outside tickline (a backend's own buffers) in the timeline's dropped records.
+    #[cfg(feature = "cupti")]
+    pub(crate) fn count_dropped(&self, n: usize) {
+        recorder::count_drop(&self.shared.timeline, n);
+    }
 }
 
 /// A queue or stream of a [`GpuDevice`]: what [`gpu_scope!`](macro@crate::gpu_scope) records into.
@@ -475,7 +493,7 @@ impl<B: GpuBackend> GpuQueue<B> {
     /// boundary timestamps are written by the pass itself. Takes a free pair, calls `write_begin(pair)`, and
     /// pushes the scope's begin record, as [`GpuScope::begin`] does; `None` (counted as starved and dropped)
     /// when no pair is free. The caller writes slots `2 * pair` (begin) and `2 * pair + 1` (end).
-    #[cfg_attr(not(feature = "wgpu"), allow(dead_code))]
+    #[cfg_attr(not(any(feature = "wgpu", feature = "cupti")), allow(dead_code))]
     #[inline]
     pub(crate) fn begin_external(
         &self,

@@ -4,6 +4,8 @@ mod async_tasks;
 mod capture;
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "cupti")]
+mod cupti;
 mod gpu;
 mod gpu_clocks;
 mod live;

@@ -1,0 +1,895 @@
+//! Every CUDA kernel, copy and memset on the timeline without a scope (feature `cupti`): [`CuptiCapture`]
+//! turns CUPTI's activity records into GPU slices, one track per stream, each with a flow from the CPU code
+//! that launched it.
+//!
+//! ```no_run
+//! use tickline::gpu::cupti::{CuptiCapture, CuptiOptions};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let timeline = tickline::Timeline::builder().start()?;
+//! let ctx = tickline::gpu::cuda::open(0)?;
+//! // GpuError::NoLoader without libcupti.so; GpuError::Api when another CUPTI client (Nsight) holds it.
+//! let capture = CuptiCapture::start(&timeline, &ctx, CuptiOptions::default())?;
+//! // ... launch kernels, copies, graphs on any stream, through the runtime or the driver API ...
+//! ctx.synchronize()?;
+//! let stats = capture.stop(); // delivers what CUPTI still holds
+//! println!("{} launches captured, {} records dropped by CUPTI", stats.launches, stats.dropped_records);
+//! timeline.shutdown()?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Design
+//!
+//! - **The CPU side: CUPTI's driver API callbacks.** Every launch, copy, memset and graph launch calls back on
+//!   the launching thread, before the call. The callback records a GPU scope's begin there (what
+//!   [`gpu_scope!`](crate::gpu_scope) records), on the queue of the call's stream, named after the kernel
+//!   (CUPTI's `symbolName`) or the copy's direction, with fields `correlation_id`, `api` and, for kernels,
+//!   `grid` and `block`. So the flow starts inside the `tracing` span that launched the work, with no CUPTI
+//!   external correlation ids pushed on every span entry. Only the driver domain is subscribed: a runtime
+//!   call calls back again from its driver call with the same correlation id (seen on CUDA 13.0), so each
+//!   launch is seen once.
+//! - **The GPU side: activity records.** CUPTI's records (concurrent kernels, memcpy, memset) arrive in
+//!   buffers, on CUPTI's thread or in a flush. Each record's correlation id finds the scope its launch
+//!   opened; its start and end become the scope's two timestamps. A CUDA graph launch has one correlation id
+//!   and one record per node: the slice spans the nodes delivered together (a node delivered in a later
+//!   buffer is counted in [`CuptiStats::unattributed_records`]). Kernels named `tickline_*` (the CUDA
+//!   backend's timestamp kernels) are not captured.
+//! - **The clock.** CUPTI maps the GPU's timer to CPU time itself, by default onto `CLOCK_REALTIME` (which
+//!   can step). The capture registers a timestamp callback returning `CLOCK_MONOTONIC` (tickline's
+//!   reference), and still calibrates CUPTI's timestamps as a device clock of their own: each calibration
+//!   sample is a one-thread kernel launched on a private stream between two `CLOCK_MONOTONIC` reads (the CUDA
+//!   backend's probe), whose CUPTI record says when, in CUPTI's time, it ran. The kernel's middle lies inside
+//!   the bracket, narrowed by half the kernel's duration. So CUPTI's own interpolation error is measured, and
+//!   stated in every slice's uncertainty, like any device clock's. The domain's resolution is the GPU timer's,
+//!   measured at start (32 ns on an H200: CUPTI's durations there are multiples of it).
+//! - **Losses are counted.** Records CUPTI drops (full buffers) are read with
+//!   `cuptiActivityGetNumDroppedRecords` and counted in the timeline's dropped records and
+//!   [`CuptiStats::dropped_records`]; their scopes are lost (never read back) and shown as such. A launch with
+//!   no free timestamp pair is counted starved.
+//!
+//! # Limits
+//!
+//! - **Not run on a GPU yet.** The record and callback layouts, the correlation of runtime and driver calls,
+//!   graph records and the clock behaviour were taken from CUPTI 13.0 on an H200 with a C probe
+//!   (`tools/cupti_probe.cu`, findings in the README); this module's own device test
+//!   (`cargo test --features cupti --test it cupti`) and the `cupti_kernels` example have not run on one.
+//! - One capture per process: CUPTI allows one subscriber, and its activity buffers are process-wide.
+//! - A call that fails leaves its scope never read back: it is counted lost after the GPU loss bound.
+//! - Work recorded into a stream being captured into a graph is not shown when recorded (it does not run then);
+//!   each launch of the graph is.
+//! - Calibration samples come from records CUPTI hands out at a non-forced flush; a buffer holding a record of
+//!   a kernel still running is not handed out, so a burst during a long kernel may bring no sample.
+
+mod apis;
+mod ffi;
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::ffi::{c_char, c_void, CStr};
+use std::fmt;
+use std::io::Write as _;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::CudaContext;
+
+use self::apis::{Api, ApiKind};
+use self::ffi::{CallbackData, Cupti, Record};
+use crate::calibration::{CalibrationSample, ClockDomain};
+use crate::export::NativeCallsite;
+use crate::gpu::cuda::{CudaGpu, CudaOptions, CudaTiming};
+use crate::gpu::{GpuBackend, GpuDevice, GpuDeviceInfo, GpuError, GpuFieldEncoder, GpuQueue, GpuTicks};
+use crate::Timeline;
+
+/// How a [`CuptiCapture`] runs.
+#[derive(Clone, Debug)]
+pub struct CuptiOptions {
+    /// Where `libcupti.so` is; `None`: `TICKLINE_CUPTI_LIBRARY`, then the loader's search path, then the CUDA
+    /// toolkit's usual folders.
+    pub library: Option<PathBuf>,
+    /// Launches whose records may be outstanding at once (each holds a timestamp pair); past it a launch is
+    /// counted starved and not shown. Even, 2..=2 Mi.
+    pub timestamp_slots: u32,
+    /// Bytes of each activity buffer handed to CUPTI (8..=256 MiB; CUPTI drops records when it has no buffer).
+    pub buffer_bytes: usize,
+    /// How often CUPTI hands out buffers whose records are complete (`cuptiActivityFlushPeriod`; where CUPTI
+    /// lacks it, tickline flushes at most this often itself). 1 ms..=1 s.
+    pub flush_period: Duration,
+}
+
+impl Default for CuptiOptions {
+    /// 131,072 slots (65,536 launches in flight, 1 MiB), 4 MiB buffers, a flush every 10 ms.
+    fn default() -> Self {
+        CuptiOptions {
+            library: None,
+            timestamp_slots: 1 << 17,
+            buffer_bytes: 4 << 20,
+            flush_period: Duration::from_millis(10),
+        }
+    }
+}
+
+impl CuptiOptions {
+    fn validate(&self) -> Result<(), GpuError> {
+        let invalid = |detail: String| Err(GpuError::Invalid { detail });
+        if self.timestamp_slots < 2 || self.timestamp_slots % 2 != 0 || self.timestamp_slots > 1 << 21 {
+            return invalid(format!(
+                "CuptiOptions::timestamp_slots is {}; it must be even, 2..=2097152",
+                self.timestamp_slots
+            ));
+        }
+        if !(8..=256 << 20).contains(&self.buffer_bytes) {
+            return invalid(format!(
+                "CuptiOptions::buffer_bytes is {}; it must be 8..=268435456",
+                self.buffer_bytes
+            ));
+        }
+        if !(Duration::from_millis(1)..=Duration::from_secs(1)).contains(&self.flush_period) {
+            return invalid(format!(
+                "CuptiOptions::flush_period is {:?}; it must be 1 ms..=1 s",
+                self.flush_period
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// What a [`CuptiCapture`] saw.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CuptiStats {
+    /// Launches (kernels, copies, memsets, graph launches) whose scope was opened.
+    pub launches: u64,
+    /// Activity records read (kernels, copies, memsets; a graph launch brings one per node).
+    pub records: u64,
+    /// Records whose correlation id matched no open launch: work launched before the capture started, or a
+    /// graph node delivered after its launch's slice was written.
+    pub unattributed_records: u64,
+    /// Records CUPTI delivered without timestamps (their scope is counted lost).
+    pub incomplete_records: u64,
+    /// Records CUPTI dropped (no buffer free), also in the timeline's dropped records.
+    pub dropped_records: u64,
+    /// Launches not shown because every timestamp pair was in flight (also in the timeline's dropped records).
+    pub starved_launches: u64,
+}
+
+/// The GPU backend behind a [`CuptiCapture`]: its timestamps are CUPTI's, written by the capture when
+/// records arrive. Made by [`CuptiCapture::start`]; nothing else records into it (`Commands` is
+/// uninhabited, so [`gpu_scope!`](crate::gpu_scope) cannot take it).
+pub struct CuptiGpu {
+    shared: Arc<Shared>,
+}
+
+impl fmt::Debug for CuptiGpu {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CuptiGpu")
+            .field("device", &self.shared.info.name)
+            .finish()
+    }
+}
+
+/// CUPTI's activity capture on a timeline. Stop it with [`stop`](Self::stop) (or drop it) after
+/// synchronising your streams and before shutting the timeline down, so CUPTI's last records reach it.
+pub struct CuptiCapture {
+    device: GpuDevice<CuptiGpu>,
+    shared: Arc<Shared>,
+    stopped: bool,
+}
+
+impl fmt::Debug for CuptiCapture {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CuptiCapture")
+            .field("device", &self.shared.info.name)
+            .field("cupti", &self.shared.cupti.path)
+            .field("stopped", &self.stopped)
+            .finish()
+    }
+}
+
+/// The running capture, for CUPTI's buffer callbacks (which carry no user pointer).
+static ACTIVE: Mutex<Option<Arc<Shared>>> = Mutex::new(None);
+/// Bytes of the buffers handed to CUPTI (set at start, read by the buffer callbacks).
+static BUFFER_BYTES: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    /// While this thread takes calibration samples: the correlation ids of its probe launches, in order.
+    static PROBES: RefCell<Option<Vec<u32>>> = const { RefCell::new(None) };
+}
+
+/// Most kernel names interned (each a leaked call site); past it kernels are named [`OVERFLOW`] with their
+/// name as a field.
+const MAX_NAMES: usize = 4096;
+const FIELDS: &[&str] = &["correlation_id", "api", "grid", "block", "kernel"];
+static OVERFLOW: NativeCallsite =
+    NativeCallsite::with_fields("CUDA kernel (name table full)", FIELDS, file!(), line!());
+
+struct Shared {
+    cupti: Cupti,
+    info: GpuDeviceInfo,
+    /// Word `2p` and `2p + 1`: pair `p`'s start and end in CUPTI's ns; 0 until written.
+    slots: Box<[AtomicU64]>,
+    /// Launches calibration probes (its stamp kernel) on a private stream.
+    probe: CudaGpu,
+    state: Mutex<State>,
+    subscriber: AtomicUsize,
+    flush_period: Duration,
+    /// Where CUPTI lacks a flush period of its own: when tickline last flushed.
+    last_flush: Mutex<Instant>,
+    launches: AtomicU64,
+    records: AtomicU64,
+    unattributed: AtomicU64,
+    incomplete: AtomicU64,
+    dropped: AtomicU64,
+    starved: AtomicU64,
+}
+
+#[derive(Default)]
+struct State {
+    /// Correlation id -> (pair, the pair's state word when handed out).
+    open: HashMap<u32, (u32, u32)>,
+    /// Correlation ids of calibration probes -> CUPTI's (start, end) once their record came.
+    probes: HashMap<u32, Option<(u64, u64)>>,
+    /// (context, stream handle, per-thread default) -> its queue.
+    queues: HashMap<(usize, usize, bool), GpuQueue<CuptiGpu>>,
+    names: HashMap<Box<str>, &'static NativeCallsite>,
+    /// The device, for queues made later; `None` once stopped (breaks the device -> backend -> state cycle).
+    device: Option<GpuDevice<CuptiGpu>>,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A NUL-terminated string CUPTI passed, or `None`.
+///
+/// # Safety
+///
+/// `text` is null or a NUL-terminated string alive for `'a`.
+unsafe fn c_text<'a>(text: *const c_char) -> Option<&'a str> {
+    if text.is_null() {
+        return None;
+    }
+    // SAFETY: the caller's guarantee.
+    unsafe { CStr::from_ptr(text) }.to_str().ok()
+}
+
+impl CuptiCapture {
+    /// Starts capturing every kernel, copy and memset launched in `ctx`'s process onto `timeline`, on a GPU
+    /// device of its own (tracks "`<GPU name>` (CUPTI)", one queue per stream, named `stream <CUPTI id>`).
+    ///
+    /// Errors: [`GpuError::NoLoader`] when `libcupti.so` is not found (the message names where it looked);
+    /// [`GpuError::Api`] when CUPTI refuses (another CUPTI client, such as Nsight Systems, holds its one
+    /// subscription; no permission to profile); [`GpuError::Invalid`] for bad options or a capture already
+    /// running in this process; [`GpuError::NoTimestamps`] when the device's `%globaltimer` cannot calibrate
+    /// CUPTI's clock. The timeline keeps running in every case.
+    pub fn start(timeline: &Timeline, ctx: &Arc<CudaContext>, options: CuptiOptions) -> Result<CuptiCapture, GpuError> {
+        options.validate()?;
+        let mut active = lock(&ACTIVE);
+        if active.is_some() {
+            return Err(GpuError::Invalid {
+                detail: "a CuptiCapture is already running in this process (CUPTI allows one)".into(),
+            });
+        }
+        let cupti = Cupti::open(options.library.as_deref())?;
+        let probe = CudaGpu::new(
+            ctx,
+            CudaOptions {
+                timestamp_slots: 2,
+                timing: CudaTiming::GlobalTimer,
+            },
+        )?;
+        let resolution_ns = probe.clock().resolution_ns.max(1) as f64;
+        let name = format!("{} (CUPTI)", probe.info().name);
+        let info = GpuDeviceInfo {
+            name,
+            api: "CUDA (CUPTI)",
+            // CUPTI's timestamps: ns (tickline's CLOCK_MONOTONIC through the timestamp callback), 64 bits,
+            // derived from the GPU timer, which changes every `resolution_ns`.
+            clock: ClockDomain::new(64, 1.0)
+                .and_then(|d| d.with_resolution_ns(resolution_ns))
+                .map_err(|e| GpuError::Invalid {
+                    detail: format!("CUPTI clock domain: {e}"),
+                })?,
+            timestamp_slots: options.timestamp_slots,
+        };
+        let shared = Arc::new(Shared {
+            cupti,
+            info,
+            slots: (0..options.timestamp_slots).map(|_| AtomicU64::new(0)).collect(),
+            probe,
+            state: Mutex::new(State::default()),
+            subscriber: AtomicUsize::new(0),
+            flush_period: options.flush_period,
+            last_flush: Mutex::new(Instant::now()),
+            launches: AtomicU64::new(0),
+            records: AtomicU64::new(0),
+            unattributed: AtomicU64::new(0),
+            incomplete: AtomicU64::new(0),
+            dropped: AtomicU64::new(0),
+            starved: AtomicU64::new(0),
+        });
+        BUFFER_BYTES.store(options.buffer_bytes, Ordering::Relaxed);
+        let device = timeline
+            .gpu(CuptiGpu { shared: shared.clone() })
+            .map_err(|e| GpuError::Invalid {
+                detail: format!("the timeline refused CUPTI's device: {e}"),
+            })?;
+        lock(&shared.state).device = Some(device.clone());
+        *active = Some(shared.clone());
+        drop(active);
+        if let Err(e) = shared.enable(options.flush_period) {
+            shared.disable();
+            return Err(e);
+        }
+        Ok(CuptiCapture {
+            device,
+            shared,
+            stopped: false,
+        })
+    }
+
+    /// The GPU device the captured work is shown on (its calibration, its backend).
+    pub fn device(&self) -> &GpuDevice<CuptiGpu> {
+        &self.device
+    }
+
+    /// The counts so far.
+    pub fn stats(&self) -> CuptiStats {
+        self.shared.stats()
+    }
+
+    /// Which `libcupti.so` is in use, and its API version (`cuptiGetVersion`: 130001 for CUDA 13.0).
+    pub fn library(&self) -> (&std::path::Path, u32) {
+        (&self.shared.cupti.path, self.shared.cupti.version)
+    }
+
+    /// Stops capturing: no more callbacks, CUPTI's remaining records delivered (a forced flush; records of
+    /// work still running come without timestamps and their scopes are counted lost), activity recording
+    /// disabled. Returns the final counts.
+    pub fn stop(mut self) -> CuptiStats {
+        self.stop_now();
+        self.shared.stats()
+    }
+
+    fn stop_now(&mut self) {
+        if !std::mem::replace(&mut self.stopped, true) {
+            self.shared.disable();
+        }
+    }
+}
+
+impl Drop for CuptiCapture {
+    fn drop(&mut self) {
+        self.stop_now();
+    }
+}
+
+impl Shared {
+    fn stats(&self) -> CuptiStats {
+        CuptiStats {
+            launches: self.launches.load(Ordering::Relaxed),
+            records: self.records.load(Ordering::Relaxed),
+            unattributed_records: self.unattributed.load(Ordering::Relaxed),
+            incomplete_records: self.incomplete.load(Ordering::Relaxed),
+            dropped_records: self.dropped.load(Ordering::Relaxed),
+            starved_launches: self.starved.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Registers the callbacks and turns recording on.
+    fn enable(self: &Arc<Self>, flush_period: Duration) -> Result<(), GpuError> {
+        let c = &self.cupti;
+        if let Some(register) = c.register_timestamp_callback {
+            // SAFETY: `monotonic` is an `extern "C" fn() -> u64` that never unwinds; registered before any
+            // activity kind is enabled, as CUPTI asks.
+            c.check("cuptiActivityRegisterTimestampCallback", unsafe { register(monotonic) })?;
+        }
+        // SAFETY: both are `extern "C"` functions of the types CUPTI expects, valid for the process' life; they
+        // catch every panic.
+        c.check("cuptiActivityRegisterCallbacks", unsafe {
+            (c.register_callbacks)(buffer_requested, buffer_completed)
+        })?;
+        if let Some(period) = c.flush_period {
+            // SAFETY: plain value argument.
+            c.check("cuptiActivityFlushPeriod", unsafe {
+                period(flush_period.as_millis() as u32)
+            })?;
+        }
+        let mut subscriber: *mut c_void = std::ptr::null_mut();
+        // SAFETY: `on_api` matches `CUpti_CallbackFunc` and catches every panic; the user pointer is this
+        // `Shared`, which outlives the subscription: `disable` unsubscribes before the capture's last `Arc`
+        // can drop (the capture and the device's backend hold one each until then).
+        let result = unsafe { (c.subscribe)(&mut subscriber, on_api, Arc::as_ptr(self) as *mut c_void) };
+        if result == ffi::MULTIPLE_SUBSCRIBERS {
+            return Err(GpuError::Api {
+                call: "cuptiSubscribe",
+                detail: format!(
+                    "{}: another CUPTI client (Nsight Systems, Nsight Compute, another profiler) holds CUPTI in \
+                     this process",
+                    c.describe(result)
+                ),
+            });
+        }
+        c.check("cuptiSubscribe", result)?;
+        self.subscriber.store(subscriber as usize, Ordering::Release);
+        for api in apis::APIS {
+            // SAFETY: our live subscriber handle; plain values.
+            let result = unsafe { (c.enable_callback)(1, subscriber, ffi::DOMAIN_DRIVER, api.cbid) };
+            c.check("cuptiEnableCallback", result)?;
+        }
+        for kind in [ffi::KIND_CONCURRENT_KERNEL, ffi::KIND_MEMCPY, ffi::KIND_MEMSET] {
+            // SAFETY: plain value argument.
+            c.check("cuptiActivityEnable", unsafe { (c.enable)(kind) })?;
+        }
+        Ok(())
+    }
+
+    /// Unsubscribes, delivers what CUPTI holds, disables recording, and lets go of the device.
+    fn disable(&self) {
+        let c = &self.cupti;
+        let subscriber = self.subscriber.swap(0, Ordering::AcqRel);
+        if subscriber != 0 {
+            // SAFETY: the handle `cuptiSubscribe` gave, unsubscribed once (swapped out above).
+            let _ = unsafe { (c.unsubscribe)(subscriber as *mut c_void) };
+        }
+        // SAFETY: plain value argument; the buffer callbacks run during the call and catch every panic.
+        let _ = unsafe { (c.flush_all)(ffi::FLUSH_FORCED) };
+        for kind in [ffi::KIND_CONCURRENT_KERNEL, ffi::KIND_MEMCPY, ffi::KIND_MEMSET] {
+            // SAFETY: plain value argument.
+            let _ = unsafe { (c.disable)(kind) };
+        }
+        {
+            let mut active = lock(&ACTIVE);
+            if active.as_ref().is_some_and(|a| std::ptr::eq(&**a, self)) {
+                *active = None;
+            }
+        }
+        let mut state = lock(&self.state);
+        state.queues.clear();
+        state.device = None;
+    }
+
+    /// An API callback: opens the scope of a launch at its entry.
+    fn on_api(&self, api: &Api, data: &CallbackData) {
+        if data.site != ffi::API_ENTER {
+            return;
+        }
+        let correlation = data.correlation_id;
+        // SAFETY: CUPTI's symbol name for this call, alive during the callback.
+        let symbol = unsafe { c_text(data.symbol_name) };
+        let probing = PROBES
+            .try_with(|p| {
+                let mut p = p.borrow_mut();
+                if let Some(ids) = p.as_mut() {
+                    ids.push(correlation);
+                    true
+                } else {
+                    false
+                }
+            })
+            .unwrap_or(false);
+        if probing {
+            lock(&self.state).probes.insert(correlation, None);
+            return;
+        }
+        if symbol.is_some_and(|s| s.starts_with("tickline_")) {
+            return; // the CUDA backend's timestamp kernels
+        }
+        // SAFETY: `function_params` is CUPTI's parameter struct for this call (`api`'s, by its callback id).
+        let params = unsafe { apis::launch_params(api, data.function_params) };
+        if params.stream != 0 && capturing(params.stream) {
+            return; // recorded into a graph, not run: the graph's launches are captured
+        }
+        let Some((queue, callsite, overflowed)) = self.queue_and_name(api, symbol, data.context, params.stream) else {
+            return; // stopped
+        };
+        let mut grid = [0u8; 40];
+        let mut block = [0u8; 40];
+        let grid = dims_text(&mut grid, params.grid);
+        let block = dims_text(&mut block, params.block);
+        let kernel = if overflowed { symbol } else { None };
+        let fields = |e: &mut GpuFieldEncoder<'_, '_>| {
+            e.field(0, &u64::from(correlation));
+            e.field(1, api.name);
+            if let Some(grid) = grid {
+                e.field(2, grid);
+            }
+            if let Some(block) = block {
+                e.field(3, block);
+            }
+            if let Some(kernel) = kernel {
+                e.field(4, kernel);
+            }
+        };
+        match queue.begin_external(callsite, Some(&fields), |_| {}) {
+            Some(pair) => {
+                let state_word = self.pair_state(pair);
+                lock(&self.state).open.insert(correlation, (pair, state_word));
+                self.launches.fetch_add(1, Ordering::Relaxed);
+            }
+            None => {
+                self.starved.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    fn pair_state(&self, pair: u32) -> u32 {
+        lock(&self.state).device.as_ref().map_or(0, |d| d.pair_state(pair))
+    }
+
+    /// The queue of a call's stream (made on first use) and the call site naming its work; `None` once
+    /// stopped. The boolean says the name table was full (the name then goes in the `kernel` field).
+    fn queue_and_name(
+        &self,
+        api: &Api,
+        symbol: Option<&str>,
+        context: *mut c_void,
+        stream: usize,
+    ) -> Option<(GpuQueue<CuptiGpu>, &'static NativeCallsite, bool)> {
+        let mut state = lock(&self.state);
+        let device = state.device.clone()?;
+        let key = (context as usize, stream, api.per_thread && stream == 0);
+        let queue = match state.queues.get(&key) {
+            Some(queue) => queue.clone(),
+            None => {
+                let mut id = 0u32;
+                // SAFETY: the call's context and stream handle as CUPTI passed them (live during the callback);
+                // writes one u32 through a live local.
+                let result =
+                    unsafe { (self.cupti.stream_id)(context, stream as *mut c_void, u8::from(key.2), &mut id) };
+                let name = if result == ffi::SUCCESS {
+                    format!("stream {id}")
+                } else {
+                    format!("stream {stream:#x}")
+                };
+                let queue = device.queue(&name).ok()?;
+                state.queues.insert(key, queue.clone());
+                queue
+            }
+        };
+        let name = work_name(api, symbol);
+        let (callsite, overflowed) = match state.names.get(name) {
+            Some(&callsite) => (callsite, false),
+            None if state.names.len() >= MAX_NAMES => (&OVERFLOW, true),
+            None => {
+                // Leaked on purpose: the collector resolves a scope's name through its call site at any later
+                // time; MAX_NAMES bounds the leak.
+                let leaked: &'static str = Box::leak(name.into());
+                let callsite: &'static NativeCallsite =
+                    Box::leak(Box::new(NativeCallsite::with_fields(leaked, FIELDS, file!(), line!())));
+                state.names.insert(name.into(), callsite);
+                (callsite, false)
+            }
+        };
+        Some((queue, callsite, overflowed))
+    }
+
+    /// Reads one buffer CUPTI handed back.
+    ///
+    /// # Safety
+    ///
+    /// `buffer` is a buffer CUPTI filled, `valid` bytes of it with records.
+    unsafe fn take_buffer(&self, context: *mut c_void, stream: u32, buffer: *mut u8, valid: usize) {
+        let mut records = Vec::new();
+        let mut cursor: *mut u8 = std::ptr::null_mut();
+        loop {
+            // SAFETY: CUPTI walks its own buffer (the caller's guarantee) and writes the next record's address.
+            if unsafe { (self.cupti.next_record)(buffer, valid, &mut cursor) } != ffi::SUCCESS {
+                break; // MAX_LIMIT_REACHED: the end; any other result: nothing more can be read
+            }
+            let offset = (cursor as usize).wrapping_sub(buffer as usize);
+            if cursor.is_null() || offset >= valid {
+                break;
+            }
+            // SAFETY: `cursor` lies inside the buffer's valid part (checked above), which CUPTI filled.
+            let bytes = unsafe { std::slice::from_raw_parts(cursor, valid - offset) };
+            if let Some(record) = ffi::parse(bytes) {
+                records.push(record);
+            }
+        }
+        let mut dropped = 0usize;
+        // SAFETY: the context and stream CUPTI passed with this buffer; writes one usize through a live local.
+        if unsafe { (self.cupti.dropped_records)(context, stream, &mut dropped) } == ffi::SUCCESS && dropped > 0 {
+            self.dropped.fetch_add(dropped as u64, Ordering::Relaxed);
+            if let Some(device) = lock(&self.state).device.as_ref() {
+                device.count_dropped(dropped);
+            }
+        }
+        self.apply(&records);
+    }
+
+    /// Writes what records say into the slots of the launches they belong to.
+    fn apply(&self, records: &[Record]) {
+        self.records.fetch_add(records.len() as u64, Ordering::Relaxed);
+        let merged = merge(records);
+        let mut state = lock(&self.state);
+        let State {
+            open, probes, device, ..
+        } = &mut *state;
+        for m in &merged {
+            if let Some(probe) = probes.get_mut(&m.correlation) {
+                *probe = m.span;
+                continue;
+            }
+            let Some((pair, handed_out)) = open.remove(&m.correlation) else {
+                self.unattributed.fetch_add(u64::from(m.records), Ordering::Relaxed);
+                continue;
+            };
+            self.incomplete.fetch_add(u64::from(m.incomplete), Ordering::Relaxed);
+            let Some((start, end)) = m.span else {
+                continue; // no timestamps: the scope is lost (never read back)
+            };
+            if device.as_ref().map(|d| d.pair_state(pair)) != Some(handed_out) {
+                self.unattributed.fetch_add(u64::from(m.records), Ordering::Relaxed);
+                continue; // the pair moved on (retired as lost): this record is too late for it
+            }
+            let (b, e) = (2 * pair as usize, 2 * pair as usize + 1);
+            // Release: the collector's Acquire load that sees a timestamp sees the pair's other writes.
+            self.slots[b].store(start.max(1), Ordering::Release);
+            self.slots[e].store(end.max(start).max(1), Ordering::Release);
+        }
+    }
+
+    /// Flushes CUPTI's complete buffers, at most once a flush period, where CUPTI has no period of its own.
+    fn flush_if_due(&self) {
+        if self.cupti.flush_period.is_some() {
+            return;
+        }
+        {
+            let mut last = lock(&self.last_flush);
+            if last.elapsed() < self.flush_period {
+                return;
+            }
+            *last = Instant::now();
+        }
+        // SAFETY: plain value argument; the buffer callbacks run during the call and catch every panic.
+        let _ = unsafe { (self.cupti.flush_all)(0) };
+    }
+}
+
+/// Whether `stream` is being captured into a CUDA graph (work recorded into it does not run, so it brings no
+/// activity record; what runs is the graph, when launched). An error reads as not capturing.
+fn capturing(stream: usize) -> bool {
+    let mut status = cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: the stream handle the application passed to the call being made (live for the call's duration);
+    // writes one status through a live local. The driver was loaded by the context the capture started with,
+    // and `cuStreamIsCapturing` is not among the calls CUPTI calls back for here (no recursion).
+    let result = unsafe { cudarc::driver::sys::cuStreamIsCapturing(stream as _, &mut status) };
+    result == cudarc::driver::sys::cudaError_enum::CUDA_SUCCESS
+        && status != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+}
+
+/// What a slice is called: the kernel's name, the copy's direction.
+fn work_name<'a>(api: &Api, symbol: Option<&'a str>) -> &'a str {
+    match api.kind {
+        ApiKind::Kernel => symbol.filter(|s| !s.is_empty()).unwrap_or("kernel"),
+        ApiKind::Graph => "graph launch",
+        ApiKind::Memset => "memset",
+        ApiKind::Memcpy => {
+            let n = api.name;
+            if n.contains("Peer") {
+                "memcpy peer"
+            } else if n.contains("HtoD") {
+                "memcpy HtoD"
+            } else if n.contains("DtoH") {
+                "memcpy DtoH"
+            } else if n.contains("DtoD") {
+                "memcpy DtoD"
+            } else if n.contains("Batch") {
+                "memcpy batch"
+            } else {
+                "memcpy"
+            }
+        }
+    }
+}
+
+/// `x×y×z` in `buffer`, without allocating.
+fn dims_text(buffer: &mut [u8; 40], dims: Option<[u32; 3]>) -> Option<&str> {
+    let [x, y, z] = dims?;
+    let mut cursor = std::io::Cursor::new(&mut buffer[..]);
+    write!(cursor, "{x}x{y}x{z}").ok()?;
+    let len = cursor.position() as usize;
+    std::str::from_utf8(&buffer[..len]).ok()
+}
+
+/// A buffer's records of one correlation id: the earliest start and latest end among those with timestamps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Merged {
+    correlation: u32,
+    /// `None` when no record of it had timestamps.
+    span: Option<(u64, u64)>,
+    records: u32,
+    /// Records without timestamps (start and end 0).
+    incomplete: u32,
+}
+
+/// Merges records by correlation id (a graph launch's nodes, a batch copy's copies), in id order.
+fn merge(records: &[Record]) -> Vec<Merged> {
+    let mut by_id: Vec<&Record> = records.iter().collect();
+    by_id.sort_by_key(|r| r.correlation);
+    let mut out: Vec<Merged> = Vec::new();
+    for r in by_id {
+        let complete = !(r.start == 0 && r.end == 0) && r.end >= r.start;
+        let span = complete.then_some((r.start, r.end));
+        match out.last_mut() {
+            Some(m) if m.correlation == r.correlation => {
+                m.records += 1;
+                m.incomplete += u32::from(!complete);
+                m.span = match (m.span, span) {
+                    (Some((a, b)), Some((c, d))) => Some((a.min(c), b.max(d))),
+                    (a, b) => a.or(b),
+                };
+            }
+            _ => out.push(Merged {
+                correlation: r.correlation,
+                span,
+                records: 1,
+                incomplete: u32::from(!complete),
+            }),
+        }
+    }
+    out
+}
+
+/// A calibration sample of CUPTI's clock: a probe kernel CUPTI saw run over `[start, end]` (its ns) was
+/// launched and seen finished inside the reference bracket of `bracket` (the CUDA backend's sample of the same
+/// launch). The kernel's middle lies inside that bracket narrowed by half the kernel on each side; if CUPTI's
+/// duration does not fit the bracket, the bracket is kept whole.
+fn cupti_sample(bracket: &CalibrationSample, start: u64, end: u64) -> CalibrationSample {
+    let half_kernel = end.saturating_sub(start) / 2;
+    let deviation = if half_kernel < bracket.max_deviation_ns {
+        bracket.max_deviation_ns - half_kernel
+    } else {
+        bracket.max_deviation_ns
+    };
+    CalibrationSample {
+        source_ticks: start + half_kernel,
+        reference_ns: bracket.reference_ns,
+        max_deviation_ns: deviation.max(1),
+    }
+}
+
+impl GpuBackend for CuptiGpu {
+    type Commands = Infallible;
+
+    fn info(&self) -> GpuDeviceInfo {
+        self.shared.info.clone()
+    }
+
+    fn write_timestamp(&self, commands: &Infallible, _slot: u32) {
+        match *commands {}
+    }
+
+    fn read_timestamps(&self, first: u32, out: &mut [Option<GpuTicks>]) -> Result<(), GpuError> {
+        let slots = &self.shared.slots;
+        let first = first as usize;
+        if first + out.len() > slots.len() {
+            return Err(GpuError::Invalid {
+                detail: format!("slots {first}..{} of {}", first + out.len(), slots.len()),
+            });
+        }
+        self.shared.flush_if_due();
+        for (slot, out) in slots[first..].iter().zip(out.iter_mut()) {
+            let ticks = slot.load(Ordering::Acquire);
+            *out = (ticks != 0).then_some(GpuTicks(ticks));
+        }
+        Ok(())
+    }
+
+    fn recycle(&self, first: u32, count: u32) -> Result<(), GpuError> {
+        let slots = &self.shared.slots;
+        let range = first as usize..first as usize + count as usize;
+        let Some(slots) = slots.get(range) else {
+            return Err(GpuError::Invalid {
+                detail: format!("recycle {count} slots from {first} of {}", slots.len()),
+            });
+        };
+        for slot in slots {
+            slot.store(0, Ordering::Release);
+        }
+        Ok(())
+    }
+
+    fn calibrate(&self, samples: usize, budget: Duration, out: &mut Vec<CalibrationSample>) -> Result<(), GpuError> {
+        let shared = &self.shared;
+        let _ = PROBES.try_with(|p| *p.borrow_mut() = Some(Vec::new()));
+        let mut brackets = Vec::new();
+        let result = shared.probe.calibrate(samples, budget, &mut brackets);
+        let launched = PROBES
+            .try_with(|p| p.borrow_mut().take())
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        if let Err(e) = result {
+            let mut state = lock(&shared.state);
+            for id in &launched {
+                state.probes.remove(id);
+            }
+            return Err(e);
+        }
+        // Complete buffers now, so this burst's probe records come back.
+        // SAFETY: plain value argument; the buffer callbacks run during the call and catch every panic.
+        let _ = unsafe { (shared.cupti.flush_all)(0) };
+        let mut state = lock(&shared.state);
+        // Probe launches and the backend's samples are in launch order; a last probe that did not finish within
+        // the budget has no sample (and its record, if it comes, no bracket).
+        for (id, bracket) in launched.iter().zip(&brackets) {
+            if let Some(Some((start, end))) = state.probes.get(id).copied() {
+                out.push(cupti_sample(bracket, start, end));
+            }
+        }
+        for id in &launched {
+            state.probes.remove(id);
+        }
+        Ok(())
+    }
+}
+
+/// CUPTI's timestamp source: tickline's reference clock.
+unsafe extern "C" fn monotonic() -> u64 {
+    crate::clock::monotonic_ns().0
+}
+
+/// CUPTI asks for a buffer to fill.
+unsafe extern "C" fn buffer_requested(buffer: *mut *mut u8, size: *mut usize, max_records: *mut usize) {
+    let _ = catch_unwind(|| {
+        let bytes = BUFFER_BYTES.load(Ordering::Relaxed).max(8);
+        let memory = match std::alloc::Layout::from_size_align(bytes, 8) {
+            // SAFETY: a non-zero size (at least 8).
+            Ok(layout) => unsafe { std::alloc::alloc(layout) },
+            Err(_) => std::ptr::null_mut(),
+        };
+        // SAFETY: CUPTI passes three writable out-parameters. A null buffer tells CUPTI none is free: it then
+        // drops records and counts them.
+        unsafe {
+            *buffer = memory;
+            *size = if memory.is_null() { 0 } else { bytes };
+            *max_records = 0;
+        }
+    });
+}
+
+/// CUPTI hands back a buffer: its records are read, then it is freed.
+unsafe extern "C" fn buffer_completed(context: *mut c_void, stream: u32, buffer: *mut u8, size: usize, valid: usize) {
+    let _ = catch_unwind(AssertUnwindSafe(|| {
+        let active = lock(&ACTIVE).clone();
+        if let Some(shared) = active {
+            if !buffer.is_null() {
+                // SAFETY: CUPTI filled `valid` bytes of this buffer, which we allocated.
+                unsafe { shared.take_buffer(context, stream, buffer, valid.min(size)) };
+            }
+        }
+    }));
+    if !buffer.is_null() && size > 0 {
+        if let Ok(layout) = std::alloc::Layout::from_size_align(size, 8) {
+            // SAFETY: allocated by `buffer_requested` with this size (CUPTI passes back the size it was given)
+            // and alignment, freed once.
+            unsafe { std::alloc::dealloc(buffer, layout) };
+        }
+    }
+}
+
+/// CUPTI's API callback: `userdata` is the capture's `Shared`.
+unsafe extern "C" fn on_api(userdata: *mut c_void, domain: u32, cbid: u32, data: *const c_void) {
+    let _ = catch_unwind(AssertUnwindSafe(|| {
+        if domain != ffi::DOMAIN_DRIVER || userdata.is_null() || data.is_null() {
+            return;
+        }
+        let Some(api) = apis::lookup(cbid) else {
+            return;
+        };
+        // SAFETY: the pointer `enable` subscribed with; the `Shared` outlives the subscription (see `enable`).
+        let shared = unsafe { &*(userdata as *const Shared) };
+        // SAFETY: for the driver domain CUPTI passes a live `CUpti_CallbackData`, laid out as `CallbackData`.
+        let data = unsafe { &*(data as *const CallbackData) };
+        shared.on_api(api, data);
+    }));
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,175 @@
+//! CUPTI capture (feature `cupti`) on a real GPU. Without a CUDA device, or without libcupti, every test prints
+//! `SKIP: <reason>` to stderr and returns. Not run on a GPU yet (see `tickline::gpu::cupti`'s limits).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use tickline::export::{EventKind, FieldValue, MemoryExporter, MemoryTrace, TrackKind};
+use tickline::gpu::cuda::cudarc::driver::{sys, CudaContext};
+use tickline::gpu::cuda::open;
+use tickline::gpu::cupti::{CuptiCapture, CuptiOptions};
+use tickline::gpu::GpuError;
+use tickline::Timeline;
+use tracing::info_span;
+use tracing_subscriber::layer::SubscriberExt;
+
+use crate::skip::skip;
+
+/// A captured slice: name, CUPTI stream track, begin, end, fields, and the flow that ends at it.
+#[derive(Debug)]
+struct Captured {
+    name: String,
+    track: tickline::export::TrackId,
+    begin: u64,
+    end: u64,
+    fields: HashMap<String, FieldValue>,
+    flow_in: Option<u64>,
+}
+
+fn captured(trace: &MemoryTrace) -> Vec<Captured> {
+    let mut open: HashMap<_, Vec<Captured>> = HashMap::new();
+    let mut done = Vec::new();
+    for e in &trace.events {
+        let Some(track) = trace.track(e.track) else { continue };
+        let cupti = track
+            .parent
+            .and_then(|p| trace.track(p))
+            .is_some_and(|d| matches!(&d.kind, TrackKind::GpuDevice { name, .. } if name.ends_with("(CUPTI)")));
+        if !cupti || !matches!(track.kind, TrackKind::GpuQueue { .. }) {
+            continue;
+        }
+        match e.kind {
+            EventKind::SliceBegin => open.entry(e.track).or_default().push(Captured {
+                name: e.name.clone(),
+                track: e.track,
+                begin: e.ts_ns,
+                end: 0,
+                fields: e.fields.iter().cloned().collect(),
+                flow_in: e.flow_in,
+            }),
+            EventKind::SliceEnd => {
+                let mut s = open
+                    .get_mut(&e.track)
+                    .and_then(Vec::pop)
+                    .expect("an end after its begin");
+                s.end = e.ts_ns;
+                done.push(s);
+            }
+            _ => {}
+        }
+    }
+    done
+}
+
+/// Device 0 and a capture on `timeline`, or why not (the caller prints SKIP). Any other CUPTI error fails.
+fn capture(test: &str, timeline: &Timeline) -> Option<(Arc<CudaContext>, CuptiCapture)> {
+    let ctx = match open(0) {
+        Ok(ctx) => ctx,
+        Err(e) => {
+            skip(test, e.to_string());
+            return None;
+        }
+    };
+    match CuptiCapture::start(timeline, &ctx, CuptiOptions::default()) {
+        Ok(capture) => Some((ctx, capture)),
+        Err(e @ GpuError::NoLoader { .. }) => {
+            skip(test, e.to_string());
+            None
+        }
+        Err(e) => panic!("{test}: {e}"),
+    }
+}
+
+#[test]
+fn every_copy_memset_and_graph_launch_is_captured_on_its_stream_with_a_flow_from_its_span() {
+    let _one_at_a_time = crate::exclusive();
+    let test = "cupti capture";
+    let memory = MemoryExporter::default();
+    let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
+    let Some((ctx, capture)) = capture(test, &timeline) else {
+        return;
+    };
+    // One capture per process.
+    let second = CuptiCapture::start(&timeline, &ctx, CuptiOptions::default()).unwrap_err();
+    assert!(matches!(second, GpuError::Invalid { .. }), "{second}");
+
+    let streams = [ctx.new_stream().unwrap(), ctx.new_stream().unwrap()];
+    let host = vec![7u8; 1 << 20];
+    const FRAMES: usize = 20;
+    let subscriber = tracing_subscriber::registry().with(timeline.layer());
+    tracing::subscriber::with_default(subscriber, || {
+        for frame in 0..FRAMES {
+            for stream in &streams {
+                let _frame = info_span!("frame", frame).entered();
+                let mut device = stream.clone_htod(&host).unwrap(); // memcpy HtoD
+                stream.memset_zeros(&mut device).unwrap(); // memset
+                let _ = stream.clone_dtoh(&device).unwrap(); // memcpy DtoH
+            }
+        }
+        // A graph of two memsets, launched three times: one slice per launch, spanning its nodes.
+        let stream = &streams[0];
+        let mut a = stream.alloc_zeros::<u8>(1 << 16).unwrap();
+        let mut b = stream.alloc_zeros::<u8>(1 << 16).unwrap();
+        stream.synchronize().unwrap();
+        stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .unwrap();
+        stream.memset_zeros(&mut a).unwrap();
+        stream.memset_zeros(&mut b).unwrap();
+        let graph = stream
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .unwrap()
+            .expect("a graph");
+        let _launch = info_span!("graph").entered();
+        for _ in 0..3 {
+            graph.launch().unwrap();
+        }
+        stream.synchronize().unwrap();
+    });
+    ctx.synchronize().unwrap();
+    let stats = capture.stop();
+    let timeline_stats = timeline.shutdown().unwrap();
+    eprintln!("{test}: {stats:?}; timeline: {timeline_stats:?}");
+
+    // clone_htod/alloc_zeros allocate too (not captured) and alloc_zeros memsets (2 before the graph).
+    let launches = (3 * FRAMES * 2 + 2 + 3) as u64;
+    assert_eq!(stats.launches, launches, "{stats:?}");
+    assert_eq!(stats.dropped_records, 0, "{stats:?}");
+    assert_eq!(stats.starved_launches, 0, "{stats:?}");
+    assert_eq!(timeline_stats.gpu_lost_scopes, 0, "{timeline_stats:?}");
+
+    let trace = memory.snapshot();
+    let slices = captured(&trace);
+    let count = |name: &str| slices.iter().filter(|s| s.name == name).count();
+    assert_eq!(count("memcpy HtoD"), FRAMES * 2);
+    assert_eq!(count("memcpy DtoH"), FRAMES * 2);
+    assert_eq!(count("memset"), FRAMES * 2 + 2);
+    assert_eq!(count("graph launch"), 3);
+    // Two application streams: two CUPTI stream tracks carry the frames' work.
+    let mut tracks: Vec<_> = slices
+        .iter()
+        .filter(|s| s.name == "memcpy HtoD")
+        .map(|s| s.track)
+        .collect();
+    tracks.sort_unstable_by_key(|t| format!("{t:?}"));
+    tracks.dedup();
+    assert_eq!(tracks.len(), 2, "one track per stream");
+    // Each slice: its correlation id and driver call, a flow from the CPU, and a duration.
+    let flow_starts: HashMap<u64, &tickline::export::RecordedEvent> =
+        trace.events.iter().filter_map(|e| e.flow_out.map(|f| (f, e))).collect();
+    for s in &slices {
+        assert!(
+            matches!(s.fields.get("correlation_id"), Some(FieldValue::U64(_))),
+            "{s:?}"
+        );
+        assert!(
+            matches!(s.fields.get("api"), Some(FieldValue::Str(a)) if a.starts_with("cu")),
+            "{s:?}"
+        );
+        assert!(s.fields.contains_key("uncertainty_ns"), "{s:?}");
+        assert!(s.begin <= s.end, "{s:?}");
+        let flow = s.flow_in.expect("a flow ends at every captured slice");
+        let start = flow_starts.get(&flow).expect("the flow starts on the CPU");
+        assert!(start.ts_ns <= s.begin + 1_000_000, "{s:?} before its launch {start:?}");
+    }
+}
