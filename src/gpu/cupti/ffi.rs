@@ -44,7 +44,7 @@ pub(crate) struct CallbackData {
 }
 
 /// The library's entry points. The function pointers stay valid while `_library` is loaded, which is as long
-/// as this struct lives.
+/// as this struct lives (a test's stand-in has no library: its entry points are functions of the test).
 pub(crate) struct Cupti {
     pub(crate) path: PathBuf,
     pub(crate) version: u32,
@@ -61,7 +61,7 @@ pub(crate) struct Cupti {
     pub(crate) unsubscribe: unsafe extern "C" fn(*mut c_void) -> CuptiResult,
     pub(crate) enable_callback: unsafe extern "C" fn(u32, *mut c_void, u32, u32) -> CuptiResult,
     pub(crate) stream_id: unsafe extern "C" fn(*mut c_void, *mut c_void, u8, *mut u32) -> CuptiResult,
-    _library: Library,
+    pub(crate) _library: Option<Library>,
 }
 
 /// Where CUPTI is looked for when no path is given: `TICKLINE_CUPTI_LIBRARY`, then the loader's search path,
@@ -152,7 +152,7 @@ impl Cupti {
             enable_callback: required!("cuptiEnableCallback"),
             stream_id: required!("cuptiGetStreamIdEx"),
             path,
-            _library: library,
+            _library: Some(library),
         })
     }
 

@@ -44,16 +44,21 @@
 //!   stated in every slice's uncertainty, like any device clock's. The domain's resolution is the GPU timer's,
 //!   measured at start (32 ns on an H200: CUPTI's durations there are multiples of it).
 //! - **Losses are counted.** Records CUPTI drops (full buffers) are read with
-//!   `cuptiActivityGetNumDroppedRecords` and counted in the timeline's dropped records and
-//!   [`CuptiStats::dropped_records`]; their scopes are lost (never read back) and shown as such. A launch with
-//!   no free timestamp pair is counted starved.
+//!   `cuptiActivityGetNumDroppedRecords` and counted in the timeline's dropped records (with the trace's
+//!   "records dropped" marker) and [`CuptiStats::dropped_records`]; their scopes are lost (never read back) and
+//!   shown as such. A launch with no free timestamp pair is counted starved, and dropped.
 //!
 //! # Limits
 //!
 //! - **Not run on a GPU yet.** The record and callback layouts, the correlation of runtime and driver calls,
 //!   graph records and the clock behaviour were taken from CUPTI 13.0 on an H200 with a C probe
-//!   (`tools/cupti_probe.cu`, findings in the README); this module's own device test
-//!   (`cargo test --features cupti --test it cupti`) and the `cupti_kernels` example have not run on one.
+//!   (`tools/cupti_probe.cu`, findings in the README). The whole path from callbacks and records to exported
+//!   slices is tested against a stand-in for CUPTI and the GPU whose clock is 1 ms ahead and 30 ppm fast, with
+//!   every kernel's true times known (unit tests `end_to_end`: every slice within its stated uncertainty of the
+//!   truth), and every entry point binds against NVIDIA's real libcupti in CI; the device test
+//!   (`cargo test --features cupti --test it cupti`) and `cuda_kernels --cupti` have not run on a GPU.
+//! - Dropped records are counted on the next thread that launches work (or the one that stops the capture):
+//!   a drop is counted on a recording thread's ring, and CUPTI hands records out on its own threads.
 //! - One capture per process: CUPTI allows one subscriber, and its activity buffers are process-wide.
 //! - A call that fails leaves its scope never read back: it is counted lost after the GPU loss bound.
 //! - Work recorded into a stream being captured into a graph is not shown when recorded (it does not run then);
@@ -62,6 +67,8 @@
 //!   a kernel still running is not handed out, so a burst during a long kernel may bring no sample.
 
 mod apis;
+#[cfg(test)]
+mod fake;
 mod ffi;
 
 use std::cell::RefCell;
@@ -207,13 +214,48 @@ const FIELDS: &[&str] = &["correlation_id", "api", "grid", "block", "kernel"];
 static OVERFLOW: NativeCallsite =
     NativeCallsite::with_fields("CUDA kernel (name table full)", FIELDS, file!(), line!());
 
+/// The GPU side of a capture: what the device is called, its timer's resolution, how probes are launched and
+/// how stream capture is seen.
+struct Gpu {
+    name: String,
+    resolution_ns: f64,
+    probe: Prober,
+    capturing: fn(usize) -> bool,
+}
+
+/// Takes bracketed probe launches: `(ticks, reference ns, max deviation ns)` per probe, in launch order, each
+/// launch calling CUPTI back on this thread.
+enum Prober {
+    /// The CUDA backend's `%globaltimer` stamp kernel on its private stream.
+    Cuda(Box<CudaGpu>),
+    /// A test's stand-in for the GPU.
+    #[cfg(test)]
+    Fake(Box<FakeProbes>),
+}
+
+/// A test's probe launcher: `(samples, budget, out)`, as [`GpuBackend::calibrate`].
+#[cfg(test)]
+type FakeProbes = dyn Fn(usize, Duration, &mut Vec<CalibrationSample>) -> Result<(), GpuError> + Send + Sync;
+
+impl Prober {
+    fn calibrate(&self, samples: usize, budget: Duration, out: &mut Vec<CalibrationSample>) -> Result<(), GpuError> {
+        match self {
+            Prober::Cuda(gpu) => gpu.calibrate(samples, budget, out),
+            #[cfg(test)]
+            Prober::Fake(f) => f(samples, budget, out),
+        }
+    }
+}
+
 struct Shared {
     cupti: Cupti,
     info: GpuDeviceInfo,
     /// Word `2p` and `2p + 1`: pair `p`'s start and end in CUPTI's ns; 0 until written.
     slots: Box<[AtomicU64]>,
-    /// Launches calibration probes (its stamp kernel) on a private stream.
-    probe: CudaGpu,
+    /// Launches calibration probes on a private stream.
+    probe: Prober,
+    /// Whether a stream is being captured into a graph.
+    capturing: fn(usize) -> bool,
     state: Mutex<State>,
     subscriber: AtomicUsize,
     flush_period: Duration,
@@ -224,6 +266,9 @@ struct Shared {
     unattributed: AtomicU64,
     incomplete: AtomicU64,
     dropped: AtomicU64,
+    /// CUPTI's drops not yet counted in the timeline's: counted on the next launching thread (a drop counts on
+    /// a recording thread's ring, and records are handed out on CUPTI's or tickline's threads).
+    drops_to_count: AtomicU64,
     starved: AtomicU64,
 }
 
@@ -268,12 +313,6 @@ impl CuptiCapture {
     /// CUPTI's clock. The timeline keeps running in every case.
     pub fn start(timeline: &Timeline, ctx: &Arc<CudaContext>, options: CuptiOptions) -> Result<CuptiCapture, GpuError> {
         options.validate()?;
-        let mut active = lock(&ACTIVE);
-        if active.is_some() {
-            return Err(GpuError::Invalid {
-                detail: "a CuptiCapture is already running in this process (CUPTI allows one)".into(),
-            });
-        }
         let cupti = Cupti::open(options.library.as_deref())?;
         let probe = CudaGpu::new(
             ctx,
@@ -284,13 +323,36 @@ impl CuptiCapture {
         )?;
         let resolution_ns = probe.clock().resolution_ns.max(1) as f64;
         let name = format!("{} (CUPTI)", probe.info().name);
-        let info = GpuDeviceInfo {
+        let gpu = Gpu {
             name,
+            resolution_ns,
+            probe: Prober::Cuda(Box::new(probe)),
+            capturing,
+        };
+        CuptiCapture::start_with(timeline, cupti, gpu, options)
+    }
+
+    /// [`start`](Self::start) with CUPTI and the GPU side given: the real ones, or a test's.
+    fn start_with(
+        timeline: &Timeline,
+        cupti: Cupti,
+        gpu: Gpu,
+        options: CuptiOptions,
+    ) -> Result<CuptiCapture, GpuError> {
+        options.validate()?;
+        let mut active = lock(&ACTIVE);
+        if active.is_some() {
+            return Err(GpuError::Invalid {
+                detail: "a CuptiCapture is already running in this process (CUPTI allows one)".into(),
+            });
+        }
+        let info = GpuDeviceInfo {
+            name: gpu.name,
             api: "CUDA (CUPTI)",
             // CUPTI's timestamps: ns (tickline's CLOCK_MONOTONIC through the timestamp callback), 64 bits,
             // derived from the GPU timer, which changes every `resolution_ns`.
             clock: ClockDomain::new(64, 1.0)
-                .and_then(|d| d.with_resolution_ns(resolution_ns))
+                .and_then(|d| d.with_resolution_ns(gpu.resolution_ns))
                 .map_err(|e| GpuError::Invalid {
                     detail: format!("CUPTI clock domain: {e}"),
                 })?,
@@ -300,7 +362,8 @@ impl CuptiCapture {
             cupti,
             info,
             slots: (0..options.timestamp_slots).map(|_| AtomicU64::new(0)).collect(),
-            probe,
+            probe: gpu.probe,
+            capturing: gpu.capturing,
             state: Mutex::new(State::default()),
             subscriber: AtomicUsize::new(0),
             flush_period: options.flush_period,
@@ -310,21 +373,28 @@ impl CuptiCapture {
             unattributed: AtomicU64::new(0),
             incomplete: AtomicU64::new(0),
             dropped: AtomicU64::new(0),
+            drops_to_count: AtomicU64::new(0),
             starved: AtomicU64::new(0),
         });
         BUFFER_BYTES.store(options.buffer_bytes, Ordering::Relaxed);
-        let device = timeline
-            .gpu(CuptiGpu { shared: shared.clone() })
-            .map_err(|e| GpuError::Invalid {
-                detail: format!("the timeline refused CUPTI's device: {e}"),
-            })?;
-        lock(&shared.state).device = Some(device.clone());
         *active = Some(shared.clone());
         drop(active);
+        // Subscribed before the device joins the timeline, so its first calibration burst sees its probes. A
+        // launch in between finds no device and is not shown; its record is counted unattributed.
         if let Err(e) = shared.enable(options.flush_period) {
             shared.disable();
             return Err(e);
         }
+        let device = match timeline.gpu(CuptiGpu { shared: shared.clone() }) {
+            Ok(device) => device,
+            Err(e) => {
+                shared.disable();
+                return Err(GpuError::Invalid {
+                    detail: format!("the timeline refused CUPTI's device: {e}"),
+                });
+            }
+        };
+        lock(&shared.state).device = Some(device.clone());
         Ok(CuptiCapture {
             device,
             shared,
@@ -357,6 +427,8 @@ impl CuptiCapture {
 
     fn stop_now(&mut self) {
         if !std::mem::replace(&mut self.stopped, true) {
+            // Counted while the device is still known: drops of the last buffers count on this thread.
+            self.shared.flush_and_count();
             self.shared.disable();
         }
     }
@@ -428,6 +500,13 @@ impl Shared {
         Ok(())
     }
 
+    /// Hands out CUPTI's buffers (forced: the last ones) and counts its drops on this thread.
+    fn flush_and_count(&self) {
+        // SAFETY: plain value argument; the buffer callbacks run during the call and catch every panic.
+        let _ = unsafe { (self.cupti.flush_all)(ffi::FLUSH_FORCED) };
+        self.count_drops();
+    }
+
     /// Unsubscribes, delivers what CUPTI holds, disables recording, and lets go of the device.
     fn disable(&self) {
         let c = &self.cupti;
@@ -479,9 +558,10 @@ impl Shared {
         if symbol.is_some_and(|s| s.starts_with("tickline_")) {
             return; // the CUDA backend's timestamp kernels
         }
+        self.count_drops();
         // SAFETY: `function_params` is CUPTI's parameter struct for this call (`api`'s, by its callback id).
         let params = unsafe { apis::launch_params(api, data.function_params) };
-        if params.stream != 0 && capturing(params.stream) {
+        if params.stream != 0 && (self.capturing)(params.stream) {
             return; // recorded into a graph, not run: the graph's launches are captured
         }
         let Some((queue, callsite, overflowed)) = self.queue_and_name(api, symbol, data.context, params.stream) else {
@@ -514,6 +594,17 @@ impl Shared {
             None => {
                 self.starved.fetch_add(1, Ordering::Relaxed);
             }
+        }
+    }
+
+    /// Counts CUPTI's drops so far in the timeline's dropped records, on this (an application's) thread.
+    fn count_drops(&self) {
+        if self.drops_to_count.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        let n = self.drops_to_count.swap(0, Ordering::Relaxed);
+        if let Some(device) = lock(&self.state).device.as_ref() {
+            device.count_dropped(n as usize);
         }
     }
 
@@ -595,9 +686,7 @@ impl Shared {
         // SAFETY: the context and stream CUPTI passed with this buffer; writes one usize through a live local.
         if unsafe { (self.cupti.dropped_records)(context, stream, &mut dropped) } == ffi::SUCCESS && dropped > 0 {
             self.dropped.fetch_add(dropped as u64, Ordering::Relaxed);
-            if let Some(device) = lock(&self.state).device.as_ref() {
-                device.count_dropped(dropped);
-            }
+            self.drops_to_count.fetch_add(dropped as u64, Ordering::Relaxed);
         }
         self.apply(&records);
     }

@@ -222,3 +222,364 @@ fn options_are_checked_before_cupti_is_touched() {
         );
     }
 }
+
+mod end_to_end {
+    //! The whole capture without a GPU: [`super::super::fake`] stands in for CUPTI and the device, with a
+    //! CUPTI clock that is not tickline's (1 ms ahead, running 30 ppm fast: what CUPTI's own interpolation
+    //! could do), and every kernel's true times known.
+
+    use std::collections::HashMap;
+    use std::ffi::CStr;
+    use std::time::{Duration, Instant};
+
+    use super::super::fake;
+    use super::super::*;
+    use crate::clock::monotonic_ns;
+    use crate::export::{EventKind, FieldValue, MemoryExporter, RecordedEvent, TrackKind};
+    use tracing::info_span;
+    use tracing_subscriber::layer::SubscriberExt;
+
+    const OFFSET_NS: u64 = 1_000_000;
+    const DRIFT_PPM: f64 = 30.0;
+
+    /// CUPTI's time of a true (`CLOCK_MONOTONIC`) time.
+    fn cupti_clock(origin: u64, true_ns: u64) -> u64 {
+        true_ns + OFFSET_NS + ((true_ns - origin) as f64 * DRIFT_PPM * 1e-6) as u64
+    }
+
+    fn spin_until(ns: u64) {
+        while monotonic_ns().0 < ns {
+            std::hint::spin_loop();
+        }
+    }
+
+    /// A probe launch as the CUDA backend makes one: bracketed by two reads, calling CUPTI back, the kernel
+    /// starting 2-27 µs after the launch (lopsided, as on an H200) and seen 0.4 µs after it ends.
+    fn prober(origin: u64) -> Prober {
+        Prober::Fake(Box::new(move |samples, budget, out| {
+            let started = Instant::now();
+            for _ in 0..samples {
+                if started.elapsed() >= budget {
+                    break;
+                }
+                let t0 = monotonic_ns().0;
+                let id = fake::call(307, Some(c"tickline_stamp"), std::ptr::null());
+                let lag = 2_000 + u64::from(id).wrapping_mul(7_919) % 25_000;
+                let (begin, end) = (t0 + lag, t0 + lag + 900);
+                spin_until(end + 400);
+                let t1 = monotonic_ns().0;
+                fake::record(
+                    ffi::KIND_CONCURRENT_KERNEL,
+                    id,
+                    cupti_clock(origin, begin),
+                    cupti_clock(origin, end),
+                    99,
+                );
+                out.push(CalibrationSample::from_bracket(0, t0, t1));
+            }
+            Ok(())
+        }))
+    }
+
+    /// cuLaunchKernel's parameters.
+    #[repr(C)]
+    struct LaunchKernel {
+        f: usize,
+        grid: [u32; 3],
+        block: [u32; 3],
+        shared: u32,
+        stream: usize,
+        params: usize,
+        extra: usize,
+    }
+
+    #[derive(Debug)]
+    struct Slice {
+        name: String,
+        queue: String,
+        begin: u64,
+        end: u64,
+        fields: HashMap<String, FieldValue>,
+        flow_in: Option<u64>,
+    }
+
+    #[test]
+    fn launches_become_slices_on_their_streams_placed_within_their_stated_uncertainty() {
+        let _serial = fake::serial();
+        let origin = monotonic_ns().0;
+        let memory = MemoryExporter::default();
+        let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
+        let gpu = Gpu {
+            name: "Fake H200 (CUPTI)".into(),
+            resolution_ns: 32.0,
+            probe: prober(origin),
+            capturing: |_| false,
+        };
+        let capture = CuptiCapture::start_with(&timeline, fake::cupti(), gpu, CuptiOptions::default()).unwrap();
+        assert!(fake::timestamp().is_some_and(|t| t.abs_diff(monotonic_ns().0) < 1_000_000_000));
+        assert_eq!(fake::enabled().len(), 3, "kernels, copies, memsets");
+        // The one subscription is taken.
+        let gpu = Gpu {
+            name: "again".into(),
+            resolution_ns: 32.0,
+            probe: prober(origin),
+            capturing: |_| false,
+        };
+        let again = CuptiCapture::start_with(&timeline, fake::cupti(), gpu, CuptiOptions::default());
+        assert!(matches!(again, Err(GpuError::Invalid { .. })), "{again:?}");
+
+        // Truth: correlation id -> true begin and end.
+        let mut truth: HashMap<u32, (u64, u64)> = HashMap::new();
+        let kernel: &CStr = c"_Z5scalePfjf";
+        const FRAMES: u32 = 120;
+        let subscriber = tracing_subscriber::registry().with(timeline.layer());
+        let mut lost_memset = 0;
+        tracing::subscriber::with_default(subscriber, || {
+            for frame in 0..FRAMES {
+                let _frame = info_span!("frame", frame).entered();
+                let params = LaunchKernel {
+                    f: 1,
+                    grid: [256, 1, 1],
+                    block: [128, 1, 1],
+                    shared: 0,
+                    stream: 0xA00,
+                    params: 0,
+                    extra: 0,
+                };
+                let id = fake::call(307, Some(kernel), (&params as *const LaunchKernel).cast());
+                let t = monotonic_ns().0;
+                truth.insert(id, (t + 5_000, t + 25_000));
+                let copy = [0usize, 0, 4096, 0xB00];
+                let copy_id = fake::call(277, None, copy.as_ptr().cast());
+                truth.insert(copy_id, (t + 30_000, t + 41_000));
+                spin_until(t + 42_000);
+                let (b, e) = truth[&id];
+                fake::record(
+                    ffi::KIND_CONCURRENT_KERNEL,
+                    id,
+                    cupti_clock(origin, b),
+                    cupti_clock(origin, e),
+                    13,
+                );
+                let (b, e) = truth[&copy_id];
+                fake::record(
+                    ffi::KIND_MEMCPY,
+                    copy_id,
+                    cupti_clock(origin, b),
+                    cupti_clock(origin, e),
+                    14,
+                );
+                if frame == 60 {
+                    // A graph of three nodes: one slice spanning them. A memset CUPTI could not time: lost.
+                    // A record of work launched before the capture: unattributed. Five records dropped.
+                    let graph = [0usize, 0xA00];
+                    let id = fake::call(514, None, graph.as_ptr().cast());
+                    let t = monotonic_ns().0;
+                    for (b, e) in [(t + 1_000, t + 4_000), (t + 4_100, t + 4_700), (t + 5_000, t + 9_000)] {
+                        fake::record(
+                            ffi::KIND_CONCURRENT_KERNEL,
+                            id,
+                            cupti_clock(origin, b),
+                            cupti_clock(origin, e),
+                            13,
+                        );
+                    }
+                    truth.insert(id, (t + 1_000, t + 9_000));
+                    let memset = [0usize, 0, 0, 0xA00];
+                    lost_memset = fake::call(216, None, memset.as_ptr().cast());
+                    fake::record(ffi::KIND_MEMSET, lost_memset, 0, 0, 13);
+                    fake::record(ffi::KIND_MEMSET, 999_999, 5, 6, 13);
+                    fake::drop_records(5);
+                    spin_until(t + 10_000);
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        });
+        let stats = capture.stop();
+        let timeline_stats = timeline.shutdown().unwrap();
+        assert_eq!(
+            stats,
+            CuptiStats {
+                launches: 2 * u64::from(FRAMES) + 2,
+                records: stats.records,
+                unattributed_records: 1,
+                incomplete_records: 1,
+                dropped_records: 5,
+                starved_launches: 0,
+            }
+        );
+        assert!(stats.records >= 2 * u64::from(FRAMES) + 5, "{stats:?}");
+        assert_eq!(
+            timeline_stats.gpu_lost_scopes, 1,
+            "the untimed memset: {timeline_stats:?}"
+        );
+        assert!(
+            timeline_stats.dropped_records >= 5,
+            "CUPTI's drops are the timeline's: {timeline_stats:?}"
+        );
+        assert!(fake::enabled().is_empty(), "stop disables recording");
+
+        let trace = memory.snapshot();
+        let device = trace
+            .tracks
+            .iter()
+            .find(|t| matches!(&t.kind, TrackKind::GpuDevice { name, .. } if name == "Fake H200 (CUPTI)"))
+            .expect("the CUPTI device's track")
+            .id;
+        // Slices on the device's queues (and their lanes), with the queue's name.
+        let queue_name = |track| {
+            let t = trace.track(track)?;
+            match &t.kind {
+                TrackKind::GpuQueue { name, .. } if t.parent == Some(device) => Some(name.clone()),
+                _ => None,
+            }
+        };
+        let mut open: HashMap<_, Vec<Slice>> = HashMap::new();
+        let mut slices = Vec::new();
+        let mut lost = Vec::new();
+        for e in &trace.events {
+            let Some(queue) = queue_name(e.track) else { continue };
+            match e.kind {
+                EventKind::SliceBegin => open.entry(e.track).or_default().push(Slice {
+                    name: e.name.clone(),
+                    queue,
+                    begin: e.ts_ns,
+                    end: 0,
+                    fields: e.fields.iter().cloned().collect(),
+                    flow_in: e.flow_in,
+                }),
+                EventKind::SliceEnd => {
+                    let mut s = open.get_mut(&e.track).and_then(Vec::pop).unwrap();
+                    s.end = e.ts_ns;
+                    slices.push(s);
+                }
+                EventKind::Instant => lost.push(e.clone()),
+                _ => {}
+            }
+        }
+        let count = |name: &str| slices.iter().filter(|s| s.name == name).count();
+        assert_eq!(count("_Z5scalePfjf"), FRAMES as usize);
+        assert_eq!(count("memcpy HtoD"), FRAMES as usize);
+        assert_eq!(count("graph launch"), 1);
+        assert_eq!(slices.len(), 2 * FRAMES as usize + 1, "no probe kernel is shown");
+        assert!(
+            lost.iter()
+                .any(|e| e.name == "memset" && e.fields.iter().any(|(k, _)| k == crate::gpu::GPU_SCOPE_LOST)),
+            "the untimed memset is shown lost: {lost:?}"
+        );
+        let flow_starts: HashMap<u64, &RecordedEvent> =
+            trace.events.iter().filter_map(|e| e.flow_out.map(|f| (f, e))).collect();
+        let (mut errors, mut uncertainties, mut beyond) = (Vec::new(), Vec::new(), 0);
+        for s in &slices {
+            let want_queue = if s.name == "memcpy HtoD" {
+                "stream 2816"
+            } else {
+                "stream 2560"
+            };
+            assert!(s.queue.starts_with(want_queue), "{s:?}");
+            let Some(&FieldValue::U64(id)) = s.fields.get("correlation_id") else {
+                panic!("{s:?} has no correlation id")
+            };
+            let want_api = match s.name.as_str() {
+                "memcpy HtoD" => "cuMemcpyHtoDAsync_v2",
+                "graph launch" => "cuGraphLaunch",
+                _ => "cuLaunchKernel",
+            };
+            assert_eq!(s.fields.get("api"), Some(&FieldValue::Str(want_api.into())), "{s:?}");
+            if s.name.starts_with("_Z") {
+                assert_eq!(s.fields.get("grid"), Some(&FieldValue::Str("256x1x1".into())), "{s:?}");
+                assert_eq!(s.fields.get("block"), Some(&FieldValue::Str("128x1x1".into())), "{s:?}");
+            }
+            let flow = s.flow_in.expect("a flow ends at the slice");
+            let from = flow_starts.get(&flow).expect("the flow starts on the launching thread");
+            assert!(trace.is_thread_track(from.track), "{from:?}");
+            let Some(&FieldValue::U64(uncertainty)) = s.fields.get("uncertainty_ns") else {
+                panic!("{s:?} states no uncertainty")
+            };
+            let (b, e) = truth[&(id as u32)];
+            let error = s.begin.abs_diff(b).max(s.end.abs_diff(e));
+            beyond += usize::from(error > uncertainty);
+            errors.push(error);
+            uncertainties.push(uncertainty);
+        }
+        errors.sort_unstable();
+        uncertainties.sort_unstable();
+        let p = |v: &[u64], q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
+        eprintln!(
+            "fake CUPTI (1 ms ahead, +30 ppm): {} slices, error p50/p99/max {}/{}/{} ns, stated uncertainty \
+             p50/p99 {}/{} ns, {beyond} beyond it; {stats:?}",
+            slices.len(),
+            p(&errors, 0.5),
+            p(&errors, 0.99),
+            errors[errors.len() - 1],
+            p(&uncertainties, 0.5),
+            p(&uncertainties, 0.99),
+        );
+        assert_eq!(beyond, 0, "every slice within its stated uncertainty of the truth");
+        assert!(p(&errors, 0.5) < 20_000, "the 1 ms offset was calibrated out");
+    }
+
+    #[test]
+    fn launches_past_the_pairs_in_flight_are_counted_starved_and_a_capture_starts_again_after_stop() {
+        let _serial = fake::serial();
+        let origin = monotonic_ns().0;
+        let memory = MemoryExporter::default();
+        let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
+        let options = CuptiOptions {
+            timestamp_slots: 4,
+            ..CuptiOptions::default()
+        };
+        let gpu = |name: &str| Gpu {
+            name: name.into(),
+            resolution_ns: 32.0,
+            probe: prober(origin),
+            capturing: |_| false,
+        };
+        let capture =
+            CuptiCapture::start_with(&timeline, fake::cupti(), gpu("small (CUPTI)"), options.clone()).unwrap();
+        let subscriber = tracing_subscriber::registry().with(timeline.layer());
+        let mut launched = Vec::new();
+        tracing::subscriber::with_default(subscriber, || {
+            let _span = info_span!("burst").entered();
+            let copy = [0usize, 0, 64, 0xC00];
+            // Ten copies before any record comes back: two pairs, so eight are starved.
+            for _ in 0..10 {
+                let id = fake::call(277, None, copy.as_ptr().cast());
+                launched.push((id, monotonic_ns().0));
+            }
+            spin_until(monotonic_ns().0 + 20_000);
+            for &(id, t) in &launched {
+                fake::record(
+                    ffi::KIND_MEMCPY,
+                    id,
+                    cupti_clock(origin, t + 1_000),
+                    cupti_clock(origin, t + 2_000),
+                    5,
+                );
+            }
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        let stats = capture.stop();
+        assert_eq!((stats.launches, stats.starved_launches), (2, 8), "{stats:?}");
+        assert_eq!(
+            stats.unattributed_records, 8,
+            "the starved launches' records match nothing: {stats:?}"
+        );
+        // CUPTI's one subscription is free again.
+        let again = CuptiCapture::start_with(&timeline, fake::cupti(), gpu("again (CUPTI)"), options).unwrap();
+        drop(again);
+        let timeline_stats = timeline.shutdown().unwrap();
+        assert!(
+            timeline_stats.dropped_records >= 8,
+            "starved launches are dropped records: {timeline_stats:?}"
+        );
+        assert_eq!(timeline_stats.gpu_lost_scopes, 0, "{timeline_stats:?}");
+        let copies = memory
+            .snapshot()
+            .events
+            .iter()
+            .filter(|e| e.name == "memcpy HtoD" && matches!(e.kind, EventKind::SliceBegin))
+            .count();
+        assert_eq!(copies, 2);
+    }
+}
