@@ -21,7 +21,7 @@ timeout 120 nvcc -O2 -arch=sm_90 -I "$(dirname "$CI")" -o /tmp/probe tools/cupti
 export TICKLINE_CUPTI_LIBRARY=$CUPTI_LIB
 T cuda and cupti tests; timeout 150 $B/it cuda --nocapture --test-threads=1; timeout 150 $B/it cupti --nocapture --test-threads=1
 T cuda_kernels; timeout 60 $B/cuda_kernels $OUT/cuda_kernels.pftrace
-[ -x $B/cupti_kernels ] && { T cupti_kernels; timeout 60 $B/cupti_kernels $OUT/cupti_kernels.pftrace; }
+T cuda_kernels with CUPTI; timeout 60 $B/cuda_kernels --cupti $OUT/cupti_kernels.pftrace
 T cuda_scope bench; timeout 90 $B/cuda_scope --bench --warm-up-time 1 --measurement-time 4 --noplot
 T cuda_accuracy; timeout 100 $B/cuda_accuracy "${ACC_SECONDS:-60}" $OUT/cuda_accuracy.pftrace
 T vulkan; for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig

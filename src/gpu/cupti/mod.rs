@@ -721,6 +721,13 @@ impl Shared {
             self.slots[b].store(start.max(1), Ordering::Release);
             self.slots[e].store(end.max(start).max(1), Ordering::Release);
         }
+        // Launches whose record never came (a failed call, a dropped record) keep their entry after the
+        // collector retired their pair as lost: once there are more entries than pairs, those go.
+        if open.len() > self.slots.len() / 2 {
+            if let Some(device) = device.as_ref() {
+                open.retain(|_, &mut (pair, handed_out)| device.pair_state(pair) == handed_out);
+            }
+        }
     }
 
     /// Flushes CUPTI's complete buffers, at most once a flush period, where CUPTI has no period of its own.
