@@ -583,3 +583,11 @@ fn register_exit_flush() {
         let _ = unsafe { libc::atexit(flush_running_timelines) };
     });
 }
+
+impl crate::gpu::sealed::Sealed for Timeline {}
+
+impl crate::gpu::GpuTimeline for Timeline {
+    fn add_gpu<B: GpuBackend>(&self, backend: B) -> Result<GpuDevice<B>, TicklineError> {
+        self.gpu(backend)
+    }
+}

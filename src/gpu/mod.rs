@@ -290,6 +290,19 @@ const MAX_QUEUES: usize = u16::MAX as usize;
 
 static NEXT_DEVICE: AtomicU64 = AtomicU64::new(0);
 
+/// Where GPU devices join a timeline: implemented by [`Timeline`](crate::Timeline) alone (sealed). GPU code
+/// that starts on its own (the CUPTI capture of feature `cupti`) takes one, so the GPU layer needs nothing of
+/// the timeline's.
+pub trait GpuTimeline: sealed::Sealed {
+    /// [`Timeline::gpu`](crate::Timeline::gpu).
+    fn add_gpu<B: GpuBackend>(&self, backend: B) -> Result<GpuDevice<B>, crate::TicklineError>;
+}
+
+pub(crate) mod sealed {
+    /// Only the crate implements [`super::GpuTimeline`].
+    pub trait Sealed {}
+}
+
 /// A GPU device on a [`crate::Timeline`]: made by [`crate::Timeline::gpu`]. Cheap to clone.
 pub struct GpuDevice<B: GpuBackend> {
     shared: Arc<DeviceShared<B>>,

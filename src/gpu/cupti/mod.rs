@@ -90,8 +90,7 @@ use self::ffi::{CallbackData, Cupti, Record};
 use crate::calibration::{CalibrationSample, ClockDomain};
 use crate::export::NativeCallsite;
 use crate::gpu::cuda::{CudaGpu, CudaOptions, CudaTiming};
-use crate::gpu::{GpuBackend, GpuDevice, GpuDeviceInfo, GpuError, GpuFieldEncoder, GpuQueue, GpuTicks};
-use crate::Timeline;
+use crate::gpu::{GpuBackend, GpuDevice, GpuDeviceInfo, GpuError, GpuFieldEncoder, GpuQueue, GpuTicks, GpuTimeline};
 
 /// How a [`CuptiCapture`] runs.
 #[derive(Clone, Debug)]
@@ -311,7 +310,11 @@ impl CuptiCapture {
     /// subscription; no permission to profile); [`GpuError::Invalid`] for bad options or a capture already
     /// running in this process; [`GpuError::NoTimestamps`] when the device's `%globaltimer` cannot calibrate
     /// CUPTI's clock. The timeline keeps running in every case.
-    pub fn start(timeline: &Timeline, ctx: &Arc<CudaContext>, options: CuptiOptions) -> Result<CuptiCapture, GpuError> {
+    pub fn start(
+        timeline: &impl GpuTimeline,
+        ctx: &Arc<CudaContext>,
+        options: CuptiOptions,
+    ) -> Result<CuptiCapture, GpuError> {
         options.validate()?;
         let cupti = Cupti::open(options.library.as_deref())?;
         let probe = CudaGpu::new(
@@ -334,7 +337,7 @@ impl CuptiCapture {
 
     /// [`start`](Self::start) with CUPTI and the GPU side given: the real ones, or a test's.
     fn start_with(
-        timeline: &Timeline,
+        timeline: &impl GpuTimeline,
         cupti: Cupti,
         gpu: Gpu,
         options: CuptiOptions,
@@ -385,7 +388,7 @@ impl CuptiCapture {
             shared.disable();
             return Err(e);
         }
-        let device = match timeline.gpu(CuptiGpu { shared: shared.clone() }) {
+        let device = match timeline.add_gpu(CuptiGpu { shared: shared.clone() }) {
             Ok(device) => device,
             Err(e) => {
                 shared.disable();

@@ -236,6 +236,7 @@ mod end_to_end {
     use super::super::*;
     use crate::clock::monotonic_ns;
     use crate::export::{EventKind, FieldValue, MemoryExporter, RecordedEvent, TrackKind};
+    use crate::Timeline;
     use tracing::info_span;
     use tracing_subscriber::layer::SubscriberExt;
 
