@@ -23,19 +23,24 @@
 //! Give a trace path to also write the run as a Perfetto trace.
 
 use std::error::Error;
-use std::ffi::c_void;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use cuda_support::Kernels;
 use tickline::calibration::CalibrationSample;
 use tickline::clock::monotonic_ns;
-use tickline::export::{EventKind, FieldValue, MemoryExporter, MemoryTrace, TrackKind};
-use tickline::gpu::cuda::cudarc::driver::{result, sys, CudaContext, CudaStream};
+use tickline::export::{MemoryExporter, MemoryTrace};
+use tickline::gpu::cuda::cudarc::driver::CudaContext;
 use tickline::gpu::cuda::{open, CudaGpu, CudaOptions, CudaTimingInUse};
 use tickline::gpu::{GpuBackend, GpuError};
 use tickline::Timeline;
 use tickline_perfetto::PerfettoExporter;
+
+#[path = "support/cuda.rs"]
+mod cuda_support;
+#[path = "support/slices.rs"]
+mod slices;
 
 /// Time from one window's start to the next's.
 const PERIOD: Duration = Duration::from_millis(5);
@@ -49,60 +54,6 @@ const RATE_SAMPLES: usize = 20;
 const RATE_BUDGET: Duration = Duration::from_millis(50);
 /// The calibration's first seconds, left out of the drift's range (the fit is still settling).
 const SETTLE_S: f64 = 2.0;
-
-/// `spin(ns)`: one thread busy until `%globaltimer` has advanced by `ns` nanoseconds.
-const SPIN_PTX: &str = r#"
-.version 7.0
-.target sm_50
-.address_size 64
-
-.visible .entry spin(.param .u64 ns)
-{
-    .reg .pred %p<2>;
-    .reg .b64 %rd<5>;
-    ld.param.u64 %rd1, [ns];
-    mov.u64 %rd2, %globaltimer;
-    add.u64 %rd3, %rd2, %rd1;
-SPIN_LOOP:
-    mov.u64 %rd4, %globaltimer;
-    setp.lt.u64 %p1, %rd4, %rd3;
-    @%p1 bra SPIN_LOOP;
-    ret;
-}
-"#;
-
-/// The spin kernel, loaded into the context.
-struct Spin {
-    function: sys::CUfunction,
-}
-
-impl Spin {
-    fn load(ctx: &Arc<CudaContext>) -> Result<Spin, Box<dyn Error>> {
-        ctx.bind_to_thread()
-            .map_err(|e| format!("binding the CUDA context: {e}"))?;
-        let ptx = std::ffi::CString::new(SPIN_PTX)?;
-        // SAFETY: a NUL-terminated PTX text that outlives the call, in the context just bound. The module is
-        // never unloaded (it lives as long as the process).
-        let module = unsafe { result::module::load_data(ptx.as_ptr().cast()) }
-            .map_err(|e| format!("cuModuleLoadData(spin): {e}"))?;
-        // SAFETY: the module was just loaded and is never unloaded.
-        let function = unsafe { result::module::get_function(module, c"spin".to_owned()) }
-            .map_err(|e| format!("cuModuleGetFunction(spin): {e}"))?;
-        Ok(Spin { function })
-    }
-
-    /// Launches one thread spinning for `ns` on `stream` (of the context the kernel was loaded in).
-    fn launch(&self, stream: &CudaStream, ns: u64) -> Result<(), Box<dyn Error>> {
-        let mut ns = ns;
-        let mut params = [(&mut ns as *mut u64).cast::<c_void>()];
-        // SAFETY: `spin` takes one u64, as `params` holds, and touches no memory; `params` outlives the call
-        // (the driver copies the arguments at launch); the stream belongs to the context bound in `load` on
-        // this thread.
-        unsafe { result::launch_kernel(self.function, (1, 1, 1), (1, 1, 1), 0, stream.cu_stream(), &mut params) }
-            .map_err(|e| format!("cuLaunchKernel(spin): {e}"))?;
-        Ok(())
-    }
-}
 
 struct Args {
     seconds: f64,
@@ -134,56 +85,24 @@ struct Slice {
     uncertainty: u64,
 }
 
-/// The slices on the GPU queue tracks (every lane) of `trace`, begins paired with ends per track.
+/// The slices on the GPU queue tracks (every lane) of `trace`.
 fn gpu_slices(trace: &MemoryTrace) -> Result<Vec<Slice>, String> {
-    let device = trace
-        .tracks
-        .iter()
-        .find(|t| matches!(t.kind, TrackKind::GpuDevice { .. }))
-        .ok_or("the trace has no GPU device track")?
-        .id;
-    let is_queue = |track| {
-        trace
-            .track(track)
-            .is_some_and(|t| t.parent == Some(device) && matches!(t.kind, TrackKind::GpuQueue { .. }))
-    };
-    let mut open: std::collections::HashMap<_, Vec<Slice>> = std::collections::HashMap::new();
-    let mut done = Vec::new();
-    for e in trace.events.iter().filter(|e| is_queue(e.track)) {
-        match e.kind {
-            EventKind::SliceBegin => {
-                let field = |name: &str| {
-                    e.fields.iter().find_map(|(k, v)| match v {
-                        FieldValue::U64(u) if k == name => Some(*u),
-                        _ => None,
-                    })
-                };
-                let (Some(i), Some(uncertainty)) = (field("i"), field("uncertainty_ns")) else {
-                    return Err(format!(
-                        "GPU slice {:?} at {} ns lacks `i` or `uncertainty_ns`",
-                        e.name, e.ts_ns
-                    ));
-                };
-                open.entry(e.track).or_default().push(Slice {
-                    i,
-                    sub: field("sub"),
-                    begin: e.ts_ns,
-                    end: 0,
-                    uncertainty,
-                });
-            }
-            EventKind::SliceEnd => {
-                let mut s = open
-                    .get_mut(&e.track)
-                    .and_then(Vec::pop)
-                    .ok_or_else(|| format!("a GPU slice end at {} ns without its begin", e.ts_ns))?;
-                s.end = e.ts_ns;
-                done.push(s);
-            }
-            _ => {}
-        }
-    }
-    Ok(done)
+    slices::queue_slices(trace)?
+        .into_iter()
+        .map(|s| match (s.u64("i"), s.u64("uncertainty_ns")) {
+            (Some(i), Some(uncertainty)) => Ok(Slice {
+                i,
+                sub: s.u64("sub"),
+                begin: s.begin,
+                end: s.end,
+                uncertainty,
+            }),
+            _ => Err(format!(
+                "GPU slice {:?} at {} ns lacks `i` or `uncertainty_ns`",
+                s.name, s.begin
+            )),
+        })
+        .collect()
 }
 
 /// `sorted[p]`, nearest rank.
@@ -342,9 +261,9 @@ fn run(ctx: Arc<CudaContext>, args: &Args) -> Result<bool, Box<dyn Error>> {
     let gpu = timeline.gpu(backend)?;
     let lane = gpu.queue("stream")?;
     let stream = ctx.new_stream().map_err(|e| format!("creating a stream: {e}"))?;
-    let spin = Spin::load(&ctx)?;
+    let kernels = Kernels::load(&ctx)?;
     // One unscoped launch first, so lazy module loading falls outside every window.
-    spin.launch(&stream, SPIN_NS)?;
+    kernels.spin(&stream, SPIN_NS)?;
     stream.synchronize().map_err(|e| format!("warm-up synchronize: {e}"))?;
 
     let duration = Duration::from_secs_f64(args.seconds);
@@ -360,12 +279,12 @@ fn run(ctx: Arc<CudaContext>, args: &Args) -> Result<bool, Box<dyn Error>> {
         if i % BUSY_EVERY == BUSY_EVERY - 1 {
             for sub in 0..BUSY_KERNELS {
                 let _scope = tickline::gpu_scope!(lane, &stream, "spin (busy)", i = i, sub = sub);
-                spin.launch(&stream, SPIN_NS)?;
+                kernels.spin(&stream, SPIN_NS)?;
             }
             scopes += BUSY_KERNELS;
         } else {
             let _scope = tickline::gpu_scope!(lane, &stream, "spin", i = i);
-            spin.launch(&stream, SPIN_NS)?;
+            kernels.spin(&stream, SPIN_NS)?;
             scopes += 1;
         }
         stream

@@ -17,13 +17,13 @@
 //! machine without a CUDA driver or device the example prints one line saying so and exits with status 1.
 
 use std::error::Error;
-use std::ffi::c_void;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
+use cuda_support::Kernels;
 use tickline::export::MemoryExporter;
-use tickline::gpu::cuda::cudarc::driver::{result, sys, CudaContext, CudaStream, DevicePtr};
+use tickline::gpu::cuda::cudarc::driver::{CudaContext, DevicePtr};
 use tickline::gpu::cuda::{open, CudaGpu, CudaOptions};
 use tickline::Timeline;
 use tickline_perfetto::PerfettoExporter;
@@ -31,107 +31,14 @@ use tracing::info_span;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 
+#[path = "support/cuda.rs"]
+mod cuda_support;
+#[path = "support/slices.rs"]
+mod slices;
+
 const FRAMES: u32 = 32;
 /// Floats per buffer (4 MiB).
 const LEN: u32 = 1 << 20;
-
-/// `scale(x, n, a)`: `x[i] *= a` for `i < n`, one thread per element. `spin(ns)`: one thread busy for `ns`
-/// nanoseconds of `%globaltimer` (stands in for a long kernel).
-const KERNELS: &str = r#"
-.version 7.0
-.target sm_50
-.address_size 64
-
-.visible .entry scale(.param .u64 x, .param .u32 n, .param .f32 a)
-{
-    .reg .pred %p<2>;
-    .reg .b32 %r<6>;
-    .reg .f32 %f<4>;
-    .reg .b64 %rd<4>;
-    ld.param.u64 %rd1, [x];
-    cvta.to.global.u64 %rd1, %rd1;
-    ld.param.u32 %r1, [n];
-    ld.param.f32 %f1, [a];
-    mov.u32 %r2, %ctaid.x;
-    mov.u32 %r3, %ntid.x;
-    mov.u32 %r4, %tid.x;
-    mad.lo.s32 %r5, %r2, %r3, %r4;
-    setp.ge.u32 %p1, %r5, %r1;
-    @%p1 bra SCALE_DONE;
-    mul.wide.u32 %rd2, %r5, 4;
-    add.s64 %rd3, %rd1, %rd2;
-    ld.global.f32 %f2, [%rd3];
-    mul.f32 %f3, %f2, %f1;
-    st.global.f32 [%rd3], %f3;
-SCALE_DONE:
-    ret;
-}
-
-.visible .entry spin(.param .u64 ns)
-{
-    .reg .pred %p<2>;
-    .reg .b64 %rd<5>;
-    ld.param.u64 %rd1, [ns];
-    mov.u64 %rd2, %globaltimer;
-    add.u64 %rd3, %rd2, %rd1;
-SPIN_LOOP:
-    mov.u64 %rd4, %globaltimer;
-    setp.lt.u64 %p1, %rd4, %rd3;
-    @%p1 bra SPIN_LOOP;
-    ret;
-}
-"#;
-
-/// The example's kernels, loaded into the context.
-struct Kernels {
-    scale: sys::CUfunction,
-    spin: sys::CUfunction,
-}
-
-impl Kernels {
-    fn load(ctx: &Arc<CudaContext>) -> Result<Kernels, Box<dyn Error>> {
-        ctx.bind_to_thread()?;
-        let ptx = std::ffi::CString::new(KERNELS)?;
-        // SAFETY: a NUL-terminated PTX text that outlives the call, in the bound context. The module is never
-        // unloaded (it lives as long as the process).
-        let module = unsafe { result::module::load_data(ptx.as_ptr().cast()) }?;
-        // SAFETY: the module was just loaded and is never unloaded.
-        let scale = unsafe { result::module::get_function(module, c"scale".to_owned()) }?;
-        // SAFETY: as above.
-        let spin = unsafe { result::module::get_function(module, c"spin".to_owned()) }?;
-        Ok(Kernels { scale, spin })
-    }
-
-    fn scale(&self, stream: &CudaStream, x: sys::CUdeviceptr, n: u32, a: f32) -> Result<(), Box<dyn Error>> {
-        let (mut x, mut n, mut a) = (x, n, a);
-        let mut params = [
-            (&mut x as *mut sys::CUdeviceptr).cast::<c_void>(),
-            (&mut n as *mut u32).cast::<c_void>(),
-            (&mut a as *mut f32).cast::<c_void>(),
-        ];
-        // SAFETY: `scale` takes (f32 pointer, u32, f32), as `params` holds; `x` points to at least `n` floats of
-        // a buffer allocated on `stream`, which outlives the kernel (the caller synchronises before freeing).
-        unsafe {
-            result::launch_kernel(
-                self.scale,
-                (n.div_ceil(256), 1, 1),
-                (256, 1, 1),
-                0,
-                stream.cu_stream(),
-                &mut params,
-            )
-        }?;
-        Ok(())
-    }
-
-    fn spin(&self, stream: &CudaStream, ns: u64) -> Result<(), Box<dyn Error>> {
-        let mut ns = ns;
-        let mut params = [(&mut ns as *mut u64).cast::<c_void>()];
-        // SAFETY: `spin` takes one u64, as `params` holds; it touches no memory.
-        unsafe { result::launch_kernel(self.spin, (1, 1, 1), (1, 1, 1), 0, stream.cu_stream(), &mut params) }?;
-        Ok(())
-    }
-}
 
 fn run(ctx: Arc<CudaContext>, path: &str, cupti: bool) -> Result<(), Box<dyn Error>> {
     let backend = CudaGpu::new(&ctx, CudaOptions::default())?;
@@ -230,10 +137,12 @@ mod capture {
     use std::error::Error;
     use std::sync::Arc;
 
-    use tickline::export::{EventKind, FieldValue, MemoryTrace, TrackKind};
+    use tickline::export::MemoryTrace;
     use tickline::gpu::cuda::cudarc::driver::CudaContext;
     use tickline::gpu::cupti::{CuptiCapture, CuptiOptions, CuptiStats};
     use tickline::Timeline;
+
+    use super::slices::{queue_slices, QueueSlice};
 
     pub(super) fn start(timeline: &Timeline, ctx: &Arc<CudaContext>) -> Option<CuptiCapture> {
         match CuptiCapture::start(timeline, ctx, CuptiOptions::default()) {
@@ -253,57 +162,6 @@ mod capture {
         capture.stop()
     }
 
-    /// A GPU slice: its name, begin, end and stated uncertainty, and whether CUPTI captured it.
-    struct Slice {
-        name: String,
-        begin: u64,
-        end: u64,
-        uncertainty: u64,
-        captured: bool,
-    }
-
-    fn slices(trace: &MemoryTrace) -> Vec<Slice> {
-        let mut open: std::collections::HashMap<_, Vec<Slice>> = std::collections::HashMap::new();
-        let mut done = Vec::new();
-        for e in &trace.events {
-            let Some(track) = trace.track(e.track) else { continue };
-            if !matches!(track.kind, TrackKind::GpuQueue { .. }) {
-                continue;
-            }
-            let captured = track
-                .parent
-                .and_then(|p| trace.track(p))
-                .is_some_and(|d| matches!(&d.kind, TrackKind::GpuDevice { name, .. } if name.ends_with("(CUPTI)")));
-            match e.kind {
-                EventKind::SliceBegin => {
-                    let uncertainty = e
-                        .fields
-                        .iter()
-                        .find_map(|(k, v)| match (k.as_str(), v) {
-                            ("uncertainty_ns", FieldValue::U64(u)) => Some(*u),
-                            _ => None,
-                        })
-                        .unwrap_or(0);
-                    open.entry(e.track).or_default().push(Slice {
-                        name: e.name.clone(),
-                        begin: e.ts_ns,
-                        end: 0,
-                        uncertainty,
-                        captured,
-                    });
-                }
-                EventKind::SliceEnd => {
-                    if let Some(mut s) = open.get_mut(&e.track).and_then(Vec::pop) {
-                        s.end = e.ts_ns;
-                        done.push(s);
-                    }
-                }
-                _ => {}
-            }
-        }
-        done
-    }
-
     fn percentile(sorted: &[u64], p: f64) -> u64 {
         sorted
             .get(((sorted.len().max(1) - 1) as f64 * p).round() as usize)
@@ -313,8 +171,9 @@ mod capture {
 
     /// Prints how many launches CUPTI brought back and how its kernels lie against the manual scopes.
     pub(super) fn compare(trace: &MemoryTrace, stats: CuptiStats, launched: usize) -> Result<(), Box<dyn Error>> {
-        let all = slices(trace);
-        let (captured, manual): (Vec<&Slice>, Vec<&Slice>) = all.iter().partition(|s| s.captured);
+        let all = queue_slices(trace)?;
+        let (captured, manual): (Vec<&QueueSlice>, Vec<&QueueSlice>) =
+            all.iter().partition(|s| s.device.ends_with("(CUPTI)"));
         println!(
             "CUPTI: {} of {launched} launches captured as slices; {stats:?}",
             captured.len()
@@ -336,7 +195,8 @@ mod capture {
                 .begin
                 .saturating_sub(kernel.begin)
                 .max(kernel.end.saturating_sub(scope.end));
-            beyond += usize::from(out > scope.uncertainty + kernel.uncertainty);
+            let uncertainty = |s: &QueueSlice| s.u64("uncertainty_ns").unwrap_or(0);
+            beyond += usize::from(out > uncertainty(scope) + uncertainty(kernel));
             outside.push(out);
         }
         outside.sort_unstable();

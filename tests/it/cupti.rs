@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use tickline::export::{EventKind, FieldValue, MemoryExporter, MemoryTrace, TrackKind};
+use tickline::export::{FieldValue, MemoryExporter, MemoryTrace};
 use tickline::gpu::cuda::cudarc::driver::{sys, CudaContext};
 use tickline::gpu::cuda::open;
 use tickline::gpu::cupti::{CuptiCapture, CuptiOptions};
@@ -14,51 +14,15 @@ use tracing::info_span;
 use tracing_subscriber::layer::SubscriberExt;
 
 use crate::skip::skip;
+use crate::slices::{queue_slices, QueueSlice};
 
-/// A captured slice: name, CUPTI stream track, begin, end, fields, and the flow that ends at it.
-#[derive(Debug)]
-struct Captured {
-    name: String,
-    track: tickline::export::TrackId,
-    begin: u64,
-    end: u64,
-    fields: HashMap<String, FieldValue>,
-    flow_in: Option<u64>,
-}
-
-fn captured(trace: &MemoryTrace) -> Vec<Captured> {
-    let mut open: HashMap<_, Vec<Captured>> = HashMap::new();
-    let mut done = Vec::new();
-    for e in &trace.events {
-        let Some(track) = trace.track(e.track) else { continue };
-        let cupti = track
-            .parent
-            .and_then(|p| trace.track(p))
-            .is_some_and(|d| matches!(&d.kind, TrackKind::GpuDevice { name, .. } if name.ends_with("(CUPTI)")));
-        if !cupti || !matches!(track.kind, TrackKind::GpuQueue { .. }) {
-            continue;
-        }
-        match e.kind {
-            EventKind::SliceBegin => open.entry(e.track).or_default().push(Captured {
-                name: e.name.clone(),
-                track: e.track,
-                begin: e.ts_ns,
-                end: 0,
-                fields: e.fields.iter().cloned().collect(),
-                flow_in: e.flow_in,
-            }),
-            EventKind::SliceEnd => {
-                let mut s = open
-                    .get_mut(&e.track)
-                    .and_then(Vec::pop)
-                    .expect("an end after its begin");
-                s.end = e.ts_ns;
-                done.push(s);
-            }
-            _ => {}
-        }
-    }
-    done
+/// The slices on the CUPTI device's stream tracks.
+fn captured(trace: &MemoryTrace) -> Vec<QueueSlice> {
+    queue_slices(trace)
+        .unwrap()
+        .into_iter()
+        .filter(|s| s.device.ends_with("(CUPTI)"))
+        .collect()
 }
 
 /// Device 0 and a capture on `timeline`, or why not (the caller prints SKIP). Any other CUPTI error fails.

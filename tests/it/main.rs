@@ -14,6 +14,8 @@ mod pipeline;
 mod process;
 #[path = "../../examples/support/skip.rs"]
 mod skip;
+#[path = "../../examples/support/slices.rs"]
+mod slices;
 #[cfg(feature = "vulkan")]
 mod vulkan;
 #[cfg(feature = "wgpu")]

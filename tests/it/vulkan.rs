@@ -15,11 +15,7 @@ use std::time::{Duration, Instant};
 use tickline::gpu::vulkan::ash::vk;
 use tickline::gpu::vulkan::{find_timestamp_queue, CalibrationExtension, CalibrationPath, VulkanGpu, VulkanOptions};
 use tickline::gpu::{GpuBackend, GpuDeviceInfo, GpuError, GpuTicks};
-use tickline::{
-    calibration::CalibrationSample,
-    export::{EventKind, FieldValue, MemoryExporter, TrackKind},
-    Timeline,
-};
+use tickline::{calibration::CalibrationSample, export::MemoryExporter, Timeline};
 
 #[path = "../../examples/support/vulkan.rs"]
 mod support;
@@ -124,46 +120,17 @@ pub(crate) struct GpuSlice {
 }
 
 pub(crate) fn gpu_slices(trace: &tickline::export::MemoryTrace) -> Vec<GpuSlice> {
-    let device = trace
-        .tracks
-        .iter()
-        .find(|t| matches!(t.kind, TrackKind::GpuDevice { .. }))
-        .expect("a GPU device track")
-        .id;
-    let mut open: HashMap<tickline::export::TrackId, Vec<GpuSlice>> = HashMap::new();
-    let mut done = Vec::new();
-    for e in &trace.events {
-        if trace.track(e.track).and_then(|t| t.parent) != Some(device) {
-            continue;
-        }
-        match e.kind {
-            EventKind::SliceBegin => {
-                let field = |name: &str| {
-                    e.fields.iter().find_map(|(k, v)| match (k.as_str(), v) {
-                        (k, FieldValue::U64(u)) if k == name => Some(*u),
-                        _ => None,
-                    })
-                };
-                open.entry(e.track).or_default().push(GpuSlice {
-                    name: e.name.clone(),
-                    frame: field("frame").expect("every scope carries its frame"),
-                    begin: e.ts_ns,
-                    end: 0,
-                    uncertainty: field("uncertainty_ns").expect("an uncertainty annotation"),
-                });
-            }
-            EventKind::SliceEnd => {
-                let mut s = open
-                    .get_mut(&e.track)
-                    .and_then(Vec::pop)
-                    .expect("an end after its begin");
-                s.end = e.ts_ns;
-                done.push(s);
-            }
-            _ => {}
-        }
-    }
-    done
+    crate::slices::queue_slices(trace)
+        .expect("every end after its begin")
+        .into_iter()
+        .map(|s| GpuSlice {
+            frame: s.u64("frame").expect("every scope carries its frame"),
+            uncertainty: s.u64("uncertainty_ns").expect("an uncertainty annotation"),
+            name: s.name,
+            begin: s.begin,
+            end: s.end,
+        })
+        .collect()
 }
 
 const FRAMES: u64 = 30;

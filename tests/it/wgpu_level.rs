@@ -12,7 +12,7 @@ use tickline::gpu::vulkan::CalibrationPath;
 use tickline::gpu::wgpu::{EndFrameError, WgpuProfiler, WgpuProfilerSettings};
 use tickline::gpu::{GpuCalibrationConfig, GpuError};
 use tickline::{
-    export::{EventKind, MemoryExporter, MemoryTrace, TrackKind},
+    export::{MemoryExporter, MemoryTrace},
     TicklineError, Timeline,
 };
 
@@ -30,47 +30,16 @@ struct Slice {
 }
 
 fn gpu_slices(trace: &MemoryTrace) -> Vec<Slice> {
-    let device = trace
-        .tracks
-        .iter()
-        .find(|t| matches!(t.kind, TrackKind::GpuDevice { .. }))
-        .expect("a GPU device track")
-        .id;
-    let mut open: HashMap<tickline::export::TrackId, Vec<Slice>> = HashMap::new();
-    let mut done = Vec::new();
-    for e in &trace.events {
-        if trace.track(e.track).and_then(|t| t.parent) != Some(device) {
-            continue;
-        }
-        match e.kind {
-            EventKind::SliceBegin => {
-                let uncertainty = e
-                    .fields
-                    .iter()
-                    .find_map(|(k, v)| match (k.as_str(), v) {
-                        ("uncertainty_ns", tickline::export::FieldValue::U64(u)) => Some(*u),
-                        _ => None,
-                    })
-                    .expect("an uncertainty annotation");
-                open.entry(e.track).or_default().push(Slice {
-                    name: e.name.clone(),
-                    begin: e.ts_ns,
-                    end: 0,
-                    uncertainty,
-                });
-            }
-            EventKind::SliceEnd => {
-                let mut s = open
-                    .get_mut(&e.track)
-                    .and_then(Vec::pop)
-                    .expect("an end after its begin");
-                s.end = e.ts_ns;
-                done.push(s);
-            }
-            _ => {}
-        }
-    }
-    done
+    crate::slices::queue_slices(trace)
+        .expect("every end after its begin")
+        .into_iter()
+        .map(|s| Slice {
+            uncertainty: s.u64("uncertainty_ns").expect("an uncertainty annotation"),
+            name: s.name,
+            begin: s.begin,
+            end: s.end,
+        })
+        .collect()
 }
 
 const FRAMES: u64 = 24;

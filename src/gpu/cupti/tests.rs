@@ -93,19 +93,20 @@ fn the_api_table_is_sorted_and_knows_the_launches_seen_on_a_device() {
     );
 }
 
+/// `cuLaunchKernel_params`: f, gridDim x/y/z, blockDim x/y/z, sharedMemBytes, hStream at 40.
+#[repr(C)]
+struct LaunchKernel {
+    f: usize,
+    grid: [u32; 3],
+    block: [u32; 3],
+    shared: u32,
+    stream: usize,
+    params: usize,
+    extra: usize,
+}
+
 #[test]
 fn launch_parameters_are_read_where_the_headers_put_them() {
-    // cuLaunchKernel_params: f, gridDim x/y/z, blockDim x/y/z, sharedMemBytes, hStream at 40.
-    #[repr(C)]
-    struct LaunchKernel {
-        f: usize,
-        grid: [u32; 3],
-        block: [u32; 3],
-        shared: u32,
-        stream: usize,
-        params: usize,
-        extra: usize,
-    }
     let p = LaunchKernel {
         f: 1,
         grid: [256, 2, 1],
@@ -282,17 +283,7 @@ mod end_to_end {
         }))
     }
 
-    /// cuLaunchKernel's parameters.
-    #[repr(C)]
-    struct LaunchKernel {
-        f: usize,
-        grid: [u32; 3],
-        block: [u32; 3],
-        shared: u32,
-        stream: usize,
-        params: usize,
-        extra: usize,
-    }
+    use super::LaunchKernel;
 
     #[derive(Debug)]
     struct Slice {
