@@ -105,17 +105,23 @@ struct LaunchKernel {
     extra: usize,
 }
 
+impl LaunchKernel {
+    fn new(grid: [u32; 3], block: [u32; 3], stream: usize) -> Self {
+        LaunchKernel {
+            f: 1,
+            grid,
+            block,
+            shared: 0,
+            stream,
+            params: 0,
+            extra: 0,
+        }
+    }
+}
+
 #[test]
 fn launch_parameters_are_read_where_the_headers_put_them() {
-    let p = LaunchKernel {
-        f: 1,
-        grid: [256, 2, 1],
-        block: [128, 1, 1],
-        shared: 0,
-        stream: 0xdead_0000,
-        params: 0,
-        extra: 0,
-    };
+    let p = LaunchKernel::new([256, 2, 1], [128, 1, 1], 0xdead_0000);
     let api = lookup(307).unwrap();
     // SAFETY: `p` has cuLaunchKernel's parameter layout.
     let read = unsafe { launch_params(api, (&p as *const LaunchKernel).cast()) };
@@ -127,7 +133,7 @@ fn launch_parameters_are_read_where_the_headers_put_them() {
             block: Some([128, 1, 1])
         }
     );
-    let _ = (p.f, p.shared, p.params, p.extra);
+    let _ = (p.f, p.shared, p.params, p.extra, p.grid, p.block, p.stream);
 
     // cuLaunchKernelEx_params: a CUlaunchConfig pointer (grid, block, sharedMemBytes, hStream at 32).
     #[repr(C)]
@@ -329,15 +335,7 @@ mod end_to_end {
         tracing::subscriber::with_default(subscriber, || {
             for frame in 0..FRAMES {
                 let _frame = info_span!("frame", frame).entered();
-                let params = LaunchKernel {
-                    f: 1,
-                    grid: [256, 1, 1],
-                    block: [128, 1, 1],
-                    shared: 0,
-                    stream: 0xA00,
-                    params: 0,
-                    extra: 0,
-                };
+                let params = LaunchKernel::new([256, 1, 1], [128, 1, 1], 0xA00);
                 let id = fake::call(307, Some(kernel), (&params as *const LaunchKernel).cast());
                 let t = monotonic_ns().0;
                 truth.insert(id, (t + 5_000, t + 25_000));
