@@ -322,8 +322,9 @@ pub(crate) unsafe fn launch_params(api: &Api, params: *const c_void) -> LaunchPa
             }
         }
         Params::DriverLaunchEx => {
-            // SAFETY: cuLaunchKernelEx's struct starts with its `CUlaunchConfig` pointer.
-            let config = unsafe { word(base) } as *const u8;
+            // SAFETY: cuLaunchKernelEx's struct starts with its `CUlaunchConfig` pointer (read as a pointer, so it
+            // keeps its provenance).
+            let config = unsafe { base.cast::<*const u8>().read_unaligned() };
             if config.is_null() {
                 return LaunchParams::default();
             }

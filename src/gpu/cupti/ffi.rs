@@ -314,6 +314,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore)] // dlopen
     fn a_missing_library_names_where_it_was_looked_for() {
         let Err(e) = Cupti::open(Some(Path::new("/nonexistent/libcupti.so"))) else {
             panic!("opened a library that does not exist");

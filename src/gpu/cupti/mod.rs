@@ -934,20 +934,34 @@ unsafe extern "C" fn monotonic() -> u64 {
     crate::clock::monotonic_ns().0
 }
 
+/// Bytes before each buffer handed to CUPTI, holding the allocation's size: freeing never relies on the size
+/// CUPTI passes back, nor on [`BUFFER_BYTES`] not having changed since.
+const BUFFER_HEADER: usize = 8;
+
 /// CUPTI asks for a buffer to fill.
 unsafe extern "C" fn buffer_requested(buffer: *mut *mut u8, size: *mut usize, max_records: *mut usize) {
     let _ = catch_unwind(|| {
         let bytes = BUFFER_BYTES.load(Ordering::Relaxed).max(8);
-        let memory = match std::alloc::Layout::from_size_align(bytes, 8) {
-            // SAFETY: a non-zero size (at least 8).
+        let memory = match std::alloc::Layout::from_size_align(BUFFER_HEADER + bytes, 8) {
+            // SAFETY: a non-zero size.
             Ok(layout) => unsafe { std::alloc::alloc(layout) },
             Err(_) => std::ptr::null_mut(),
+        };
+        let handed = if memory.is_null() {
+            memory
+        } else {
+            // SAFETY: the allocation holds BUFFER_HEADER + bytes bytes, 8-aligned: the header is a u64 at its start,
+            // and what CUPTI gets starts after it (8-aligned, as CUPTI requires).
+            unsafe {
+                memory.cast::<u64>().write(bytes as u64);
+                memory.add(BUFFER_HEADER)
+            }
         };
         // SAFETY: CUPTI passes three writable out-parameters. A null buffer tells CUPTI none is free: it then
         // drops records and counts them.
         unsafe {
-            *buffer = memory;
-            *size = if memory.is_null() { 0 } else { bytes };
+            *buffer = handed;
+            *size = if handed.is_null() { 0 } else { bytes };
             *max_records = 0;
         }
     });
@@ -955,21 +969,25 @@ unsafe extern "C" fn buffer_requested(buffer: *mut *mut u8, size: *mut usize, ma
 
 /// CUPTI hands back a buffer: its records are read, then it is freed.
 unsafe extern "C" fn buffer_completed(context: *mut c_void, stream: u32, buffer: *mut u8, size: usize, valid: usize) {
+    if buffer.is_null() {
+        return;
+    }
+    // SAFETY: `buffer` is one `buffer_requested` handed out (CUPTI returns only those): its header, the
+    // allocation's size, lies just before it.
+    let (memory, bytes) = unsafe {
+        let memory = buffer.sub(BUFFER_HEADER);
+        (memory, memory.cast::<u64>().read() as usize)
+    };
     let _ = catch_unwind(AssertUnwindSafe(|| {
         let active = lock(&ACTIVE).clone();
         if let Some(shared) = active {
-            if !buffer.is_null() {
-                // SAFETY: CUPTI filled `valid` bytes of this buffer, which we allocated.
-                unsafe { shared.take_buffer(context, stream, buffer, valid.min(size)) };
-            }
+            // SAFETY: CUPTI filled `valid` bytes of this buffer, which holds `bytes`.
+            unsafe { shared.take_buffer(context, stream, buffer, valid.min(size).min(bytes)) };
         }
     }));
-    if !buffer.is_null() && size > 0 {
-        if let Ok(layout) = std::alloc::Layout::from_size_align(size, 8) {
-            // SAFETY: allocated by `buffer_requested` with this size (CUPTI passes back the size it was given)
-            // and alignment, freed once.
-            unsafe { std::alloc::dealloc(buffer, layout) };
-        }
+    if let Ok(layout) = std::alloc::Layout::from_size_align(BUFFER_HEADER + bytes, 8) {
+        // SAFETY: allocated by `buffer_requested` with this layout (its size read from the header), freed once.
+        unsafe { std::alloc::dealloc(memory, layout) };
     }
 }
 

@@ -153,7 +153,7 @@ fn launch_parameters_are_read_where_the_headers_put_them() {
         attrs: 0,
         count: 0,
     };
-    let ex = [&config as *const Config as usize, 0, 0, 0];
+    let ex: [*const Config; 4] = [&config, std::ptr::null(), std::ptr::null(), std::ptr::null()];
     let api = lookup(652).unwrap();
     assert_eq!(api.params, Params::DriverLaunchEx);
     // SAFETY: `ex` has cuLaunchKernelEx's parameter layout, pointing at a live configuration.
@@ -572,4 +572,27 @@ mod end_to_end {
             .count();
         assert_eq!(copies, 2);
     }
+}
+
+/// The buffers handed to CUPTI round-trip: sized from their own header, whatever size is passed back, and
+/// walked record by record without reading past the valid part. (Run under Miri by `.ci/run`.)
+#[test]
+fn buffers_handed_to_cupti_are_freed_by_their_own_size() {
+    BUFFER_BYTES.store(4 * 216, Ordering::Relaxed);
+    let (mut buffer, mut size, mut max) = (std::ptr::null_mut(), 0usize, 7usize);
+    // SAFETY: three writable out-parameters, as CUPTI passes them.
+    unsafe { buffer_requested(&mut buffer, &mut size, &mut max) };
+    assert!(!buffer.is_null() && buffer as usize % 8 == 0);
+    assert_eq!((size, max), (4 * 216, 0));
+    // SAFETY: `size` bytes at `buffer` are ours until handed back.
+    let bytes = unsafe { std::slice::from_raw_parts_mut(buffer, size) };
+    bytes.fill(0);
+    bytes[..4].copy_from_slice(&ffi::KIND_CONCURRENT_KERNEL.to_le_bytes());
+    bytes[92..96].copy_from_slice(&5u32.to_le_bytes());
+    assert_eq!(ffi::parse(&bytes[..216]).map(|r| r.correlation), Some(5));
+    // A size CUPTI reports wrong, and no capture running: the buffer is still freed whole (Miri checks it).
+    // SAFETY: the buffer `buffer_requested` handed out, handed back once.
+    unsafe { buffer_completed(std::ptr::null_mut(), 0, buffer, 1, 216) };
+    // SAFETY: a null buffer is ignored.
+    unsafe { buffer_completed(std::ptr::null_mut(), 0, std::ptr::null_mut(), 0, 0) };
 }
