@@ -247,12 +247,35 @@ mod end_to_end {
     use tracing::info_span;
     use tracing_subscriber::layer::SubscriberExt;
 
-    const OFFSET_NS: u64 = 1_000_000;
-    const DRIFT_PPM: f64 = 30.0;
+    /// CUPTI's clock against the truth (`CLOCK_MONOTONIC`): ahead by `offset_ns`, running `ppm` fast from
+    /// `origin`, and stepping by `step_ns` once the truth passes `origin + step_after_ns` (CUPTI re-anchoring
+    /// its map of the GPU timer, say).
+    #[derive(Clone, Copy, Debug)]
+    struct Clock {
+        origin: u64,
+        offset_ns: u64,
+        ppm: f64,
+        step_after_ns: u64,
+        step_ns: u64,
+    }
 
-    /// CUPTI's time of a true (`CLOCK_MONOTONIC`) time.
-    fn cupti_clock(origin: u64, true_ns: u64) -> u64 {
-        true_ns + OFFSET_NS + ((true_ns - origin) as f64 * DRIFT_PPM * 1e-6) as u64
+    impl Clock {
+        fn new(offset_ns: u64, ppm: f64) -> Clock {
+            Clock {
+                origin: monotonic_ns().0,
+                offset_ns,
+                ppm,
+                step_after_ns: u64::MAX,
+                step_ns: 0,
+            }
+        }
+    }
+
+    /// CUPTI's time of a true time.
+    fn cupti_clock(clock: Clock, true_ns: u64) -> u64 {
+        let since = true_ns - clock.origin;
+        let step = if since >= clock.step_after_ns { clock.step_ns } else { 0 };
+        true_ns + clock.offset_ns + (since as f64 * clock.ppm * 1e-6) as u64 + step
     }
 
     fn spin_until(ns: u64) {
@@ -263,7 +286,7 @@ mod end_to_end {
 
     /// A probe launch as the CUDA backend makes one: bracketed by two reads, calling CUPTI back, the kernel
     /// starting 2-27 µs after the launch (lopsided, as on an H200) and seen 0.4 µs after it ends.
-    fn prober(origin: u64) -> Prober {
+    fn prober(origin: Clock) -> Prober {
         Prober::Fake(Box::new(move |samples, budget, out| {
             let started = Instant::now();
             for _ in 0..samples {
@@ -304,7 +327,13 @@ mod end_to_end {
     #[test]
     fn launches_become_slices_on_their_streams_placed_within_their_stated_uncertainty() {
         let _serial = fake::serial();
-        let origin = monotonic_ns().0;
+        let beyond = capture_and_check("1 ms ahead, +30 ppm", Clock::new(1_000_000, 30.0));
+        assert_eq!(beyond, 0, "every slice within its stated uncertainty of the truth");
+    }
+
+    /// Runs 120 frames of launches through a capture with CUPTI's clock `origin`, checks what comes out, and
+    /// returns how many slices lie further from the truth than their stated uncertainty.
+    fn capture_and_check(label: &str, origin: Clock) -> usize {
         let memory = MemoryExporter::default();
         let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
         let gpu = Gpu {
@@ -496,8 +525,8 @@ mod end_to_end {
         uncertainties.sort_unstable();
         let p = |v: &[u64], q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
         eprintln!(
-            "fake CUPTI (1 ms ahead, +30 ppm): {} slices, error p50/p99/max {}/{}/{} ns, stated uncertainty \
-             p50/p99 {}/{} ns, {beyond} beyond it; {stats:?}",
+            "fake CUPTI ({label}): {} slices, error p50/p99/max {}/{}/{} ns, stated uncertainty p50/p99 {}/{} ns, \
+             {beyond} beyond it; {stats:?}",
             slices.len(),
             p(&errors, 0.5),
             p(&errors, 0.99),
@@ -505,14 +534,26 @@ mod end_to_end {
             p(&uncertainties, 0.5),
             p(&uncertainties, 0.99),
         );
-        assert_eq!(beyond, 0, "every slice within its stated uncertainty of the truth");
         assert!(p(&errors, 0.5) < 20_000, "the 1 ms offset was calibrated out");
+        beyond
+    }
+
+    #[test]
+    fn a_step_of_cuptis_clock_is_seen_and_no_slice_is_placed_beyond_its_uncertainty() {
+        let _serial = fake::serial();
+        let clock = Clock {
+            step_after_ns: 150_000_000,
+            step_ns: 40_000,
+            ..Clock::new(1_000_000, 30.0)
+        };
+        let beyond = capture_and_check("1 ms ahead, +30 ppm, +40 µs step at 150 ms", clock);
+        assert_eq!(beyond, 0, "every slice within its stated uncertainty of the truth");
     }
 
     #[test]
     fn launches_past_the_pairs_in_flight_are_counted_starved_and_a_capture_starts_again_after_stop() {
         let _serial = fake::serial();
-        let origin = monotonic_ns().0;
+        let origin = Clock::new(1_000_000, 30.0);
         let memory = MemoryExporter::default();
         let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
         let options = CuptiOptions {
