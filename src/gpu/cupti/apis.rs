@@ -288,6 +288,8 @@ pub(crate) fn lookup(cbid: u32) -> Option<&'static Api> {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct LaunchParams {
     pub(crate) stream: usize,
+    /// A graph launch's executable (`CUgraphExec`, the first parameter of every graph launch); 0 otherwise.
+    pub(crate) graph: usize,
     pub(crate) grid: Option<[u32; 3]>,
     pub(crate) block: Option<[u32; 3]>,
 }
@@ -309,6 +311,12 @@ pub(crate) unsafe fn launch_params(api: &Api, params: *const c_void) -> LaunchPa
         Params::Stream(offset) => LaunchParams {
             // SAFETY: the caller's struct has a stream handle at `offset`.
             stream: unsafe { word(base.add(offset)) },
+            graph: if api.kind == ApiKind::Graph {
+                // SAFETY: a graph launch's struct starts with its executable's handle.
+                unsafe { word(base) }
+            } else {
+                0
+            },
             ..LaunchParams::default()
         },
         Params::DriverLaunch => {
@@ -316,6 +324,7 @@ pub(crate) unsafe fn launch_params(api: &Api, params: *const c_void) -> LaunchPa
             unsafe {
                 LaunchParams {
                     stream: word(base.add(40)),
+                    graph: 0,
                     grid: Some(dims(base.add(8))),
                     block: Some(dims(base.add(20))),
                 }
@@ -332,6 +341,7 @@ pub(crate) unsafe fn launch_params(api: &Api, params: *const c_void) -> LaunchPa
             unsafe {
                 LaunchParams {
                     stream: word(config.add(32)),
+                    graph: 0,
                     grid: Some(dims(config)),
                     block: Some(dims(config.add(12))),
                 }

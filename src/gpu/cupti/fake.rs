@@ -207,18 +207,42 @@ pub(super) fn call(cbid: u32, symbol: Option<&CStr>, params: *const c_void) -> u
 
 /// Queues an activity record of `kind` (a CUPTI activity kind), handed out at the next flush.
 pub(super) fn record(kind: u32, correlation: u32, start: u64, end: u64, stream: u32) {
+    node(kind, correlation, (start, end), stream, 0, None);
+}
+
+/// Queues a record of graph node `node` (0: not a node), a kernel named `name` where given.
+pub(super) fn node(
+    kind: u32,
+    correlation: u32,
+    (start, end): (u64, u64),
+    stream: u32,
+    node: u64,
+    name: Option<&'static CStr>,
+) {
     let mut bytes = [0u8; SLOT];
-    let (s, e, st, c) = if kind == ffi::KIND_CONCURRENT_KERNEL || kind == ffi::KIND_KERNEL {
-        (16, 24, 48, 92)
+    let kernel = kind == ffi::KIND_CONCURRENT_KERNEL || kind == ffi::KIND_KERNEL;
+    let (s, e, st, c, n) = if kernel {
+        (16, 24, 48, 92, 144)
     } else {
-        (16, 24, 40, 44)
+        (16, 24, 40, 44, 64)
     };
     bytes[..4].copy_from_slice(&kind.to_le_bytes());
     bytes[s..s + 8].copy_from_slice(&start.to_le_bytes());
     bytes[e..e + 8].copy_from_slice(&end.to_le_bytes());
     bytes[st..st + 4].copy_from_slice(&stream.to_le_bytes());
     bytes[c..c + 4].copy_from_slice(&correlation.to_le_bytes());
+    bytes[n..n + 8].copy_from_slice(&node.to_le_bytes());
+    if let (true, Some(name)) = (kernel, name) {
+        // The name's address, as CUPTI stores its own (exposed: the capture reads it back as a pointer).
+        bytes[104..112].copy_from_slice(&(name.as_ptr().expose_provenance() as u64).to_le_bytes());
+    }
     with(|f| f.pending.push(bytes));
+}
+
+/// Hands out what is queued now, as CUPTI's own flush thread does at any moment.
+pub(super) fn flush() {
+    // SAFETY: no argument to uphold; the capture's buffer callbacks catch every panic.
+    unsafe { flush_all(0) };
 }
 
 /// Records CUPTI dropped (reported at the next buffer).

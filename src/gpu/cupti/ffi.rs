@@ -202,11 +202,17 @@ pub(crate) struct Record {
     pub(crate) stream: u32,
     /// 0 when not run as a graph node.
     pub(crate) graph_node: u64,
+    /// Kernels: the address of CUPTI's name for the kernel (a NUL-terminated string CUPTI owns, valid while
+    /// the buffer is read); copies: their direction (`CUpti_ActivityMemcpyKind`); 0 otherwise.
+    pub(crate) detail: usize,
 }
 
 /// Where a kind's fields are: `(start, end, stream, correlation, graph node, bytes the record needs)`.
 const KERNEL_FIELDS: (usize, usize, usize, usize, usize, usize) = (16, 24, 48, 92, 144, 152);
 const COPY_FIELDS: (usize, usize, usize, usize, usize, usize) = (16, 24, 40, 44, 64, 72);
+/// A kernel record's name pointer; a memcpy record's `copyKind` byte.
+const KERNEL_NAME: usize = 104;
+const COPY_KIND: usize = 4;
 
 fn u32_at(bytes: &[u8], at: usize) -> Option<u32> {
     Some(u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?))
@@ -229,6 +235,11 @@ pub(crate) fn parse(bytes: &[u8]) -> Option<Record> {
     if bytes.len() < needs {
         return None;
     }
+    let detail = match kind {
+        RecordKind::Kernel => u64_at(bytes, KERNEL_NAME)? as usize,
+        RecordKind::Memcpy => usize::from(*bytes.get(COPY_KIND)?),
+        RecordKind::Memset => 0,
+    };
     Some(Record {
         kind,
         correlation: u32_at(bytes, correlation)?,
@@ -236,6 +247,7 @@ pub(crate) fn parse(bytes: &[u8]) -> Option<Record> {
         end: u64_at(bytes, end)?,
         stream: u32_at(bytes, stream)?,
         graph_node: u64_at(bytes, graph_node)?,
+        detail,
     })
 }
 
@@ -274,30 +286,32 @@ mod tests {
 
     #[test]
     fn records_of_each_kind_read_their_fields() {
-        let want = |kind| Record {
+        let want = |kind, detail| Record {
             kind,
             correlation: 60_150,
             start: 1_000,
             end: 2_500,
             stream: 13,
             graph_node: 8_589_934_593,
+            detail,
         };
+        // The filler byte 0xA5 stands where the name pointer and the copy kind are.
         // CUpti_ActivityKernel10 is 216 bytes, Memcpy6 96, Memset4 88.
         assert_eq!(
             parse(&record(KIND_CONCURRENT_KERNEL, 216, KERNEL_FIELDS)),
-            Some(want(RecordKind::Kernel))
+            Some(want(RecordKind::Kernel, 0xA5A5_A5A5_A5A5_A5A5))
         );
         assert_eq!(
             parse(&record(KIND_KERNEL, 208, KERNEL_FIELDS)),
-            Some(want(RecordKind::Kernel))
+            Some(want(RecordKind::Kernel, 0xA5A5_A5A5_A5A5_A5A5))
         );
         assert_eq!(
             parse(&record(KIND_MEMCPY, 96, COPY_FIELDS)),
-            Some(want(RecordKind::Memcpy))
+            Some(want(RecordKind::Memcpy, 0xA5))
         );
         assert_eq!(
             parse(&record(KIND_MEMSET, 88, COPY_FIELDS)),
-            Some(want(RecordKind::Memset))
+            Some(want(RecordKind::Memset, 0))
         );
     }
 

@@ -31,10 +31,17 @@
 //!   launch is seen once.
 //! - **The GPU side: activity records.** CUPTI's records (concurrent kernels, memcpy, memset) arrive in
 //!   buffers, on CUPTI's thread or in a flush. Each record's correlation id finds the scope its launch
-//!   opened; its start and end become the scope's two timestamps. A CUDA graph launch has one correlation id
-//!   and one record per node: the slice spans the nodes delivered together (a node delivered in a later
-//!   buffer is counted in [`CuptiStats::unattributed_records`]). Kernels named `tickline_*` (the CUDA
+//!   opened; its start and end become the scope's two timestamps. Kernels named `tickline_*` (the CUDA
 //!   backend's timestamp kernels) are not captured.
+//! - **CUDA graphs: a slice per node, from a graph's second launch.** A graph launch has one correlation id
+//!   and one record per node (CUPTI's `graphNodeId`). A scope's begin is recorded by the launching thread, which
+//!   does not know the nodes of a graph it has never seen run: the first launch of a graph executable is one
+//!   slice (`graph launch`) spanning its nodes, and its records teach the capture the graph's nodes. Every
+//!   later launch opens a scope per node, named by its kernel (CUPTI's name) or its copy's direction, with a
+//!   `graph_node` field. A graph whose records no longer match (updated, or its handle reused) is learned
+//!   again at its next launch; its node scopes no record came for are lost (never read back). The first launch's
+//!   nodes delivered in a later buffer than its first node are counted in
+//!   [`CuptiStats::unattributed_records`] (its slice spans those delivered together).
 //! - **The clock.** CUPTI maps the GPU's timer to CPU time itself, by default onto `CLOCK_REALTIME` (which
 //!   can step). The capture registers a timestamp callback returning `CLOCK_MONOTONIC` (tickline's
 //!   reference), and still calibrates CUPTI's timestamps as a device clock of their own: each calibration
@@ -209,7 +216,7 @@ thread_local! {
 /// Most kernel names interned (each a leaked call site); past it kernels are named [`OVERFLOW`] with their
 /// name as a field.
 const MAX_NAMES: usize = 4096;
-const FIELDS: &[&str] = &["correlation_id", "api", "grid", "block", "kernel"];
+const FIELDS: &[&str] = &["correlation_id", "api", "grid", "block", "kernel", "graph_node"];
 static OVERFLOW: NativeCallsite =
     NativeCallsite::with_fields("CUDA kernel (name table full)", FIELDS, file!(), line!());
 
@@ -271,10 +278,37 @@ struct Shared {
     starved: AtomicU64,
 }
 
+/// A launch whose records have not come yet.
+enum Launch {
+    /// One scope for all its records (a graph launch's nodes merged, when the graph's nodes are not known).
+    One {
+        pair: u32,
+        /// The pair's state word when handed out.
+        state: u32,
+        /// The graph executable launched (0: not a graph launch): its records teach its nodes.
+        graph: usize,
+    },
+    /// A launch of a graph whose nodes are known: one scope per node.
+    Nodes {
+        graph: usize,
+        /// (node id, pair, the pair's state word when handed out).
+        pairs: Vec<(u64, u32, u32)>,
+    },
+}
+
+/// A node of a graph executable: CUPTI's id for it and the call site its slices are named by.
+#[derive(Clone, Copy)]
+struct GraphNode {
+    id: u64,
+    callsite: &'static NativeCallsite,
+}
+
 #[derive(Default)]
 struct State {
     /// Correlation id -> (pair, the pair's state word when handed out).
-    open: HashMap<u32, (u32, u32)>,
+    open: HashMap<u32, Launch>,
+    /// A graph executable (its handle) -> its nodes, learned from the records of its first launch.
+    graphs: HashMap<usize, Vec<GraphNode>>,
     /// Correlation ids of calibration probes -> CUPTI's (start, end) once their record came.
     probes: HashMap<u32, Option<(u64, u64)>>,
     /// (context, stream handle, per-thread default) -> its queue.
@@ -282,6 +316,26 @@ struct State {
     names: HashMap<Box<str>, &'static NativeCallsite>,
     /// The device, for queues made later; `None` once stopped (breaks the device -> backend -> state cycle).
     device: Option<GpuDevice<CuptiGpu>>,
+}
+
+impl State {
+    /// The call site slices named `name` are recorded with (made once per name); the boolean says the name
+    /// table was full (the name then goes in the `kernel` field of [`OVERFLOW`]).
+    fn callsite(&mut self, name: &str) -> (&'static NativeCallsite, bool) {
+        match self.names.get(name) {
+            Some(&callsite) => (callsite, false),
+            None if self.names.len() >= MAX_NAMES => (&OVERFLOW, true),
+            None => {
+                // Leaked on purpose: the collector resolves a scope's name through its call site at any later
+                // time; MAX_NAMES bounds the leak.
+                let leaked: &'static str = Box::leak(name.into());
+                let callsite: &'static NativeCallsite =
+                    Box::leak(Box::new(NativeCallsite::with_fields(leaked, FIELDS, file!(), line!())));
+                self.names.insert(name.into(), callsite);
+                (callsite, false)
+            }
+        }
+    }
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -588,10 +642,42 @@ impl Shared {
                 e.field(4, kernel);
             }
         };
+        let nodes = match params.graph {
+            0 => None,
+            graph => lock(&self.state).graphs.get(&graph).cloned(),
+        };
+        if let Some(nodes) = nodes {
+            // A graph whose nodes are known: a scope per node, each with the node's name and id.
+            let mut pairs = Vec::with_capacity(nodes.len());
+            for node in &nodes {
+                let fields = |e: &mut GpuFieldEncoder<'_, '_>| {
+                    e.field(0, &u64::from(correlation));
+                    e.field(1, api.name);
+                    e.field(5, &node.id);
+                };
+                match queue.begin_external(node.callsite, Some(&fields), |_| {}) {
+                    Some(pair) => pairs.push((node.id, pair, self.pair_state(pair))),
+                    None => {
+                        self.starved.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+            self.launches.fetch_add(1, Ordering::Relaxed);
+            let launch = Launch::Nodes {
+                graph: params.graph,
+                pairs,
+            };
+            lock(&self.state).open.insert(correlation, launch);
+            return;
+        }
         match queue.begin_external(callsite, Some(&fields), |_| {}) {
             Some(pair) => {
-                let state_word = self.pair_state(pair);
-                lock(&self.state).open.insert(correlation, (pair, state_word));
+                let launch = Launch::One {
+                    pair,
+                    state: self.pair_state(pair),
+                    graph: params.graph,
+                };
+                lock(&self.state).open.insert(correlation, launch);
                 self.launches.fetch_add(1, Ordering::Relaxed);
             }
             None => {
@@ -645,20 +731,7 @@ impl Shared {
                 queue
             }
         };
-        let name = work_name(api, symbol);
-        let (callsite, overflowed) = match state.names.get(name) {
-            Some(&callsite) => (callsite, false),
-            None if state.names.len() >= MAX_NAMES => (&OVERFLOW, true),
-            None => {
-                // Leaked on purpose: the collector resolves a scope's name through its call site at any later
-                // time; MAX_NAMES bounds the leak.
-                let leaked: &'static str = Box::leak(name.into());
-                let callsite: &'static NativeCallsite =
-                    Box::leak(Box::new(NativeCallsite::with_fields(leaked, FIELDS, file!(), line!())));
-                state.names.insert(name.into(), callsite);
-                (callsite, false)
-            }
-        };
+        let (callsite, overflowed) = state.callsite(work_name(api, symbol));
         Some((queue, callsite, overflowed))
     }
 
@@ -697,40 +770,93 @@ impl Shared {
     /// Writes what records say into the slots of the launches they belong to.
     fn apply(&self, records: &[Record]) {
         self.records.fetch_add(records.len() as u64, Ordering::Relaxed);
-        let merged = merge(records);
+        let mut records = records.to_vec();
+        records.sort_by_key(|r| (r.correlation, r.graph_node));
         let mut state = lock(&self.state);
-        let State {
-            open, probes, device, ..
-        } = &mut *state;
-        for m in &merged {
-            if let Some(probe) = probes.get_mut(&m.correlation) {
+        for group in records.chunk_by(|a, b| a.correlation == b.correlation) {
+            let m = merge(group);
+            if let Some(probe) = state.probes.get_mut(&m.correlation) {
                 *probe = m.span;
                 continue;
             }
-            let Some((pair, handed_out)) = open.remove(&m.correlation) else {
-                self.unattributed.fetch_add(u64::from(m.records), Ordering::Relaxed);
-                continue;
-            };
-            self.incomplete.fetch_add(u64::from(m.incomplete), Ordering::Relaxed);
-            let Some((start, end)) = m.span else {
-                continue; // no timestamps: the scope is lost (never read back)
-            };
-            if device.as_ref().map(|d| d.pair_state(pair)) != Some(handed_out) {
-                self.unattributed.fetch_add(u64::from(m.records), Ordering::Relaxed);
-                continue; // the pair moved on (retired as lost): this record is too late for it
+            match state.open.remove(&m.correlation) {
+                None => {
+                    self.unattributed.fetch_add(u64::from(m.records), Ordering::Relaxed);
+                }
+                Some(Launch::One {
+                    pair,
+                    state: handed_out,
+                    graph,
+                }) => {
+                    self.incomplete.fetch_add(u64::from(m.incomplete), Ordering::Relaxed);
+                    if graph != 0 && group.iter().all(|r| r.graph_node != 0) {
+                        let nodes = group
+                            .iter()
+                            .map(|r| GraphNode {
+                                id: r.graph_node,
+                                // SAFETY: a record CUPTI handed out in the buffer being read: a kernel's name
+                                // pointer is CUPTI's string, alive while the buffer is read.
+                                callsite: state.callsite(unsafe { node_name(r) }.as_ref()).0,
+                            })
+                            .collect();
+                        state.graphs.insert(graph, nodes);
+                    }
+                    if let Some((start, end)) = m.span {
+                        self.write(&state, pair, handed_out, start, end, m.records);
+                    } // else no timestamps: the scope is lost (never read back)
+                }
+                Some(Launch::Nodes { graph, mut pairs }) => {
+                    let mut strangers = 0;
+                    for r in group {
+                        let Some(at) = pairs.iter().position(|(id, ..)| *id == r.graph_node) else {
+                            strangers += 1;
+                            continue;
+                        };
+                        let (_, pair, handed_out) = pairs.swap_remove(at);
+                        match merge(std::slice::from_ref(r)).span {
+                            Some((start, end)) => self.write(&state, pair, handed_out, start, end, 1),
+                            None => {
+                                self.incomplete.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    }
+                    if strangers > 0 {
+                        // A node the graph did not have: it changed (updated, or its handle reused). Learn it again
+                        // at its next launch; node scopes no record comes for are lost (never read back).
+                        self.unattributed.fetch_add(strangers, Ordering::Relaxed);
+                        state.graphs.remove(&graph);
+                    }
+                    if !pairs.is_empty() {
+                        // Nodes still to come, in a later buffer.
+                        state.open.insert(m.correlation, Launch::Nodes { graph, pairs });
+                    }
+                }
             }
-            let (b, e) = (2 * pair as usize, 2 * pair as usize + 1);
-            // Release: the collector's Acquire load that sees a timestamp sees the pair's other writes.
-            self.slots[b].store(start.max(1), Ordering::Release);
-            self.slots[e].store(end.max(start).max(1), Ordering::Release);
         }
         // Launches whose record never came (a failed call, a dropped record) keep their entry after the
-        // collector retired their pair as lost: once there are more entries than pairs, those go.
-        if open.len() > self.slots.len() / 2 {
+        // collector retired their pairs as lost: once there are more entries than pairs, those go.
+        if state.open.len() > self.slots.len() / 2 {
+            let State { open, device, .. } = &mut *state;
             if let Some(device) = device.as_ref() {
-                open.retain(|_, &mut (pair, handed_out)| device.pair_state(pair) == handed_out);
+                open.retain(|_, launch| match launch {
+                    Launch::One { pair, state, .. } => device.pair_state(*pair) == *state,
+                    Launch::Nodes { pairs, .. } => pairs.iter().any(|&(_, p, s)| device.pair_state(p) == s),
+                });
             }
         }
+    }
+
+    /// Writes a launch's start and end into its pair, if the pair still belongs to it (else the `records` are
+    /// counted unattributed: the pair moved on, retired as lost).
+    fn write(&self, state: &State, pair: u32, handed_out: u32, start: u64, end: u64, records: u32) {
+        if state.device.as_ref().map(|d| d.pair_state(pair)) != Some(handed_out) {
+            self.unattributed.fetch_add(u64::from(records), Ordering::Relaxed);
+            return;
+        }
+        let (b, e) = (2 * pair as usize, 2 * pair as usize + 1);
+        // Release: the collector's Acquire load that sees a timestamp sees the pair's other writes.
+        self.slots[b].store(start.max(1), Ordering::Release);
+        self.slots[e].store(end.max(start).max(1), Ordering::Release);
     }
 
     /// Flushes CUPTI's complete buffers, at most once a flush period, where CUPTI has no period of its own.
@@ -807,32 +933,53 @@ struct Merged {
     incomplete: u32,
 }
 
-/// Merges records by correlation id (a graph launch's nodes, a batch copy's copies), in id order.
-fn merge(records: &[Record]) -> Vec<Merged> {
-    let mut by_id: Vec<&Record> = records.iter().collect();
-    by_id.sort_by_key(|r| r.correlation);
-    let mut out: Vec<Merged> = Vec::new();
-    for r in by_id {
+/// Merges the records of one correlation id (a graph launch's nodes, a batch copy's copies): the first's id,
+/// the earliest start and latest end of those with timestamps.
+fn merge(records: &[Record]) -> Merged {
+    let mut m = Merged {
+        correlation: records.first().map_or(0, |r| r.correlation),
+        span: None,
+        records: 0,
+        incomplete: 0,
+    };
+    for r in records {
         let complete = !(r.start == 0 && r.end == 0) && r.end >= r.start;
-        let span = complete.then_some((r.start, r.end));
-        match out.last_mut() {
-            Some(m) if m.correlation == r.correlation => {
-                m.records += 1;
-                m.incomplete += u32::from(!complete);
-                m.span = match (m.span, span) {
-                    (Some((a, b)), Some((c, d))) => Some((a.min(c), b.max(d))),
-                    (a, b) => a.or(b),
-                };
-            }
-            _ => out.push(Merged {
-                correlation: r.correlation,
-                span,
-                records: 1,
-                incomplete: u32::from(!complete),
-            }),
+        m.records += 1;
+        m.incomplete += u32::from(!complete);
+        if complete {
+            m.span = Some(m.span.map_or((r.start, r.end), |(a, b)| (a.min(r.start), b.max(r.end))));
         }
     }
-    out
+    m
+}
+
+/// What a graph node is called: its kernel's name (CUPTI's), or its copy's direction.
+///
+/// # Safety
+///
+/// `record` was read from a buffer CUPTI handed out and is still being read: a kernel's `detail` is then null
+/// or CUPTI's NUL-terminated name.
+unsafe fn node_name(record: &Record) -> std::borrow::Cow<'static, str> {
+    match record.kind {
+        ffi::RecordKind::Kernel => {
+            let name = std::ptr::with_exposed_provenance::<c_char>(record.detail);
+            // SAFETY: the caller's guarantee.
+            match unsafe { c_text(name) } {
+                Some(name) if !name.is_empty() => name.to_owned().into(),
+                _ => "kernel".into(),
+            }
+        }
+        ffi::RecordKind::Memset => "memset".into(),
+        // CUpti_ActivityMemcpyKind: 1 HtoD, 2 DtoH, 8 DtoD, 10 PtoP.
+        ffi::RecordKind::Memcpy => match record.detail {
+            1 => "memcpy HtoD",
+            2 => "memcpy DtoH",
+            8 => "memcpy DtoD",
+            10 => "memcpy peer",
+            _ => "memcpy",
+        }
+        .into(),
+    }
 }
 
 /// A calibration sample of CUPTI's clock: a probe kernel CUPTI saw run over `[start, end]` (its ns) was

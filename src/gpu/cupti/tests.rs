@@ -10,48 +10,42 @@ fn record(correlation: u32, start: u64, end: u64) -> Record {
         end,
         stream: 13,
         graph_node: 0,
+        detail: 0,
     }
 }
 
 #[test]
-fn records_merge_by_correlation_id_into_one_span() {
-    // A graph launch (id 7): three nodes, delivered out of order; a lone kernel (id 3); a copy CUPTI could not
-    // time (id 9).
-    let records = [
+fn records_of_one_launch_merge_into_one_span() {
+    // A graph launch (id 7): three nodes, delivered out of order.
+    let graph = [
         record(7, 5_000, 5_640),
-        record(3, 100, 900),
         record(7, 1_000, 4_000),
-        record(9, 0, 0),
         record(7, 4_100, 4_800),
     ];
     assert_eq!(
-        merge(&records),
-        [
-            Merged {
-                correlation: 3,
-                span: Some((100, 900)),
-                records: 1,
-                incomplete: 0
-            },
-            Merged {
-                correlation: 7,
-                span: Some((1_000, 5_640)),
-                records: 3,
-                incomplete: 0
-            },
-            Merged {
-                correlation: 9,
-                span: None,
-                records: 1,
-                incomplete: 1
-            },
-        ]
+        merge(&graph),
+        Merged {
+            correlation: 7,
+            span: Some((1_000, 5_640)),
+            records: 3,
+            incomplete: 0
+        }
+    );
+    // A copy CUPTI could not time.
+    assert_eq!(
+        merge(&[record(9, 0, 0)]),
+        Merged {
+            correlation: 9,
+            span: None,
+            records: 1,
+            incomplete: 1
+        }
     );
     // An untimed node among timed ones is counted; the span comes from the others. An end before its start is
     // not a span.
     let mixed = merge(&[record(4, 10, 20), record(4, 0, 0), record(4, 50, 40)]);
-    assert_eq!(mixed[0].span, Some((10, 20)));
-    assert_eq!((mixed[0].records, mixed[0].incomplete), (3, 2));
+    assert_eq!(mixed.span, Some((10, 20)));
+    assert_eq!((mixed.records, mixed.incomplete), (3, 2));
 }
 
 #[test]
@@ -129,6 +123,7 @@ fn launch_parameters_are_read_where_the_headers_put_them() {
         read,
         LaunchParams {
             stream: 0xdead_0000,
+            graph: 0,
             grid: Some([256, 2, 1]),
             block: Some([128, 1, 1])
         }
@@ -162,6 +157,7 @@ fn launch_parameters_are_read_where_the_headers_put_them() {
         read,
         LaunchParams {
             stream: 0xbeef_0000,
+            graph: 0,
             grid: Some([4, 4, 4]),
             block: Some([32, 8, 1])
         }
@@ -179,6 +175,11 @@ fn launch_parameters_are_read_where_the_headers_put_them() {
     // SAFETY: never read (no stream parameter).
     let sync = unsafe { launch_params(api, copy.as_ptr().cast()) };
     assert_eq!(sync, LaunchParams::default());
+    // cuGraphLaunch_params: hGraphExec, hStream.
+    let graph = [0x6a00usize, 0xA00];
+    // SAFETY: `graph` has cuGraphLaunch's parameter layout.
+    let read = unsafe { launch_params(lookup(514).unwrap(), graph.as_ptr().cast()) };
+    assert_eq!((read.graph, read.stream), (0x6a00, 0xA00));
     // SAFETY: null is allowed.
     let null = unsafe { launch_params(lookup(307).unwrap(), std::ptr::null()) };
     assert_eq!(null, LaunchParams::default());
@@ -356,7 +357,8 @@ mod end_to_end {
         assert!(matches!(again, Err(GpuError::Invalid { .. })), "{again:?}");
 
         // Truth: correlation id -> true begin and end.
-        let mut truth: HashMap<u32, (u64, u64)> = HashMap::new();
+        // Truth: (correlation id, graph node or 0) -> true begin and end.
+        let mut truth: HashMap<(u32, u64), (u64, u64)> = HashMap::new();
         let kernel: &CStr = c"_Z5scalePfjf";
         const FRAMES: u32 = 120;
         let subscriber = tracing_subscriber::registry().with(timeline.layer());
@@ -367,12 +369,12 @@ mod end_to_end {
                 let params = LaunchKernel::new([256, 1, 1], [128, 1, 1], 0xA00);
                 let id = fake::call(307, Some(kernel), (&params as *const LaunchKernel).cast());
                 let t = monotonic_ns().0;
-                truth.insert(id, (t + 5_000, t + 25_000));
+                truth.insert((id, 0), (t + 5_000, t + 25_000));
                 let copy = [0usize, 0, 4096, 0xB00];
                 let copy_id = fake::call(277, None, copy.as_ptr().cast());
-                truth.insert(copy_id, (t + 30_000, t + 41_000));
+                truth.insert((copy_id, 0), (t + 30_000, t + 41_000));
                 spin_until(t + 42_000);
-                let (b, e) = truth[&id];
+                let (b, e) = truth[&(id, 0)];
                 fake::record(
                     ffi::KIND_CONCURRENT_KERNEL,
                     id,
@@ -380,7 +382,7 @@ mod end_to_end {
                     cupti_clock(origin, e),
                     13,
                 );
-                let (b, e) = truth[&copy_id];
+                let (b, e) = truth[&(copy_id, 0)];
                 fake::record(
                     ffi::KIND_MEMCPY,
                     copy_id,
@@ -388,22 +390,34 @@ mod end_to_end {
                     cupti_clock(origin, e),
                     14,
                 );
-                if frame == 60 {
-                    // A graph of three nodes: one slice spanning them. A memset CUPTI could not time: lost.
-                    // A record of work launched before the capture: unattributed. Five records dropped.
-                    let graph = [0usize, 0xA00];
+                if frame == 60 || frame == 90 {
+                    // A graph of three nodes. Its first launch: one slice spanning them (its nodes are not known
+                    // yet); its second: a slice per node, named by its kernel.
+                    let graph = [0x6a00usize, 0xA00];
                     let id = fake::call(514, None, graph.as_ptr().cast());
                     let t = monotonic_ns().0;
-                    for (b, e) in [(t + 1_000, t + 4_000), (t + 4_100, t + 4_700), (t + 5_000, t + 9_000)] {
-                        fake::record(
-                            ffi::KIND_CONCURRENT_KERNEL,
-                            id,
-                            cupti_clock(origin, b),
-                            cupti_clock(origin, e),
-                            13,
-                        );
+                    let nodes: [(u64, &'static CStr, u64, u64); 3] = [
+                        (7, c"_Z4spiny", t + 1_000, t + 4_000),
+                        (8, c"_Z5emptyv", t + 4_100, t + 4_700),
+                        (9, c"_Z4spiny", t + 5_000, t + 9_000),
+                    ];
+                    for (node, name, b, e) in nodes {
+                        let times = (cupti_clock(origin, b), cupti_clock(origin, e));
+                        fake::node(ffi::KIND_CONCURRENT_KERNEL, id, times, 13, node, Some(name));
+                        truth.insert((id, node), (b, e));
+                        if frame == 90 && node == 7 {
+                            // The second launch's nodes come in two buffers.
+                            spin_until(e);
+                            fake::flush();
+                        }
                     }
-                    truth.insert(id, (t + 1_000, t + 9_000));
+                    truth.insert((id, 0), (t + 1_000, t + 9_000));
+                    spin_until(t + 10_000);
+                }
+                if frame == 60 {
+                    // A memset CUPTI could not time: lost. A record of work launched before the capture:
+                    // unattributed. Five records dropped.
+                    let t = monotonic_ns().0;
                     let memset = [0usize, 0, 0, 0xA00];
                     lost_memset = fake::call(216, None, memset.as_ptr().cast());
                     fake::record(ffi::KIND_MEMSET, lost_memset, 0, 0, 13);
@@ -419,7 +433,7 @@ mod end_to_end {
         assert_eq!(
             stats,
             CuptiStats {
-                launches: 2 * u64::from(FRAMES) + 2,
+                launches: 2 * u64::from(FRAMES) + 3,
                 records: stats.records,
                 unattributed_records: 1,
                 incomplete_records: 1,
@@ -479,8 +493,17 @@ mod end_to_end {
         let count = |name: &str| slices.iter().filter(|s| s.name == name).count();
         assert_eq!(count("_Z5scalePfjf"), FRAMES as usize);
         assert_eq!(count("memcpy HtoD"), FRAMES as usize);
-        assert_eq!(count("graph launch"), 1);
-        assert_eq!(slices.len(), 2 * FRAMES as usize + 1, "no probe kernel is shown");
+        assert_eq!(
+            count("graph launch"),
+            1,
+            "the graph's first launch, its nodes not known yet"
+        );
+        assert_eq!(
+            (count("_Z4spiny"), count("_Z5emptyv")),
+            (2, 1),
+            "its second launch, a slice per node"
+        );
+        assert_eq!(slices.len(), 2 * FRAMES as usize + 4, "no probe kernel is shown");
         assert!(
             lost.iter()
                 .any(|e| e.name == "memset" && e.fields.iter().any(|(k, _)| k == crate::gpu::GPU_SCOPE_LOST)),
@@ -501,11 +524,11 @@ mod end_to_end {
             };
             let want_api = match s.name.as_str() {
                 "memcpy HtoD" => "cuMemcpyHtoDAsync_v2",
-                "graph launch" => "cuGraphLaunch",
+                "graph launch" | "_Z4spiny" | "_Z5emptyv" => "cuGraphLaunch",
                 _ => "cuLaunchKernel",
             };
             assert_eq!(s.fields.get("api"), Some(&FieldValue::Str(want_api.into())), "{s:?}");
-            if s.name.starts_with("_Z") {
+            if s.name == "_Z5scalePfjf" {
                 assert_eq!(s.fields.get("grid"), Some(&FieldValue::Str("256x1x1".into())), "{s:?}");
                 assert_eq!(s.fields.get("block"), Some(&FieldValue::Str("128x1x1".into())), "{s:?}");
             }
@@ -515,7 +538,11 @@ mod end_to_end {
             let Some(&FieldValue::U64(uncertainty)) = s.fields.get("uncertainty_ns") else {
                 panic!("{s:?} states no uncertainty")
             };
-            let (b, e) = truth[&(id as u32)];
+            let node = match s.fields.get("graph_node") {
+                Some(&FieldValue::U64(node)) => node,
+                _ => 0,
+            };
+            let (b, e) = truth[&(id as u32, node)];
             let error = s.begin.abs_diff(b).max(s.end.abs_diff(e));
             beyond += usize::from(error > uncertainty);
             errors.push(error);
