@@ -151,6 +151,14 @@ pub trait GpuBackend: Send + Sync + 'static {
     fn resets(&self) -> u64 {
         0
     }
+
+    /// Whether a timestamp written after its scope was given up as lost can never land in a later scope's
+    /// slots: the backend writes slots itself and checks who holds the pair first, under the lock its
+    /// [`recycle`](Self::recycle) takes. Then a lost scope's pair is recycled and used again; otherwise
+    /// (the default: a GPU may still write a command submitted long ago) it is retired for good.
+    fn guards_late_writes(&self) -> bool {
+        false
+    }
 }
 
 /// GPU registrations, sent to the collector over the timeline's GPU channel (the collector's `Inbox`).
@@ -175,7 +183,8 @@ pub(crate) trait DeviceLink: Send + Sync {
     fn release_pair(&self, pair: u32) -> Result<(), GpuError>;
     /// Recycles a released pair whose recycling failed, and frees it once that succeeds.
     fn recycle_pair(&self, pair: u32) -> Result<(), GpuError>;
-    /// Takes pair `pair` out of use for good (it was never written; a late write must not hit a new scope).
+    /// Takes pair `pair` out of use for good (it was never written; a late write must not hit a new scope), or
+    /// recycles it where the backend guards late writes ([`GpuBackend::guards_late_writes`]).
     fn retire_pair(&self, pair: u32);
     /// Every pair's state (see [`pair_state`]).
     fn pair_states(&self) -> &[AtomicU32];
@@ -260,6 +269,12 @@ impl<B: GpuBackend> DeviceLink for DeviceShared<B> {
         Ok(())
     }
     fn retire_pair(&self, pair: u32) {
+        if self.backend.guards_late_writes() {
+            // A late write is refused by the backend: the pair can serve again. If recycling fails, the pair is
+            // out of use (neither held nor free), as a retired one is.
+            let _ = self.release_pair(pair);
+            return;
+        }
         let state = &self.pairs[pair as usize];
         state.store(
             pair_state::RETIRED | pair_state::generation(state.load(Ordering::Relaxed)),

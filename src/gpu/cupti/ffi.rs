@@ -43,8 +43,9 @@ pub(crate) struct CallbackData {
     pub(crate) correlation_id: u32,
 }
 
-/// The library's entry points. The function pointers stay valid while `_library` is loaded, which is as long
-/// as this struct lives (a test's stand-in has no library: its entry points are functions of the test).
+/// The library's entry points. The library is never unloaded (`_library` is leaked): CUPTI's threads and
+/// thread-exit hooks point into it for the rest of the process, and unloading it crashed a thread at its exit
+/// after a failed start. A test's stand-in has no library: its entry points are functions of the test.
 pub(crate) struct Cupti {
     pub(crate) path: PathBuf,
     pub(crate) version: u32,
@@ -61,7 +62,7 @@ pub(crate) struct Cupti {
     pub(crate) unsubscribe: unsafe extern "C" fn(*mut c_void) -> CuptiResult,
     pub(crate) enable_callback: unsafe extern "C" fn(u32, *mut c_void, u32, u32) -> CuptiResult,
     pub(crate) stream_id: unsafe extern "C" fn(*mut c_void, *mut c_void, u8, *mut u32) -> CuptiResult,
-    pub(crate) _library: Option<Library>,
+    pub(crate) _library: Option<&'static Library>,
 }
 
 /// Where CUPTI is looked for when no path is given: `TICKLINE_CUPTI_LIBRARY`, then the loader's search path,
@@ -110,11 +111,13 @@ impl Cupti {
     }
 
     fn bind(library: Library, path: PathBuf) -> Result<Cupti, GpuError> {
+        // Never unloaded (see `Cupti`): one leaked handle per open, and opens are rare (one per capture).
+        let library: &'static Library = Box::leak(Box::new(library));
         macro_rules! entry {
             ($name:literal) => {
                 // SAFETY: the symbol is CUPTI's function of that name, whose C signature (cupti_*.h) is the
-                // type of the field it is stored in; the pointer is used only while `library` stays loaded
-                // (it moves into the returned struct).
+                // type of the field it is stored in; `library` is never unloaded (leaked above), so the pointer
+                // stays valid for the process' life.
                 match unsafe { library.get(concat!($name, "\0").as_bytes()) } {
                     Ok(symbol) => Some(*symbol),
                     Err(_) => None,

@@ -46,8 +46,8 @@
 //!   can step). The capture registers a timestamp callback returning `CLOCK_MONOTONIC` (tickline's
 //!   reference), and still calibrates CUPTI's timestamps as a device clock of their own: each calibration
 //!   sample is a one-thread kernel launched on a private stream between two `CLOCK_MONOTONIC` reads (the CUDA
-//!   backend's probe), whose CUPTI record says when, in CUPTI's time, it ran. The kernel's middle lies inside
-//!   the bracket, narrowed by half the kernel's duration. So CUPTI's own interpolation error is measured, and
+//!   backend's probe), whose CUPTI record says when, in CUPTI's time, it started: after the launch call and
+//!   before the host saw its store, so inside the bracket. So CUPTI's own interpolation error is measured, and
 //!   stated in every slice's uncertainty, like any device clock's. The domain's resolution is the GPU timer's,
 //!   measured at start (32 ns on an H200: CUPTI's durations there are multiples of it).
 //! - **Losses are counted.** Records CUPTI drops (full buffers) are read with
@@ -79,14 +79,14 @@ mod fake;
 mod ffi;
 
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::convert::Infallible;
 use std::ffi::{c_char, c_void, CStr};
 use std::fmt;
 use std::io::Write as _;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -166,8 +166,12 @@ pub struct CuptiStats {
     pub incomplete_records: u64,
     /// Records CUPTI dropped (no buffer free), also in the timeline's dropped records.
     pub dropped_records: u64,
-    /// Launches not shown because every timestamp pair was in flight (also in the timeline's dropped records).
+    /// Launches not shown because every timestamp pair was in flight (also in the timeline's dropped records);
+    /// for a graph launch, its node scopes.
     pub starved_launches: u64,
+    /// Launches in other CUDA contexts than the capture's (not shown: their GPU's clock is not the one the
+    /// capture calibrates).
+    pub other_context_launches: u64,
 }
 
 /// The GPU backend behind a [`CuptiCapture`]: its timestamps are CUPTI's, written by the capture when
@@ -205,12 +209,24 @@ impl fmt::Debug for CuptiCapture {
 
 /// The running capture, for CUPTI's buffer callbacks (which carry no user pointer).
 static ACTIVE: Mutex<Option<Arc<Shared>>> = Mutex::new(None);
+/// The capture CUPTI's API callbacks go to (null: none), and how many callbacks are using it now: stopping
+/// clears the first and waits for the second to reach 0, so no callback uses a capture after it stopped
+/// (CUPTI does not promise that `cuptiUnsubscribe` waits for callbacks running on other threads).
+static CALLBACK_TARGET: AtomicPtr<Shared> = AtomicPtr::new(std::ptr::null_mut());
+static CALLBACKS_IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
+/// Addresses of the buffers handed to CUPTI and not yet back: a buffer CUPTI hands back that is not among them
+/// belongs to another CUPTI client (its callbacks were replaced by ours) and is left alone.
+static OUR_BUFFERS: Mutex<Option<HashSet<usize>>> = Mutex::new(None);
+/// A number per thread, for the queues of per-thread default streams.
+static NEXT_THREAD: AtomicU64 = AtomicU64::new(1);
 /// Bytes of the buffers handed to CUPTI (set at start, read by the buffer callbacks).
 static BUFFER_BYTES: AtomicUsize = AtomicUsize::new(0);
 
 thread_local! {
     /// While this thread takes calibration samples: the correlation ids of its probe launches, in order.
     static PROBES: RefCell<Option<Vec<u32>>> = const { RefCell::new(None) };
+    /// This thread's number (its per-thread default stream is a queue of its own).
+    static THREAD: u64 = NEXT_THREAD.fetch_add(1, Ordering::Relaxed);
 }
 
 /// Most kernel names interned (each a leaked call site); past it kernels are named [`OVERFLOW`] with their
@@ -227,6 +243,7 @@ struct Gpu {
     resolution_ns: f64,
     probe: Prober,
     capturing: fn(usize) -> bool,
+    context: usize,
 }
 
 /// Takes bracketed probe launches: `(ticks, reference ns, max deviation ns)` per probe, in launch order, each
@@ -262,6 +279,11 @@ struct Shared {
     probe: Prober,
     /// Whether a stream is being captured into a graph.
     capturing: fn(usize) -> bool,
+    /// The context whose work is captured (`CUcontext`); work of other contexts is counted, not shown.
+    context: usize,
+    /// Whether activity recording was turned on (so stopping turns it off, and leaves another client's alone).
+    kinds_enabled: AtomicBool,
+    other_contexts: AtomicU64,
     state: Mutex<State>,
     subscriber: AtomicUsize,
     flush_period: Duration,
@@ -311,8 +333,8 @@ struct State {
     graphs: HashMap<usize, Vec<GraphNode>>,
     /// Correlation ids of calibration probes -> CUPTI's (start, end) once their record came.
     probes: HashMap<u32, Option<(u64, u64)>>,
-    /// (context, stream handle, per-thread default) -> its queue.
-    queues: HashMap<(usize, usize, bool), GpuQueue<CuptiGpu>>,
+    /// (context, stream handle, thread number for a per-thread default stream, else 0) -> its queue.
+    queues: HashMap<(usize, usize, u64), GpuQueue<CuptiGpu>>,
     names: HashMap<Box<str>, &'static NativeCallsite>,
     /// The device, for queues made later; `None` once stopped (breaks the device -> backend -> state cycle).
     device: Option<GpuDevice<CuptiGpu>>,
@@ -385,6 +407,7 @@ impl CuptiCapture {
             resolution_ns,
             probe: Prober::Cuda(Box::new(probe)),
             capturing,
+            context: ctx.cu_ctx() as usize,
         };
         CuptiCapture::start_with(timeline, cupti, gpu, options)
     }
@@ -421,6 +444,9 @@ impl CuptiCapture {
             slots: (0..options.timestamp_slots).map(|_| AtomicU64::new(0)).collect(),
             probe: gpu.probe,
             capturing: gpu.capturing,
+            context: gpu.context,
+            kinds_enabled: AtomicBool::new(false),
+            other_contexts: AtomicU64::new(0),
             state: Mutex::new(State::default()),
             subscriber: AtomicUsize::new(0),
             flush_period: options.flush_period,
@@ -484,8 +510,6 @@ impl CuptiCapture {
 
     fn stop_now(&mut self) {
         if !std::mem::replace(&mut self.stopped, true) {
-            // Counted while the device is still known: drops of the last buffers count on this thread.
-            self.shared.flush_and_count();
             self.shared.disable();
         }
     }
@@ -506,12 +530,31 @@ impl Shared {
             incomplete_records: self.incomplete.load(Ordering::Relaxed),
             dropped_records: self.dropped.load(Ordering::Relaxed),
             starved_launches: self.starved.load(Ordering::Relaxed),
+            other_context_launches: self.other_contexts.load(Ordering::Relaxed),
         }
     }
 
-    /// Registers the callbacks and turns recording on.
+    /// Subscribes to CUPTI's callbacks, then registers the buffer and timestamp callbacks and turns recording
+    /// on. Subscribing comes first: when another client holds CUPTI, nothing of its activity settings is touched.
     fn enable(self: &Arc<Self>, flush_period: Duration) -> Result<(), GpuError> {
         let c = &self.cupti;
+        CALLBACK_TARGET.store(Arc::as_ptr(self).cast_mut(), Ordering::SeqCst);
+        let mut subscriber: *mut c_void = std::ptr::null_mut();
+        // SAFETY: `on_api` matches `CUpti_CallbackFunc` and catches every panic; it finds the capture through
+        // CALLBACK_TARGET (the user pointer is not used).
+        let result = unsafe { (c.subscribe)(&mut subscriber, on_api, std::ptr::null_mut()) };
+        if result == ffi::MULTIPLE_SUBSCRIBERS {
+            return Err(GpuError::Api {
+                call: "cuptiSubscribe",
+                detail: format!(
+                    "{}: another CUPTI client (Nsight Systems, Nsight Compute, another profiler) holds CUPTI in \
+                     this process",
+                    c.describe(result)
+                ),
+            });
+        }
+        c.check("cuptiSubscribe", result)?;
+        self.subscriber.store(subscriber as usize, Ordering::Release);
         if let Some(register) = c.register_timestamp_callback {
             // SAFETY: `monotonic` is an `extern "C" fn() -> u64` that never unwinds; registered before any
             // activity kind is enabled, as CUPTI asks.
@@ -528,28 +571,12 @@ impl Shared {
                 period(flush_period.as_millis() as u32)
             })?;
         }
-        let mut subscriber: *mut c_void = std::ptr::null_mut();
-        // SAFETY: `on_api` matches `CUpti_CallbackFunc` and catches every panic; the user pointer is this
-        // `Shared`, which outlives the subscription: `disable` unsubscribes before the capture's last `Arc`
-        // can drop (the capture and the device's backend hold one each until then).
-        let result = unsafe { (c.subscribe)(&mut subscriber, on_api, Arc::as_ptr(self) as *mut c_void) };
-        if result == ffi::MULTIPLE_SUBSCRIBERS {
-            return Err(GpuError::Api {
-                call: "cuptiSubscribe",
-                detail: format!(
-                    "{}: another CUPTI client (Nsight Systems, Nsight Compute, another profiler) holds CUPTI in \
-                     this process",
-                    c.describe(result)
-                ),
-            });
-        }
-        c.check("cuptiSubscribe", result)?;
-        self.subscriber.store(subscriber as usize, Ordering::Release);
         for api in apis::APIS {
             // SAFETY: our live subscriber handle; plain values.
             let result = unsafe { (c.enable_callback)(1, subscriber, ffi::DOMAIN_DRIVER, api.cbid) };
             c.check("cuptiEnableCallback", result)?;
         }
+        self.kinds_enabled.store(true, Ordering::Release);
         for kind in [ffi::KIND_CONCURRENT_KERNEL, ffi::KIND_MEMCPY, ffi::KIND_MEMSET] {
             // SAFETY: plain value argument.
             c.check("cuptiActivityEnable", unsafe { (c.enable)(kind) })?;
@@ -557,26 +584,38 @@ impl Shared {
         Ok(())
     }
 
-    /// Hands out CUPTI's buffers (forced: the last ones) and counts its drops on this thread.
-    fn flush_and_count(&self) {
-        // SAFETY: plain value argument; the buffer callbacks run during the call and catch every panic.
-        let _ = unsafe { (self.cupti.flush_all)(ffi::FLUSH_FORCED) };
-        self.count_drops();
-    }
-
-    /// Unsubscribes, delivers what CUPTI holds, disables recording, and lets go of the device.
+    /// Unsubscribes, waits for callbacks still running, delivers what CUPTI holds (drops counted on this
+    /// thread), disables recording, and lets go of the device.
     fn disable(&self) {
         let c = &self.cupti;
+        if std::ptr::eq(CALLBACK_TARGET.load(Ordering::SeqCst), self) {
+            CALLBACK_TARGET.store(std::ptr::null_mut(), Ordering::SeqCst);
+        }
+        // A callback that took the old target counted itself in before it did (both SeqCst): once the count is 0,
+        // none uses this capture.
+        while CALLBACKS_IN_FLIGHT.load(Ordering::SeqCst) != 0 {
+            std::thread::yield_now();
+        }
         let subscriber = self.subscriber.swap(0, Ordering::AcqRel);
         if subscriber != 0 {
             // SAFETY: the handle `cuptiSubscribe` gave, unsubscribed once (swapped out above).
             let _ = unsafe { (c.unsubscribe)(subscriber as *mut c_void) };
         }
-        // SAFETY: plain value argument; the buffer callbacks run during the call and catch every panic.
-        let _ = unsafe { (c.flush_all)(ffi::FLUSH_FORCED) };
-        for kind in [ffi::KIND_CONCURRENT_KERNEL, ffi::KIND_MEMCPY, ffi::KIND_MEMSET] {
-            // SAFETY: plain value argument.
-            let _ = unsafe { (c.disable)(kind) };
+        if self.kinds_enabled.swap(false, Ordering::AcqRel) {
+            // SAFETY: plain value argument; the buffer callbacks run during the call and catch every panic.
+            let _ = unsafe { (c.flush_all)(ffi::FLUSH_FORCED) };
+            let mut dropped = 0usize;
+            // SAFETY: null context and stream 0: the records dropped outside any context's buffers; writes one
+            // usize through a live local.
+            if unsafe { (c.dropped_records)(std::ptr::null_mut(), 0, &mut dropped) } == ffi::SUCCESS && dropped > 0 {
+                self.dropped.fetch_add(dropped as u64, Ordering::Relaxed);
+                self.drops_to_count.fetch_add(dropped as u64, Ordering::Relaxed);
+            }
+            self.count_drops();
+            for kind in [ffi::KIND_CONCURRENT_KERNEL, ffi::KIND_MEMCPY, ffi::KIND_MEMSET] {
+                // SAFETY: plain value argument.
+                let _ = unsafe { (c.disable)(kind) };
+            }
         }
         {
             let mut active = lock(&ACTIVE);
@@ -595,8 +634,11 @@ impl Shared {
             return;
         }
         let correlation = data.correlation_id;
-        // SAFETY: CUPTI's symbol name for this call, alive during the callback.
-        let symbol = unsafe { c_text(data.symbol_name) };
+        let symbol = match api.kind {
+            // SAFETY: CUPTI's symbol name for a launch (valid for launch callbacks only), alive during the callback.
+            ApiKind::Kernel => unsafe { c_text(data.symbol_name) },
+            _ => None,
+        };
         let probing = PROBES
             .try_with(|p| {
                 let mut p = p.borrow_mut();
@@ -615,14 +657,26 @@ impl Shared {
         if symbol.is_some_and(|s| s.starts_with("tickline_")) {
             return; // the CUDA backend's timestamp kernels
         }
+        if data.context as usize != self.context {
+            self.other_contexts.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
         self.count_drops();
         // SAFETY: `function_params` is CUPTI's parameter struct for this call (`api`'s, by its callback id).
         let params = unsafe { apis::launch_params(api, data.function_params) };
-        if params.stream != 0 && (self.capturing)(params.stream) {
+        // The per-thread default stream's handle is CU_STREAM_PER_THREAD (2); the legacy one cannot be captured.
+        let handle = if params.stream == 0 && api.per_thread {
+            2
+        } else {
+            params.stream
+        };
+        if handle != 0 && (self.capturing)(handle) {
             return; // recorded into a graph, not run: the graph's launches are captured
         }
         let Some((queue, callsite, overflowed)) = self.queue_and_name(api, symbol, data.context, params.stream) else {
-            return; // stopped
+            // Stopped, or the device refused another queue: not shown, counted.
+            self.starved.fetch_add(1, Ordering::Relaxed);
+            return;
         };
         let mut grid = [0u8; 40];
         let mut block = [0u8; 40];
@@ -710,28 +764,46 @@ impl Shared {
         context: *mut c_void,
         stream: usize,
     ) -> Option<(GpuQueue<CuptiGpu>, &'static NativeCallsite, bool)> {
-        let mut state = lock(&self.state);
-        let device = state.device.clone()?;
-        let key = (context as usize, stream, api.per_thread && stream == 0);
-        let queue = match state.queues.get(&key) {
-            Some(queue) => queue.clone(),
+        let per_thread = api.per_thread && stream == 0;
+        // Each thread's per-thread default stream is a stream of its own.
+        let thread = if per_thread {
+            THREAD.try_with(|t| *t).unwrap_or(0)
+        } else {
+            0
+        };
+        let key = (context as usize, stream, thread);
+        let known = {
+            let state = lock(&self.state);
+            state.device.as_ref()?;
+            state.queues.get(&key).cloned()
+        };
+        let queue = match known {
+            Some(queue) => queue,
             None => {
+                // CUPTI's id for the stream, asked without holding the capture's lock (CUPTI may hold a lock of
+                // its own here that its buffer callbacks, which take the capture's lock, run under).
                 let mut id = 0u32;
                 // SAFETY: the call's context and stream handle as CUPTI passed them (live during the callback);
                 // writes one u32 through a live local.
                 let result =
-                    unsafe { (self.cupti.stream_id)(context, stream as *mut c_void, u8::from(key.2), &mut id) };
+                    unsafe { (self.cupti.stream_id)(context, stream as *mut c_void, u8::from(per_thread), &mut id) };
                 let name = if result == ffi::SUCCESS {
                     format!("stream {id}")
                 } else {
                     format!("stream {stream:#x}")
                 };
-                let queue = device.queue(&name).ok()?;
-                state.queues.insert(key, queue.clone());
-                queue
+                let mut state = lock(&self.state);
+                match state.queues.get(&key) {
+                    Some(queue) => queue.clone(),
+                    None => {
+                        let queue = state.device.as_ref()?.queue(&name).ok()?;
+                        state.queues.insert(key, queue.clone());
+                        queue
+                    }
+                }
             }
         };
-        let (callsite, overflowed) = state.callsite(work_name(api, symbol));
+        let (callsite, overflowed) = lock(&self.state).callsite(work_name(api, symbol));
         Some((queue, callsite, overflowed))
     }
 
@@ -982,22 +1054,21 @@ unsafe fn node_name(record: &Record) -> std::borrow::Cow<'static, str> {
     }
 }
 
-/// A calibration sample of CUPTI's clock: a probe kernel CUPTI saw run over `[start, end]` (its ns) was
-/// launched and seen finished inside the reference bracket of `bracket` (the CUDA backend's sample of the same
-/// launch). The kernel's middle lies inside that bracket narrowed by half the kernel on each side; if CUPTI's
-/// duration does not fit the bracket, the bracket is kept whole.
-fn cupti_sample(bracket: &CalibrationSample, start: u64, end: u64) -> CalibrationSample {
-    let half_kernel = end.saturating_sub(start) / 2;
-    let deviation = if half_kernel < bracket.max_deviation_ns {
-        bracket.max_deviation_ns - half_kernel
-    } else {
-        bracket.max_deviation_ns
-    };
-    CalibrationSample {
-        source_ticks: start + half_kernel,
-        reference_ns: bracket.reference_ns,
-        max_deviation_ns: deviation.max(1),
+/// A calibration sample of CUPTI's clock: a probe kernel CUPTI saw start at `start` (its ns) was launched and
+/// its store seen by the host inside the reference bracket of `bracket` (the CUDA backend's sample of the same
+/// launch). The kernel cannot start before its launch call, and its store, which comes after its start, was seen
+/// before the bracket closed: the start lies inside the bracket, whatever the kernel's end (CUPTI's end may
+/// come after the host saw the store: the stream retires later). `None` when CUPTI's duration does not fit the
+/// bracket (CUPTI's clock and the reference disagree about this probe).
+fn cupti_sample(bracket: &CalibrationSample, start: u64, end: u64) -> Option<CalibrationSample> {
+    if end.saturating_sub(start) > 2 * bracket.max_deviation_ns {
+        return None;
     }
+    Some(CalibrationSample {
+        source_ticks: start,
+        reference_ns: bracket.reference_ns,
+        max_deviation_ns: bracket.max_deviation_ns,
+    })
 }
 
 impl GpuBackend for CuptiGpu {
@@ -1028,6 +1099,9 @@ impl GpuBackend for CuptiGpu {
     }
 
     fn recycle(&self, first: u32, count: u32) -> Result<(), GpuError> {
+        // Under the capture's lock: a record's write (which checks who holds the pair under it) comes wholly
+        // before or after this, so a late record never fills a recycled pair.
+        let _state = lock(&self.shared.state);
         let slots = &self.shared.slots;
         let range = first as usize..first as usize + count as usize;
         let Some(slots) = slots.get(range) else {
@@ -1041,8 +1115,16 @@ impl GpuBackend for CuptiGpu {
         Ok(())
     }
 
+    fn guards_late_writes(&self) -> bool {
+        // `Shared::write` checks the pair's state word under the capture's lock, which `recycle` takes.
+        true
+    }
+
     fn calibrate(&self, samples: usize, budget: Duration, out: &mut Vec<CalibrationSample>) -> Result<(), GpuError> {
         let shared = &self.shared;
+        if shared.subscriber.load(Ordering::Acquire) == 0 {
+            return Ok(()); // stopped (or not started): no probe would be seen
+        }
         let _ = PROBES.try_with(|p| *p.borrow_mut() = Some(Vec::new()));
         let mut brackets = Vec::new();
         let result = shared.probe.calibrate(samples, budget, &mut brackets);
@@ -1066,7 +1148,7 @@ impl GpuBackend for CuptiGpu {
         // the budget has no sample (and its record, if it comes, no bracket).
         for (id, bracket) in launched.iter().zip(&brackets) {
             if let Some(Some((start, end))) = state.probes.get(id).copied() {
-                out.push(cupti_sample(bracket, start, end));
+                out.extend(cupti_sample(bracket, start, end));
             }
         }
         for id in &launched {
@@ -1090,8 +1172,8 @@ unsafe extern "C" fn buffer_requested(buffer: *mut *mut u8, size: *mut usize, ma
     let _ = catch_unwind(|| {
         let bytes = BUFFER_BYTES.load(Ordering::Relaxed).max(8);
         let memory = match std::alloc::Layout::from_size_align(BUFFER_HEADER + bytes, 8) {
-            // SAFETY: a non-zero size.
-            Ok(layout) => unsafe { std::alloc::alloc(layout) },
+            // SAFETY: a non-zero size. Zeroed: the records are read as bytes, padding CUPTI leaves included.
+            Ok(layout) => unsafe { std::alloc::alloc_zeroed(layout) },
             Err(_) => std::ptr::null_mut(),
         };
         let handed = if memory.is_null() {
@@ -1104,6 +1186,11 @@ unsafe extern "C" fn buffer_requested(buffer: *mut *mut u8, size: *mut usize, ma
                 memory.add(BUFFER_HEADER)
             }
         };
+        if !handed.is_null() {
+            lock(&OUR_BUFFERS)
+                .get_or_insert_with(HashSet::new)
+                .insert(handed as usize);
+        }
         // SAFETY: CUPTI passes three writable out-parameters. A null buffer tells CUPTI none is free: it then
         // drops records and counts them.
         unsafe {
@@ -1114,12 +1201,16 @@ unsafe extern "C" fn buffer_requested(buffer: *mut *mut u8, size: *mut usize, ma
     });
 }
 
-/// CUPTI hands back a buffer: its records are read, then it is freed.
+/// CUPTI hands back a buffer: its records are read, then it is freed. A buffer tickline did not hand out
+/// (another client's, from before its callbacks were replaced by ours) is left alone.
 unsafe extern "C" fn buffer_completed(context: *mut c_void, stream: u32, buffer: *mut u8, size: usize, valid: usize) {
-    if buffer.is_null() {
+    let ours = lock(&OUR_BUFFERS)
+        .as_mut()
+        .is_some_and(|set| set.remove(&(buffer as usize)));
+    if buffer.is_null() || !ours {
         return;
     }
-    // SAFETY: `buffer` is one `buffer_requested` handed out (CUPTI returns only those): its header, the
+    // SAFETY: `buffer` is one `buffer_requested` handed out (it was in OUR_BUFFERS): its header, the
     // allocation's size, lies just before it.
     let (memory, bytes) = unsafe {
         let memory = buffer.sub(BUFFER_HEADER);
@@ -1128,31 +1219,40 @@ unsafe extern "C" fn buffer_completed(context: *mut c_void, stream: u32, buffer:
     let _ = catch_unwind(AssertUnwindSafe(|| {
         let active = lock(&ACTIVE).clone();
         if let Some(shared) = active {
-            // SAFETY: CUPTI filled `valid` bytes of this buffer, which holds `bytes`.
+            // SAFETY: CUPTI filled `valid` bytes of this buffer (zeroed beyond), which holds `bytes`.
             unsafe { shared.take_buffer(context, stream, buffer, valid.min(size).min(bytes)) };
         }
     }));
     if let Ok(layout) = std::alloc::Layout::from_size_align(BUFFER_HEADER + bytes, 8) {
-        // SAFETY: allocated by `buffer_requested` with this layout (its size read from the header), freed once.
+        // SAFETY: allocated by `buffer_requested` with this layout (its size read from the header), freed once
+        // (removed from OUR_BUFFERS above).
         unsafe { std::alloc::dealloc(memory, layout) };
     }
 }
 
-/// CUPTI's API callback: `userdata` is the capture's `Shared`.
-unsafe extern "C" fn on_api(userdata: *mut c_void, domain: u32, cbid: u32, data: *const c_void) {
-    let _ = catch_unwind(AssertUnwindSafe(|| {
-        if domain != ffi::DOMAIN_DRIVER || userdata.is_null() || data.is_null() {
-            return;
-        }
-        let Some(api) = apis::lookup(cbid) else {
-            return;
-        };
-        // SAFETY: the pointer `enable` subscribed with; the `Shared` outlives the subscription (see `enable`).
-        let shared = unsafe { &*(userdata as *const Shared) };
-        // SAFETY: for the driver domain CUPTI passes a live `CUpti_CallbackData`, laid out as `CallbackData`.
-        let data = unsafe { &*(data as *const CallbackData) };
-        shared.on_api(api, data);
-    }));
+/// CUPTI's API callback: it goes to the capture in CALLBACK_TARGET, counted in CALLBACKS_IN_FLIGHT while it
+/// runs (see there).
+unsafe extern "C" fn on_api(_userdata: *mut c_void, domain: u32, cbid: u32, data: *const c_void) {
+    if domain != ffi::DOMAIN_DRIVER || data.is_null() {
+        return;
+    }
+    let Some(api) = apis::lookup(cbid) else {
+        return;
+    };
+    CALLBACKS_IN_FLIGHT.fetch_add(1, Ordering::SeqCst);
+    let target = CALLBACK_TARGET.load(Ordering::SeqCst);
+    if !target.is_null() {
+        let _ = catch_unwind(AssertUnwindSafe(|| {
+            // SAFETY: a capture stays alive while it is the target and for as long as a callback counted in
+            // CALLBACKS_IN_FLIGHT may use it: `disable` clears the target, then waits for the count to reach 0,
+            // before the capture can drop.
+            let shared = unsafe { &*target };
+            // SAFETY: for the driver domain CUPTI passes a live `CUpti_CallbackData`, laid out as `CallbackData`.
+            let data = unsafe { &*(data as *const CallbackData) };
+            shared.on_api(api, data);
+        }));
+    }
+    CALLBACKS_IN_FLIGHT.fetch_sub(1, Ordering::SeqCst);
 }
 
 #[cfg(test)]
