@@ -135,15 +135,25 @@ unsafe extern "C" fn unsubscribe(_subscriber: *mut c_void) -> CuptiResult {
 unsafe extern "C" fn enable_callback(_on: u32, _subscriber: *mut c_void, _domain: u32, _cbid: u32) -> CuptiResult {
     ffi::SUCCESS
 }
-/// A stream's id: its handle's value (the legacy default stream, null: 7, as CUDA 13 numbers it).
+/// A stream's id: its handle's value; the legacy default stream (null) is 7, as CUDA 13 numbers it; a thread's
+/// per-thread default stream has an id of its own (from 100), as in CUDA.
 unsafe extern "C" fn stream_id(
     _context: *mut c_void,
     stream: *mut c_void,
-    _per_thread: u8,
+    per_thread: u8,
     id: *mut u32,
 ) -> CuptiResult {
+    thread_local!(static PER_THREAD: u32 = {
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(100);
+        NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    });
+    let value = match (stream.is_null(), per_thread != 0) {
+        (true, true) => PER_THREAD.with(|p| *p),
+        (true, false) => 7,
+        (false, _) => stream as usize as u32,
+    };
     // SAFETY: the caller passes a writable out-parameter.
-    unsafe { *id = if stream.is_null() { 7 } else { stream as usize as u32 } };
+    unsafe { *id = value };
     ffi::SUCCESS
 }
 

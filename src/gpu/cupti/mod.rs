@@ -67,7 +67,10 @@
 //! - Dropped records are counted on the next thread that launches work (or the one that stops the capture):
 //!   a drop is counted on a recording thread's ring, and CUPTI hands records out on its own threads.
 //! - One capture per process: CUPTI allows one subscriber, and its activity buffers are process-wide.
-//! - A call that fails leaves its scope never read back: it is counted lost after the GPU loss bound.
+//! - A call that fails leaves its scope never read back: it is counted lost after the GPU loss bound
+//!   (`GpuCalibrationConfig::lost_after`), and its pair serves again (the capture refuses late writes).
+//! - The capture shows the work of the CUDA context it was started with; launches in other contexts (another
+//!   GPU) are counted in [`CuptiStats::other_context_launches`].
 //! - Work recorded into a stream being captured into a graph is not shown when recorded (it does not run then);
 //!   each launch of the graph is.
 //! - Calibration samples come from records CUPTI hands out at a non-forced flush; a buffer holding a record of
@@ -157,10 +160,13 @@ impl CuptiOptions {
 pub struct CuptiStats {
     /// Launches (kernels, copies, memsets, graph launches) whose scope was opened.
     pub launches: u64,
-    /// Activity records read (kernels, copies, memsets; a graph launch brings one per node).
+    /// Activity records read (kernels, copies, memsets; a graph launch brings one per node; the capture's own
+    /// calibration probes included).
     pub records: u64,
-    /// Records whose correlation id matched no open launch: work launched before the capture started, or a
-    /// graph node delivered after its launch's slice was written.
+    /// Records shown on no slice: work launched before the capture started or by a starved launch, the CUDA
+    /// backend's own timestamp kernels (two per `gpu_scope!` on a `CudaGpu`), nodes of a graph's first launch
+    /// (or copies of a batch) delivered after its slice was written, nodes a graph did not have when launched,
+    /// and records that came after their launch was counted lost.
     pub unattributed_records: u64,
     /// Records CUPTI delivered without timestamps (their scope is counted lost).
     pub incomplete_records: u64,
@@ -300,6 +306,15 @@ struct Shared {
     starved: AtomicU64,
 }
 
+/// A calibration probe: its reference bracket (once its burst returned, if it finished in time), CUPTI's
+/// (start, end) of it (once its record came), and the burst that launched it.
+#[derive(Clone, Copy, Default)]
+struct Probe {
+    bracket: Option<CalibrationSample>,
+    span: Option<(u64, u64)>,
+    burst: u64,
+}
+
 /// A launch whose records have not come yet.
 enum Launch {
     /// One scope for all its records (a graph launch's nodes merged, when the graph's nodes are not known).
@@ -313,7 +328,7 @@ enum Launch {
     /// A launch of a graph whose nodes are known: one scope per node.
     Nodes {
         graph: usize,
-        /// (node id, pair, the pair's state word when handed out).
+        /// (node id, pair or [`NO_PAIR`] or [`DONE`], the pair's state word when handed out), in node order.
         pairs: Vec<(u64, u32, u32)>,
     },
 }
@@ -329,10 +344,15 @@ struct GraphNode {
 struct State {
     /// Correlation id -> (pair, the pair's state word when handed out).
     open: HashMap<u32, Launch>,
-    /// A graph executable (its handle) -> its nodes, learned from the records of its first launch.
+    /// A graph executable (its handle) -> its nodes in id order, learned from the records of its launches.
     graphs: HashMap<usize, Vec<GraphNode>>,
-    /// Correlation ids of calibration probes -> CUPTI's (start, end) once their record came.
-    probes: HashMap<u32, Option<(u64, u64)>>,
+    /// Correlation id -> graph executable, of graph launches shown as one slice (their later records still
+    /// teach the graph's nodes). Cleared when it reaches [`MAX_GRAPH_LAUNCHES`].
+    graph_launches: HashMap<u32, usize>,
+    /// Correlation ids of calibration probes -> what is known of them.
+    probes: HashMap<u32, Probe>,
+    /// Calibration bursts so far.
+    bursts: u64,
     /// (context, stream handle, thread number for a per-thread default stream, else 0) -> its queue.
     queues: HashMap<(usize, usize, u64), GpuQueue<CuptiGpu>>,
     names: HashMap<Box<str>, &'static NativeCallsite>,
@@ -340,7 +360,46 @@ struct State {
     device: Option<GpuDevice<CuptiGpu>>,
 }
 
+/// A node scope that could not be opened (no free pair).
+const NO_PAIR: u32 = u32::MAX;
+/// A node whose record came.
+const DONE: u32 = u32::MAX - 1;
+/// Graph launches remembered for their late records.
+const MAX_GRAPH_LAUNCHES: usize = 4096;
+
 impl State {
+    /// Adds the nodes `records` ran as to what is known of graph `graph` (kept in node id order).
+    ///
+    /// # Safety
+    ///
+    /// `records` were read from a buffer CUPTI handed out, which is still being read (a kernel's name pointer
+    /// is then CUPTI's string, alive).
+    unsafe fn learn(&mut self, graph: usize, records: &[Record]) {
+        for r in records.iter().filter(|r| r.graph_node != 0) {
+            let known = self
+                .graphs
+                .get(&graph)
+                .map(|nodes| nodes.binary_search_by_key(&r.graph_node, |n| n.id));
+            if let Some(Ok(_)) = known {
+                continue;
+            }
+            // SAFETY: the caller's guarantee.
+            let name = unsafe { node_name(r) };
+            let callsite = self.callsite(&name).0;
+            let nodes = self.graphs.entry(graph).or_default();
+            let at = nodes
+                .binary_search_by_key(&r.graph_node, |n| n.id)
+                .unwrap_or_else(|at| at);
+            nodes.insert(
+                at,
+                GraphNode {
+                    id: r.graph_node,
+                    callsite,
+                },
+            );
+        }
+    }
+
     /// The call site slices named `name` are recorded with (made once per name); the boolean says the name
     /// table was full (the name then goes in the `kernel` field of [`OVERFLOW`]).
     fn callsite(&mut self, name: &str) -> (&'static NativeCallsite, bool) {
@@ -651,7 +710,15 @@ impl Shared {
             })
             .unwrap_or(false);
         if probing {
-            lock(&self.state).probes.insert(correlation, None);
+            let mut state = lock(&self.state);
+            let burst = state.bursts;
+            state.probes.insert(
+                correlation,
+                Probe {
+                    burst,
+                    ..Probe::default()
+                },
+            );
             return;
         }
         if symbol.is_some_and(|s| s.starts_with("tickline_")) {
@@ -712,11 +779,15 @@ impl Shared {
                 match queue.begin_external(node.callsite, Some(&fields), |_| {}) {
                     Some(pair) => pairs.push((node.id, pair, self.pair_state(pair))),
                     None => {
+                        // Kept without a pair: its record is then known, not a stranger to the graph.
+                        pairs.push((node.id, NO_PAIR, 0));
                         self.starved.fetch_add(1, Ordering::Relaxed);
                     }
                 }
             }
-            self.launches.fetch_add(1, Ordering::Relaxed);
+            if pairs.iter().any(|&(_, pair, _)| pair != NO_PAIR) {
+                self.launches.fetch_add(1, Ordering::Relaxed);
+            }
             let launch = Launch::Nodes {
                 graph: params.graph,
                 pairs,
@@ -848,12 +919,17 @@ impl Shared {
         for group in records.chunk_by(|a, b| a.correlation == b.correlation) {
             let m = merge(group);
             if let Some(probe) = state.probes.get_mut(&m.correlation) {
-                *probe = m.span;
+                probe.span = m.span;
                 continue;
             }
             match state.open.remove(&m.correlation) {
                 None => {
                     self.unattributed.fetch_add(u64::from(m.records), Ordering::Relaxed);
+                    // Nodes of a graph's first launch delivered after its slice was written still teach the graph.
+                    if let Some(&graph) = state.graph_launches.get(&m.correlation) {
+                        // SAFETY: records CUPTI handed out in the buffer being read.
+                        unsafe { state.learn(graph, group) };
+                    }
                 }
                 Some(Launch::One {
                     pair,
@@ -861,30 +937,32 @@ impl Shared {
                     graph,
                 }) => {
                     self.incomplete.fetch_add(u64::from(m.incomplete), Ordering::Relaxed);
-                    if graph != 0 && group.iter().all(|r| r.graph_node != 0) {
-                        let nodes = group
-                            .iter()
-                            .map(|r| GraphNode {
-                                id: r.graph_node,
-                                // SAFETY: a record CUPTI handed out in the buffer being read: a kernel's name
-                                // pointer is CUPTI's string, alive while the buffer is read.
-                                callsite: state.callsite(unsafe { node_name(r) }.as_ref()).0,
-                            })
-                            .collect();
-                        state.graphs.insert(graph, nodes);
+                    if graph != 0 {
+                        // SAFETY: records CUPTI handed out in the buffer being read.
+                        unsafe { state.learn(graph, group) };
+                        if state.graph_launches.len() >= MAX_GRAPH_LAUNCHES {
+                            state.graph_launches.clear();
+                        }
+                        state.graph_launches.insert(m.correlation, graph);
                     }
                     if let Some((start, end)) = m.span {
                         self.write(&state, pair, handed_out, start, end, m.records);
                     } // else no timestamps: the scope is lost (never read back)
                 }
                 Some(Launch::Nodes { graph, mut pairs }) => {
-                    let mut strangers = 0;
+                    // `pairs` is in node order, as the graph's nodes are: records are found by binary search.
+                    let mut strangers = Vec::new();
                     for r in group {
-                        let Some(at) = pairs.iter().position(|(id, ..)| *id == r.graph_node) else {
-                            strangers += 1;
+                        let Ok(at) = pairs.binary_search_by_key(&r.graph_node, |&(id, ..)| id) else {
+                            strangers.push(*r);
                             continue;
                         };
-                        let (_, pair, handed_out) = pairs.swap_remove(at);
+                        let (_, pair, handed_out) = std::mem::replace(&mut pairs[at], (r.graph_node, DONE, 0));
+                        if pair >= DONE {
+                            // Starved (no scope), or a second record of the node: counted, not shown.
+                            self.unattributed.fetch_add(1, Ordering::Relaxed);
+                            continue;
+                        }
                         match merge(std::slice::from_ref(r)).span {
                             Some((start, end)) => self.write(&state, pair, handed_out, start, end, 1),
                             None => {
@@ -892,13 +970,14 @@ impl Shared {
                             }
                         }
                     }
-                    if strangers > 0 {
-                        // A node the graph did not have: it changed (updated, or its handle reused). Learn it again
-                        // at its next launch; node scopes no record comes for are lost (never read back).
-                        self.unattributed.fetch_add(strangers, Ordering::Relaxed);
-                        state.graphs.remove(&graph);
+                    if !strangers.is_empty() {
+                        // Nodes the graph did not have (it was updated, or its handle reused for another graph):
+                        // counted, and known from its next launch on. Node scopes no record comes for are lost.
+                        self.unattributed.fetch_add(strangers.len() as u64, Ordering::Relaxed);
+                        // SAFETY: records CUPTI handed out in the buffer being read.
+                        unsafe { state.learn(graph, &strangers) };
                     }
-                    if !pairs.is_empty() {
+                    if pairs.iter().any(|&(_, pair, _)| pair < DONE) {
                         // Nodes still to come, in a later buffer.
                         state.open.insert(m.correlation, Launch::Nodes { graph, pairs });
                     }
@@ -912,7 +991,7 @@ impl Shared {
             if let Some(device) = device.as_ref() {
                 open.retain(|_, launch| match launch {
                     Launch::One { pair, state, .. } => device.pair_state(*pair) == *state,
-                    Launch::Nodes { pairs, .. } => pairs.iter().any(|&(_, p, s)| device.pair_state(p) == s),
+                    Launch::Nodes { pairs, .. } => pairs.iter().any(|&(_, p, s)| p < DONE && device.pair_state(p) == s),
                 });
             }
         }
@@ -1126,6 +1205,7 @@ impl GpuBackend for CuptiGpu {
             return Ok(()); // stopped (or not started): no probe would be seen
         }
         let _ = PROBES.try_with(|p| *p.borrow_mut() = Some(Vec::new()));
+        lock(&shared.state).bursts += 1;
         let mut brackets = Vec::new();
         let result = shared.probe.calibrate(samples, budget, &mut brackets);
         let launched = PROBES
@@ -1140,20 +1220,40 @@ impl GpuBackend for CuptiGpu {
             }
             return Err(e);
         }
+        {
+            // Probe launches and the backend's samples are in launch order; a last probe that did not finish
+            // within the budget has no sample (its record, if it comes, no bracket).
+            let mut state = lock(&shared.state);
+            for (id, bracket) in launched.iter().zip(&brackets) {
+                if let Some(probe) = state.probes.get_mut(id) {
+                    probe.bracket = Some(*bracket);
+                }
+            }
+        }
         // Complete buffers now, so this burst's probe records come back.
         // SAFETY: plain value argument; the buffer callbacks run during the call and catch every panic.
         let _ = unsafe { (shared.cupti.flush_all)(0) };
         let mut state = lock(&shared.state);
-        // Probe launches and the backend's samples are in launch order; a last probe that did not finish within
-        // the budget has no sample (and its record, if it comes, no bracket).
-        for (id, bracket) in launched.iter().zip(&brackets) {
-            if let Some(Some((start, end))) = state.probes.get(id).copied() {
-                out.extend(cupti_sample(bracket, start, end));
+        // Samples of this burst's probes and of the last burst's whose records came since (CUPTI hands a buffer
+        // out once all its records are complete): in launch order, which is time order, so a late probe of the
+        // last burst (launched after all its delivered ones) comes before this burst's. Older ones are dropped:
+        // they would come out of order.
+        let burst = state.bursts;
+        let mut ready: Vec<(u32, CalibrationSample)> = Vec::new();
+        state.probes.retain(|&id, probe| {
+            if probe.burst + 1 < burst {
+                return false;
             }
-        }
-        for id in &launched {
-            state.probes.remove(id);
-        }
+            match (probe.bracket, probe.span) {
+                (Some(bracket), Some((start, end))) => {
+                    ready.extend(cupti_sample(&bracket, start, end).map(|s| (id, s)));
+                    false
+                }
+                _ => true,
+            }
+        });
+        ready.sort_unstable_by_key(|&(id, _)| id);
+        out.extend(ready.into_iter().map(|(_, s)| s));
         Ok(())
     }
 }
