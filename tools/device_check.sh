@@ -15,6 +15,7 @@ T() { echo; echo "=== $* ($(date +%T))"; }
 T machine; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; nproc
 CUPTI_LIB=$(find /usr/local/cuda*/ -name 'libcupti.so' 2>/dev/null | head -1); echo "libcupti: $CUPTI_LIB"
 CL=$(dirname "$CUPTI_LIB"); CI=$(find /usr/local/cuda*/ -name cupti.h 2>/dev/null | head -1)
+[ -n "$CI" ] || CI=$PWD/.dev/cupti/include/cupti.h  # tools/device_build.sh fetched them
 T cupti probe
 timeout 120 nvcc -O2 -arch=sm_90 -I "$(dirname "$CI")" -o /tmp/probe tools/cupti_probe.cu -L"$CL" -lcupti -lcuda \
     -Xlinker -rpath -Xlinker "$CL" && { timeout 60 /tmp/probe mono; echo "--- default clock"; timeout 60 /tmp/probe | head -40; }
