@@ -636,7 +636,7 @@ mod end_to_end {
                     5,
                 );
                 fake::flush();
-                std::thread::sleep(Duration::from_millis(30));
+                std::thread::sleep(Duration::from_millis(150)); // the collector reads and frees the pair
             }
             // The lost launches' records come after all: refused, counted.
             for &id in &late {
