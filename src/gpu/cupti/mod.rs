@@ -334,10 +334,12 @@ enum Launch {
 }
 
 /// A node of a graph executable: CUPTI's id for it and the call site its slices are named by.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 struct GraphNode {
     id: u64,
     callsite: &'static NativeCallsite,
+    /// The node's name where the name table was full (the call site is then [`OVERFLOW`]).
+    overflowed: Option<Arc<str>>,
 }
 
 #[derive(Default)]
@@ -385,7 +387,8 @@ impl State {
             }
             // SAFETY: the caller's guarantee.
             let name = unsafe { node_name(r) };
-            let callsite = self.callsite(&name).0;
+            let (callsite, overflowed) = self.callsite(&name);
+            let overflowed = overflowed.then(|| Arc::from(name.as_ref()));
             let nodes = self.graphs.entry(graph).or_default();
             let at = nodes
                 .binary_search_by_key(&r.graph_node, |n| n.id)
@@ -395,6 +398,7 @@ impl State {
                 GraphNode {
                     id: r.graph_node,
                     callsite,
+                    overflowed,
                 },
             );
         }
@@ -774,6 +778,9 @@ impl Shared {
                 let fields = |e: &mut GpuFieldEncoder<'_, '_>| {
                     e.field(0, &u64::from(correlation));
                     e.field(1, api.name);
+                    if let Some(name) = &node.overflowed {
+                        e.field(4, name.as_ref());
+                    }
                     e.field(5, &node.id);
                 };
                 match queue.begin_external(node.callsite, Some(&fields), |_| {}) {
