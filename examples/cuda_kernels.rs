@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! cargo run --release --features cuda --example cuda_kernels [-- out.pftrace]
-//! cargo run --release --features cupti --example cuda_kernels -- --cupti [out.pftrace]
+//! cargo run --release --features cupti --example cuda_kernels -- --cupti [--frames N] [out.pftrace]
 //! ```
 //!
 //! With `--cupti` (feature `cupti`) a [`CuptiCapture`](tickline::gpu::cupti::CuptiCapture) runs beside the
@@ -36,11 +36,12 @@ mod cuda_support;
 #[path = "support/slices.rs"]
 mod slices;
 
+/// Frames by default (`--frames N` for another count).
 const FRAMES: u32 = 32;
 /// Floats per buffer (4 MiB).
 const LEN: u32 = 1 << 20;
 
-fn run(ctx: Arc<CudaContext>, path: &str, cupti: bool) -> Result<(), Box<dyn Error>> {
+fn run(ctx: Arc<CudaContext>, path: &str, cupti: bool, frames: u32) -> Result<(), Box<dyn Error>> {
     let backend = CudaGpu::new(&ctx, CudaOptions::default())?;
     let clock = backend.clock();
     println!(
@@ -66,7 +67,7 @@ fn run(ctx: Arc<CudaContext>, path: &str, cupti: bool) -> Result<(), Box<dyn Err
     let lanes = [gpu.queue("stream 0")?, gpu.queue("stream 1")?];
     let host: Vec<f32> = (0..LEN).map(|i| i as f32).collect();
 
-    for frame in 0..FRAMES {
+    for frame in 0..frames {
         let _frame = info_span!("frame", frame).entered();
         let mut buffers = Vec::new();
         {
@@ -126,7 +127,7 @@ fn run(ctx: Arc<CudaContext>, path: &str, cupti: bool) -> Result<(), Box<dyn Err
     }
     if let Some(cupti_stats) = cupti_stats {
         // Per frame and stream: the upload, `scale`, `spin` and the download.
-        capture::compare(&memory.snapshot(), cupti_stats, 4 * FRAMES as usize * 2)?;
+        capture::compare(&memory.snapshot(), cupti_stats, 4 * frames as usize * 2)?;
     }
     Ok(())
 }
@@ -250,6 +251,17 @@ fn main() -> ExitCode {
     let mut args: Vec<String> = std::env::args().skip(1).collect();
     let cupti = args.iter().any(|a| a == "--cupti");
     args.retain(|a| a != "--cupti");
+    let mut frames = FRAMES;
+    if let Some(at) = args.iter().position(|a| a == "--frames") {
+        match args.get(at + 1).and_then(|n| n.parse().ok()) {
+            Some(n) => frames = n,
+            None => {
+                eprintln!("cuda_kernels: --frames takes a number of frames");
+                return ExitCode::FAILURE;
+            }
+        }
+        args.drain(at..at + 2);
+    }
     let path = args.pop().unwrap_or_else(|| "cuda_kernels.pftrace".to_owned());
     let ctx = match open(0) {
         Ok(ctx) => ctx,
@@ -258,7 +270,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match run(ctx, &path, cupti) {
+    match run(ctx, &path, cupti, frames) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("cuda_kernels: {e}");
