@@ -88,6 +88,18 @@ fn the_api_table_is_sorted_and_knows_the_launches_seen_on_a_device() {
     );
 }
 
+/// The GPU side of a capture against the stand-in CUPTI: named `name`, a 32 ns timer, probes from `probe`, no
+/// stream capture, the null context the stand-in passes.
+fn fake_gpu(name: &str, probe: Prober) -> Gpu {
+    Gpu {
+        name: name.into(),
+        resolution_ns: 32.0,
+        probe,
+        capturing: |_| false,
+        context: 0,
+    }
+}
+
 /// `cuLaunchKernel_params`: f, gridDim x/y/z, blockDim x/y/z, sharedMemBytes, hStream at 40.
 #[repr(C)]
 struct LaunchKernel {
@@ -314,7 +326,7 @@ mod end_to_end {
         }))
     }
 
-    use super::LaunchKernel;
+    use super::{fake_gpu, LaunchKernel};
 
     #[derive(Debug)]
     struct Slice {
@@ -338,24 +350,12 @@ mod end_to_end {
     fn capture_and_check(label: &str, origin: Clock) -> usize {
         let memory = MemoryExporter::default();
         let timeline = Timeline::builder().exporter(memory.clone()).start().unwrap();
-        let gpu = Gpu {
-            name: "Fake H200 (CUPTI)".into(),
-            resolution_ns: 32.0,
-            probe: prober(origin),
-            capturing: |_| false,
-            context: 0,
-        };
+        let gpu = fake_gpu("Fake H200 (CUPTI)", prober(origin));
         let capture = CuptiCapture::start_with(&timeline, fake::cupti(), gpu, CuptiOptions::default()).unwrap();
         assert!(fake::timestamp().is_some_and(|t| t.abs_diff(monotonic_ns().0) < 1_000_000_000));
         assert_eq!(fake::enabled().len(), 3, "kernels, copies, memsets");
         // The one subscription is taken.
-        let gpu = Gpu {
-            name: "again".into(),
-            resolution_ns: 32.0,
-            probe: prober(origin),
-            capturing: |_| false,
-            context: 0,
-        };
+        let gpu = fake_gpu("again", prober(origin));
         let again = CuptiCapture::start_with(&timeline, fake::cupti(), gpu, CuptiOptions::default());
         assert!(matches!(again, Err(GpuError::Invalid { .. })), "{again:?}");
 
@@ -602,13 +602,7 @@ mod end_to_end {
             })
             .start()
             .unwrap();
-        let gpu = Gpu {
-            name: "small (CUPTI)".into(),
-            resolution_ns: 32.0,
-            probe: prober(origin),
-            capturing: |_| false,
-            context: 0,
-        };
+        let gpu = fake_gpu("small (CUPTI)", prober(origin));
         let options = CuptiOptions {
             timestamp_slots: 4,
             ..CuptiOptions::default()
@@ -668,13 +662,7 @@ mod end_to_end {
             timestamp_slots: 4,
             ..CuptiOptions::default()
         };
-        let gpu = |name: &str| Gpu {
-            name: name.into(),
-            resolution_ns: 32.0,
-            probe: prober(origin),
-            capturing: |_| false,
-            context: 0,
-        };
+        let gpu = |name: &str| fake_gpu(name, prober(origin));
         let capture =
             CuptiCapture::start_with(&timeline, fake::cupti(), gpu("small (CUPTI)"), options.clone()).unwrap();
         let subscriber = tracing_subscriber::registry().with(timeline.layer());
@@ -753,17 +741,11 @@ mod regressions {
 
     use super::super::fake;
     use super::super::*;
-    use super::LaunchKernel;
+    use super::{fake_gpu, LaunchKernel};
     use crate::Timeline;
 
     fn gpu() -> Gpu {
-        Gpu {
-            name: "review (CUPTI)".into(),
-            resolution_ns: 32.0,
-            probe: Prober::Fake(Box::new(|_, _, _| Ok(()))),
-            capturing: |_| false,
-            context: 0,
-        }
+        fake_gpu("review (CUPTI)", Prober::Fake(Box::new(|_, _, _| Ok(()))))
     }
 
     fn graph_nodes(id: u32, base: u64) {
@@ -835,8 +817,9 @@ mod regressions {
     fn a_probe_record_that_misses_its_bursts_flush_serves_the_next_burst() {
         let _serial = fake::serial();
         let timeline = Timeline::builder().start().unwrap();
-        let gpu = Gpu {
-            probe: Prober::Fake(Box::new(|samples, _budget, out| {
+        let gpu = fake_gpu(
+            "review (CUPTI)",
+            Prober::Fake(Box::new(|samples, _budget, out| {
                 for k in 0..samples.min(4) {
                     let t0 = crate::clock::monotonic_ns().0;
                     let id = fake::call(307, Some(c"tickline_stamp"), std::ptr::null());
@@ -854,8 +837,7 @@ mod regressions {
                 }
                 Ok(())
             })),
-            ..gpu()
-        };
+        );
         let capture = CuptiCapture::start_with(&timeline, fake::cupti(), gpu, CuptiOptions::default()).unwrap();
         std::thread::sleep(Duration::from_millis(1_200));
         let calibration = capture.device().calibration().expect("calibrated");
@@ -909,13 +891,7 @@ fn a_failed_start_with_the_real_cupti_keeps_the_library_loaded() {
     std::thread::scope(|scope| {
         let started = scope.spawn(|| {
             let cupti = ffi::Cupti::open(Some(std::path::Path::new(&path))).unwrap();
-            let gpu = Gpu {
-                name: "no GPU (CUPTI)".into(),
-                resolution_ns: 32.0,
-                probe: Prober::Fake(Box::new(|_, _, _| Ok(()))),
-                capturing: |_| false,
-                context: 0,
-            };
+            let gpu = fake_gpu("no GPU (CUPTI)", Prober::Fake(Box::new(|_, _, _| Ok(()))));
             match CuptiCapture::start_with(&timeline, cupti, gpu, CuptiOptions::default()) {
                 Ok(capture) => format!("started, then stopped: {:?}", capture.stop()),
                 Err(e) => format!("refused: {e}"),
