@@ -24,7 +24,9 @@
 //! behind the span's begin).
 //!
 //! `TICKLINE_BENCH_ASYNC_TASKS=never` runs tickline's configurations with `AsyncTasks::Never` (default: `Auto`),
-//! to see what deciding which spans are async tasks costs the collector.
+//! to see what deciding which spans are async tasks costs the collector. `TICKLINE_BENCH_RING=N` starts their
+//! rings at `N` records (default: the builder's 64 Ki), to see how the drain's wake-ups trade against the size
+//! of each pass.
 //!
 //! `cargo bench -p tickline-benches --bench total_cpu` prints the medians of 9 samples. `-- --once CONFIG OP`
 //! prints one sample (the slow-mode check runs that as 20 separate processes: `benches/slow_mode.sh`);
@@ -147,6 +149,10 @@ fn sample(config: Config, op: Op, ops: u64) -> Sample {
             let builder = match std::env::var("TICKLINE_BENCH_ASYNC_TASKS").as_deref() {
                 Ok("never") => Timeline::builder().async_tasks(tickline::AsyncTasks::Never),
                 _ => Timeline::builder(),
+            };
+            let builder = match std::env::var("TICKLINE_BENCH_RING").ok().and_then(|v| v.parse().ok()) {
+                Some(records) => builder.ring_capacity(records).max_ring_capacity(1 << 20),
+                None => builder,
             };
             let builder = if config == Config::TicklinePerfetto {
                 builder.exporter(PerfettoExporter::create(path.with_extension("pftrace")).expect("trace file"))

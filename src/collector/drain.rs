@@ -455,6 +455,10 @@ fn drain_ring(ring: &mut LiveRing, pool: &ChunkPool, source: TickSource, out: &m
     }
     let mut records = pool.pop().unwrap_or_default();
     records.clear();
+    // One allocation for what is there now (nothing, for a spare chunk that size): grown by doubling, a fresh
+    // chunk was reallocated a dozen times, each a copy, and each past glibc's mmap threshold an `mremap` whose
+    // TLB shootdown interrupted the recording threads' CPUs too.
+    records.reserve(ring.consumer.len());
     ring.consumer.drain(usize::MAX, |run| records.extend_from_slice(run));
     // Read after the records: it counts every drop a `Gap` among them reports (a drop is counted before the
     // record after it is pushed), and drops after the last of them.

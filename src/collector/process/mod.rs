@@ -102,6 +102,12 @@ const HOLD_MAX_EVENTS: usize = 1 << 16;
 /// Passes a record waits for the creation of the span it names before that span counts as unknown.
 const MAX_WAIT_PASSES: u32 = 2;
 
+/// Events a batch may gather within a pass before it goes to the exporters: a busy thread's pass makes tens of
+/// thousands, and a batch that size (about 80 bytes an event) no longer fits in the L2 cache between being
+/// made and being encoded. Handed over between records, where no event of the batch is still referred to by
+/// its place (a poll's end that its span's close may take back: `Track::speculative`).
+const EXPORT_MID_PASS_EVENTS: usize = 1024;
+
 /// How the processing stage converts CPU ticks.
 pub(crate) enum CpuTime {
     /// Live: the newest fit, extrapolated forwards from the newest calibration point.
@@ -441,6 +447,9 @@ pub(crate) struct Processor {
     exit_before_close: bool,
     /// Leaf spans take their fast path ([`LeafSpan`]); off only to test it against the general one.
     leaf_spans: bool,
+    /// Events a batch gathers within a pass before it is handed over ([`EXPORT_MID_PASS_EVENTS`]; other values
+    /// only to test that a pass handed over in pieces makes the same trace).
+    export_mid_pass_events: usize,
     /// Leaf spans that took the fast path (tests).
     #[cfg(test)]
     leaf_spans_taken: u64,
@@ -560,6 +569,7 @@ impl Processor {
             last_span_callsite: None,
             exit_before_close: false,
             leaf_spans: true,
+            export_mid_pass_events: EXPORT_MID_PASS_EVENTS,
             #[cfg(test)]
             leaf_spans_taken: 0,
             #[cfg(test)]
@@ -924,6 +934,9 @@ impl Processor {
             let mut decoder = Decoder::new(&chunk.records[r.input.cursor..]);
             let mut processed = 0;
             loop {
+                if self.out.batch.events.len() >= self.export_mid_pass_events && r.track.speculative.is_none() {
+                    self.export(self.last_drain_ns, false);
+                }
                 if self.leaf_spans {
                     if let Some(taken) = self.leaf_at(&mut r.track, decoder.clone(), chunk.now_ticks) {
                         decoder.skip_decoded(taken);

@@ -1219,11 +1219,13 @@ fn process_steps(
     steps: &[(u8, Vec<RingOp>, bool)],
     mode: AsyncTasks,
     leaf_spans: bool,
+    batch_events: usize,
 ) -> (MemoryTrace, Counts, u64, u64) {
     let memory = MemoryExporter::default();
     let mut p = processor(&memory);
     p.set_async_tasks(mode);
     p.leaf_spans = leaf_spans;
+    p.export_mid_pass_events = batch_events;
     register_span_callsite(&mut p);
     register_leaf_callsite(&mut p);
     ring(&mut p, 2);
@@ -1262,9 +1264,28 @@ proptest! {
         ),
         mode in prop_oneof![Just(AsyncTasks::Auto), Just(AsyncTasks::Never), Just(AsyncTasks::Always)],
     ) {
-        let fast = process_steps(&steps, mode, true);
-        let general = process_steps(&steps, mode, false);
+        let fast = process_steps(&steps, mode, true, usize::MAX);
+        let general = process_steps(&steps, mode, false, usize::MAX);
         prop_assert_eq!(fast, general);
+    }
+
+    /// A pass handed to the exporters in pieces (live, every [`EXPORT_MID_PASS_EVENTS`] events) makes the same
+    /// trace as one handed over whole: here a piece after every event where one may go, among async tasks
+    /// whose polls' ends are taken back from the batch, slices held for their values, both rings.
+    #[test]
+    fn a_pass_exported_in_pieces_makes_the_same_trace_as_in_one_batch(
+        steps in prop::collection::vec(
+            (1u8..3, prop::collection::vec(ring_op(), 0..12), any::<bool>()),
+            1..12,
+        ),
+        mode in prop_oneof![Just(AsyncTasks::Auto), Just(AsyncTasks::Never), Just(AsyncTasks::Always)],
+        leaf_spans in any::<bool>(),
+    ) {
+        let mut pieces = process_steps(&steps, mode, leaf_spans, 1);
+        let whole = process_steps(&steps, mode, leaf_spans, usize::MAX);
+        prop_assert!(pieces.0.batches >= whole.0.batches);
+        pieces.0.batches = whole.0.batches;
+        prop_assert_eq!(pieces, whole);
     }
 }
 
@@ -1292,6 +1313,72 @@ fn leaf_spans_take_the_fast_path_and_come_out_whole() {
     pass(&mut p);
     pass(&mut p);
     assert_eq!(p.leaf_spans_taken, 100);
+    let slices = memory.snapshot().slices();
+    assert_eq!(slices.len(), 100);
+    assert_leaf_slices_at_their_times(&slices);
+}
+
+#[test]
+fn a_poll_end_whose_flow_is_still_undecided_is_not_handed_over_before_it_is_decided() {
+    // A span exited with another record after it (not its close): the end of its poll carries a flow in case it
+    // is a task, taken back by position in the batch when the next record decides. A batch handed over between
+    // the two would take the flow out with it (and the next event's place would be the wrong one).
+    let close = |values_final| RingOp::Close {
+        ring: 1,
+        span: 0,
+        at_last_exit: false,
+        values_final,
+        may_be_task: false,
+    };
+    let leaf = RingOp::Leaf {
+        callsite: 0,
+        timed: true,
+        values_final: true,
+    };
+    for values_final in [false, true] {
+        let ops = vec![
+            RingOp::New {
+                callsite: 0,
+                timed: true,
+            },
+            RingOp::Enter { ring: 1, span: 0 },
+            RingOp::Exit { ring: 1, span: 0 },
+            leaf.clone(),
+            RingOp::Event(7),
+            close(values_final),
+            leaf.clone(),
+        ];
+        let steps = [(1, ops, true)];
+        let mut pieces = process_steps(&steps, AsyncTasks::Auto, true, 1);
+        let whole = process_steps(&steps, AsyncTasks::Auto, true, usize::MAX);
+        assert!(pieces.0.batches > whole.0.batches);
+        pieces.0.batches = whole.0.batches;
+        assert_eq!(pieces, whole);
+    }
+}
+
+#[test]
+fn a_busy_pass_goes_to_the_exporters_in_pieces() {
+    // The property above means something only if pieces are made: 100 leaf spans, 200 events, in one chunk and
+    // one pass, handed over every 10 events.
+    let memory = MemoryExporter::default();
+    let mut p = processor(&memory);
+    p.export_mid_pass_events = 10;
+    register_leaf_callsite(&mut p);
+    let ops: Vec<RingOp> = (0..100)
+        .map(|_| RingOp::Leaf {
+            callsite: 0,
+            timed: true,
+            values_final: true,
+        })
+        .collect();
+    let batches_before = memory.snapshot().batches;
+    chunk(&mut p, 1, ring_records(1, &ops, &mut [0; 3], &mut 0));
+    pass(&mut p);
+    assert!(
+        memory.snapshot().batches - batches_before >= 20,
+        "handed over in pieces of 10 events and the pass's end"
+    );
     let slices = memory.snapshot().slices();
     assert_eq!(slices.len(), 100);
     assert_leaf_slices_at_their_times(&slices);
