@@ -673,10 +673,13 @@ impl Processor {
         self.stats.events.load(Ordering::Relaxed) - before
     }
 
-    /// Processes what is queued and returns the batch, without releasing, reporting or exporting (benches).
+    /// Processes what is queued and returns the batch, without releasing, reporting or exporting (benches): the
+    /// whole batch, none of it handed over mid-pass.
     pub(crate) fn process_for_bench(&mut self) -> &crate::export::Batch {
         let drain = self.last_drain_ns;
+        let pieces = std::mem::replace(&mut self.export_mid_pass_events, usize::MAX);
         self.process_rings(drain, false, true);
+        self.export_mid_pass_events = pieces;
         &self.out.batch
     }
 
