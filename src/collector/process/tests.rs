@@ -1358,6 +1358,38 @@ fn a_poll_end_whose_flow_is_still_undecided_is_not_handed_over_before_it_is_deci
 }
 
 #[test]
+fn a_leaf_span_recorded_before_its_tracks_last_time_is_clamped_and_counted_on_either_path() {
+    // The fast path converts a leaf span's times together: each must still be kept at or after the track's last
+    // time, and each clamp counted, as the general path does one record at a time.
+    let run = |leaf_spans: bool| {
+        let memory = MemoryExporter::default();
+        let mut p = processor(&memory);
+        p.leaf_spans = leaf_spans;
+        register_leaf_callsite(&mut p);
+        let leaf = RingOp::Leaf {
+            callsite: 0,
+            timed: true,
+            values_final: true,
+        };
+        let mut created = [0; 3];
+        let mut records = ring_records(1, std::slice::from_ref(&leaf), &mut created, &mut 1_000);
+        // The clock stepped back: the next two spans' times lie before the first's end.
+        records.extend(ring_records(1, &[leaf.clone(), leaf], &mut created, &mut 990));
+        chunk(&mut p, 1, records);
+        pass(&mut p);
+        pass(&mut p);
+        (memory.snapshot().slices(), p.counts, p.leaf_spans_taken)
+    };
+    let (fast, fast_counts, taken) = run(true);
+    let (general, general_counts, _) = run(false);
+    assert_eq!(taken, 3, "every span took the fast path");
+    assert_eq!(fast, general);
+    assert_eq!(fast_counts, general_counts);
+    assert!(fast_counts.monotonic_clamps >= 3, "{fast_counts:?}");
+    assert!(fast.windows(2).all(|w| w[0].end_ns <= w[1].begin_ns), "{fast:?}");
+}
+
+#[test]
 fn a_busy_pass_goes_to_the_exporters_in_pieces() {
     // The property above means something only if pieces are made: 100 leaf spans, 200 events, in one chunk and
     // one pass, handed over every 10 events.
