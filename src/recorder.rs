@@ -394,7 +394,7 @@ impl LocalRing {
             self.owed_ends = owed_after;
             return true;
         }
-        if self.lossless {
+        if self.lossless && !NEVER_WAIT.get() {
             let drain = self.shared.drain_thread.get();
             let shared = &self.shared;
             // Wait while there is a collector to make room: not in a child made by `fork` (checked only
@@ -635,6 +635,9 @@ thread_local! {
     /// Records this thread tried to make while it was making another (from an allocator or a signal
     /// handler that records): counted as dropped on the ring in use when the lock is released.
     static REENTERED: Cell<u64> = const { Cell::new(0) };
+    /// Set while this thread runs code called back from inside a GPU driver's call ([`never_waiting`]): a
+    /// lossless ring that is full drops and counts instead of waiting there.
+    static NEVER_WAIT: Cell<bool> = const { Cell::new(false) };
     static RINGS: RefCell<Rings> = const { RefCell::new(Rings(Vec::new())) };
     /// Scratch space for encoding fields and assembling record groups, reused so the hot path never allocates
     /// after warm-up.
@@ -1091,6 +1094,22 @@ pub(crate) fn span_close(target: &impl Target, serial: u64, values_final: bool, 
         };
         ring.push_other(&[record]);
     });
+}
+
+/// Runs `f` (code called back from inside a GPU driver's call: CUPTI's launch callbacks) with this thread's
+/// records never waiting for ring room: in lossless mode a full ring drops and counts them instead. Waiting there
+/// would hold the application's driver call, and whatever locks the driver holds during its callbacks, until the
+/// drain stage makes room, while the drain stage may itself be calling into the driver (a CUPTI flush).
+#[cfg_attr(not(feature = "cupti"), allow(dead_code))]
+pub(crate) fn never_waiting<R>(f: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            NEVER_WAIT.set(self.0);
+        }
+    }
+    let _restore = Restore(NEVER_WAIT.replace(true));
+    f()
 }
 
 /// Records an event at `callsite` with its fields.

@@ -98,7 +98,9 @@ impl TimelineBuilder {
     /// Lossless mode: a thread whose ring is full waits for the collector instead of dropping records.
     /// For tests and offline captures; the default (drop whole slices and count them) never stalls the
     /// application. A record made while its thread is making another (from a field's `Debug`, or a signal
-    /// handler) is still dropped and counted, and what no ring can take (on the collector's own thread, in a
+    /// handler) is still dropped and counted, as is a launch's begin recorded by CUPTI's capture when its ring is
+    /// full (that runs inside the application's CUDA call, which must not wait on the collector), and what no
+    /// ring can take (on the collector's own thread, in a
     /// child made by `fork`) is counted in [`TimelineStats::unrecorded_records`] (see the crate's Caveats).
     pub fn lossless(mut self, lossless: bool) -> Self {
         self.lossless = lossless;

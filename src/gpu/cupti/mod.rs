@@ -1354,7 +1354,8 @@ unsafe extern "C" fn on_api(_userdata: *mut c_void, domain: u32, cbid: u32, data
             let shared = unsafe { &*target };
             // SAFETY: for the driver domain CUPTI passes a live `CUpti_CallbackData`, laid out as `CallbackData`.
             let data = unsafe { &*(data as *const CallbackData) };
-            shared.on_api(api, data);
+            // Inside the application's driver call: a full lossless ring drops and counts rather than waits.
+            crate::recorder::never_waiting(|| shared.on_api(api, data));
         }));
     }
     CALLBACKS_IN_FLIGHT.fetch_sub(1, Ordering::SeqCst);

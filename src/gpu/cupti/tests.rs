@@ -588,6 +588,48 @@ mod end_to_end {
     }
 
     #[test]
+    fn a_launch_callback_never_waits_for_a_full_lossless_ring() {
+        // The callback runs inside the application's driver call: waiting there for the drain stage (which may
+        // itself be calling into CUPTI) could hold the driver, or deadlock. A lossless ring that is full drops
+        // the launch's begin and counts it instead.
+        let _serial = fake::serial();
+        let origin = Clock::new(1_000_000, 30.0);
+        let timeline = Timeline::builder()
+            .lossless(true)
+            .ring_capacity(64)
+            .exporter(MemoryExporter::default())
+            .start()
+            .unwrap();
+        let gpu = fake_gpu("lossless (CUPTI)", prober(origin));
+        let options = CuptiOptions {
+            timestamp_slots: 1024,
+            ..CuptiOptions::default()
+        };
+        let capture = CuptiCapture::start_with(&timeline, fake::cupti(), gpu, options).unwrap();
+        timeline.pause_drain(true);
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        let launcher = std::thread::spawn(move || {
+            let copy = [0usize, 0, 64, 0xC00];
+            for _ in 0..100 {
+                fake::call(277, None, copy.as_ptr().cast());
+            }
+            let _ = done_tx.send(());
+        });
+        let returned = done_rx.recv_timeout(Duration::from_secs(10));
+        // Let a waiting thread go before failing, so the test ends either way.
+        timeline.pause_drain(false);
+        launcher.join().unwrap();
+        assert!(returned.is_ok(), "a launch waited in its callback for the drain stage");
+        let stats = capture.stop();
+        let timeline_stats = timeline.shutdown().unwrap();
+        assert_eq!(stats.launches, 100, "{stats:?}");
+        assert!(
+            timeline_stats.dropped_records > 0,
+            "the begins that did not fit are counted: {timeline_stats:?}"
+        );
+    }
+
+    #[test]
     fn a_lost_launchs_pair_serves_again() {
         // A launch whose record never comes (a failed call, a dropped record) is lost after `lost_after`; its
         // pair is recycled (the capture refuses late writes), so a capture with 2 pairs keeps working.
