@@ -19,6 +19,9 @@ pub(crate) enum ApiKind {
     Memset,
     /// A CUDA graph launch: one record per node, all with the launch's correlation id.
     Graph,
+    /// A call that changes which nodes a graph executable (its first parameter) runs, or destroys it: it puts
+    /// nothing on the GPU, but what its launches taught about its nodes no longer holds.
+    GraphChange,
 }
 
 /// Where a call's parameter struct holds what tickline shows.
@@ -32,6 +35,8 @@ pub(crate) enum Params {
     DriverLaunch,
     /// `cuLaunchKernelEx`: a `CUlaunchConfig` pointer at 0 (grid at 0, block at 12, stream at 32).
     DriverLaunchEx,
+    /// A graph executable's handle at 0, no stream (the graph-changing calls).
+    GraphExec,
 }
 
 /// One driver API call CUPTI calls back for.
@@ -230,6 +235,28 @@ pub(crate) static APIS: &[Api] = &[
     ),
     api(514, "cuGraphLaunch", ApiKind::Graph, false, Params::Stream(8)),
     api(515, "cuGraphLaunch_ptsz", ApiKind::Graph, true, Params::Stream(8)),
+    api(
+        516,
+        "cuGraphExecDestroy",
+        ApiKind::GraphChange,
+        false,
+        Params::GraphExec,
+    ),
+    api(561, "cuGraphExecUpdate", ApiKind::GraphChange, false, Params::GraphExec),
+    api(
+        586,
+        "cuGraphExecChildGraphNodeSetParams",
+        ApiKind::GraphChange,
+        false,
+        Params::GraphExec,
+    ),
+    api(
+        650,
+        "cuGraphNodeSetEnabled",
+        ApiKind::GraphChange,
+        false,
+        Params::GraphExec,
+    ),
     api(652, "cuLaunchKernelEx", ApiKind::Kernel, false, Params::DriverLaunchEx),
     api(
         653,
@@ -237,6 +264,20 @@ pub(crate) static APIS: &[Api] = &[
         ApiKind::Kernel,
         true,
         Params::DriverLaunchEx,
+    ),
+    api(
+        696,
+        "cuGraphExecUpdate_v2",
+        ApiKind::GraphChange,
+        false,
+        Params::GraphExec,
+    ),
+    api(
+        714,
+        "cuGraphExecNodeSetParams",
+        ApiKind::GraphChange,
+        false,
+        Params::GraphExec,
     ),
     api(776, "cuMemcpyBatchAsync", ApiKind::Memcpy, false, Params::Stream(64)),
     api(
@@ -288,7 +329,8 @@ pub(crate) fn lookup(cbid: u32) -> Option<&'static Api> {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct LaunchParams {
     pub(crate) stream: usize,
-    /// A graph launch's executable (`CUgraphExec`, the first parameter of every graph launch); 0 otherwise.
+    /// A graph launch's executable (`CUgraphExec`, the first parameter of every graph launch and graph-changing
+    /// call); 0 otherwise.
     pub(crate) graph: usize,
     pub(crate) grid: Option<[u32; 3]>,
     pub(crate) block: Option<[u32; 3]>,
@@ -317,6 +359,11 @@ pub(crate) unsafe fn launch_params(api: &Api, params: *const c_void) -> LaunchPa
             } else {
                 0
             },
+            ..LaunchParams::default()
+        },
+        Params::GraphExec => LaunchParams {
+            // SAFETY: the caller's struct starts with the executable's handle.
+            graph: unsafe { word(base) },
             ..LaunchParams::default()
         },
         Params::DriverLaunch => {

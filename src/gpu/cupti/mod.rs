@@ -38,8 +38,12 @@
 //!   does not know the nodes of a graph it has never seen run: the first launch of a graph executable is one
 //!   slice (`graph launch`) spanning its nodes, and its records teach the capture the graph's nodes. Every
 //!   later launch opens a scope per node, named by its kernel (CUPTI's name) or its copy's direction, with a
-//!   `graph_node` field. A graph whose records no longer match (updated, or its handle reused) is learned
-//!   again at its next launch; its node scopes no record came for are lost (never read back). The first launch's
+//!   `graph_node` field. A call that changes which nodes a graph executable runs (`cuGraphExecUpdate`,
+//!   `cuGraphNodeSetEnabled`, `cuGraphExecChildGraphNodeSetParams`, `cuGraphExecNodeSetParams`) or destroys it
+//!   (its handle may come back for another graph) makes the capture forget its nodes: its next launch is one
+//!   slice again, and records of launches from before the change teach nothing. Nodes a graph's records show
+//!   that it did not have (a change CUPTI did not call back for) are learned at its next launch; a node scope no
+//!   record came for is lost (never read back). The first launch's
 //!   nodes delivered in a later buffer than its first node are counted in
 //!   [`CuptiStats::unattributed_records`] (its slice spans those delivered together).
 //! - **The clock.** CUPTI maps the GPU's timer to CPU time itself, by default onto `CLOCK_REALTIME` (which
@@ -322,10 +326,14 @@ enum Launch {
         state: u32,
         /// The graph executable launched (0: not a graph launch): its records teach its nodes.
         graph: usize,
+        /// The graph's version at the launch ([`State::graph_version`]): records of a launch from before a
+        /// change teach nothing.
+        version: u64,
     },
     /// A launch of a graph whose nodes are known: one scope per node.
     Nodes {
         graph: usize,
+        version: u64,
         /// (node id, pair or [`NO_PAIR`] or [`DONE`], the pair's state word when handed out), in node order.
         pairs: Vec<(u64, u32, u32)>,
     },
@@ -346,9 +354,15 @@ struct State {
     open: HashMap<u32, Launch>,
     /// A graph executable (its handle) -> its nodes in id order, learned from the records of its launches.
     graphs: HashMap<usize, Vec<GraphNode>>,
-    /// Correlation id -> graph executable, of graph launches shown as one slice (their later records still
-    /// teach the graph's nodes). Cleared when it reaches [`MAX_GRAPH_LAUNCHES`].
-    graph_launches: HashMap<u32, usize>,
+    /// Correlation id -> graph executable and its version, of graph launches shown as one slice (their later
+    /// records still teach the graph's nodes). Cleared when it reaches [`MAX_GRAPH_LAUNCHES`].
+    graph_launches: HashMap<u32, (usize, u64)>,
+    /// Graph executables changed or destroyed since the capture started -> their version now (see
+    /// [`State::graph_version`]); cleared, with everything known of graphs, when it reaches
+    /// [`MAX_GRAPH_LAUNCHES`].
+    graph_versions: HashMap<usize, u64>,
+    /// The version the next change gives its graph.
+    next_graph_version: u64,
     /// Correlation ids of calibration probes -> what is known of them.
     probes: HashMap<u32, Probe>,
     /// Calibration bursts so far.
@@ -368,13 +382,45 @@ const DONE: u32 = u32::MAX - 1;
 const MAX_GRAPH_LAUNCHES: usize = 4096;
 
 impl State {
-    /// Adds the nodes `records` ran as to what is known of graph `graph` (kept in node id order).
+    /// Graph `graph`'s version: 0 until a call changes the nodes it runs (an update, a node enabled or disabled,
+    /// a child graph or a node's parameters set) or destroys it (its handle may come back for another graph),
+    /// then a new one at each. A launch's records teach the graph's nodes only if no change came since the
+    /// launch.
+    fn graph_version(&self, graph: usize) -> u64 {
+        self.graph_versions.get(&graph).copied().unwrap_or(0)
+    }
+
+    /// Forgets what is known of graph `graph`'s nodes: its next launch is one slice again, whose records teach
+    /// them anew. A graph whose nodes were kept across an update would have a scope opened, and lost, for a
+    /// removed node at every launch.
+    fn graph_changed(&mut self, graph: usize) {
+        if self.graph_versions.len() >= MAX_GRAPH_LAUNCHES {
+            // Bounded: every graph is learned again from its next launch; launches from before learn nothing.
+            self.graph_versions.clear();
+            self.graphs.clear();
+            self.graph_launches.clear();
+            for launch in self.open.values_mut() {
+                match launch {
+                    Launch::One { version, .. } | Launch::Nodes { version, .. } => *version = u64::MAX,
+                }
+            }
+        }
+        self.next_graph_version += 1;
+        self.graph_versions.insert(graph, self.next_graph_version);
+        self.graphs.remove(&graph);
+    }
+
+    /// Adds the nodes `records` ran as to what is known of graph `graph` (kept in node id order), if they are
+    /// of a launch of its current `version`.
     ///
     /// # Safety
     ///
     /// `records` were read from a buffer CUPTI handed out, which is still being read (a kernel's name pointer
     /// is then CUPTI's string, alive).
-    unsafe fn learn(&mut self, graph: usize, records: &[Record]) {
+    unsafe fn learn(&mut self, graph: usize, version: u64, records: &[Record]) {
+        if version != self.graph_version(graph) {
+            return;
+        }
         for r in records.iter().filter(|r| r.graph_node != 0) {
             let known = self
                 .graphs
@@ -691,6 +737,17 @@ impl Shared {
 
     /// An API callback: opens the scope of a launch at its entry.
     fn on_api(&self, api: &Api, data: &CallbackData) {
+        if api.kind == ApiKind::GraphChange {
+            // Once the call is made: a launch after it runs the changed graph.
+            if data.site != ffi::API_ENTER && data.context as usize == self.context {
+                // SAFETY: `function_params` is CUPTI's parameter struct for this call (`api`'s, by its callback id).
+                let params = unsafe { apis::launch_params(api, data.function_params) };
+                if params.graph != 0 {
+                    lock(&self.state).graph_changed(params.graph);
+                }
+            }
+            return;
+        }
         if data.site != ffi::API_ENTER {
             return;
         }
@@ -765,9 +822,12 @@ impl Shared {
                 e.field(4, kernel);
             }
         };
-        let nodes = match params.graph {
-            0 => None,
-            graph => lock(&self.state).graphs.get(&graph).cloned(),
+        let (nodes, version) = match params.graph {
+            0 => (None, 0),
+            graph => {
+                let state = lock(&self.state);
+                (state.graphs.get(&graph).cloned(), state.graph_version(graph))
+            }
         };
         if let Some(nodes) = nodes {
             // A graph whose nodes are known: a scope per node, each with the node's name and id.
@@ -795,6 +855,7 @@ impl Shared {
             }
             let launch = Launch::Nodes {
                 graph: params.graph,
+                version,
                 pairs,
             };
             lock(&self.state).open.insert(correlation, launch);
@@ -806,6 +867,7 @@ impl Shared {
                     pair,
                     state: self.pair_state(pair),
                     graph: params.graph,
+                    version,
                 };
                 lock(&self.state).open.insert(correlation, launch);
                 self.launches.fetch_add(1, Ordering::Relaxed);
@@ -931,30 +993,35 @@ impl Shared {
                 None => {
                     self.unattributed.fetch_add(u64::from(m.records), Ordering::Relaxed);
                     // Nodes of a graph's first launch delivered after its slice was written still teach the graph.
-                    if let Some(&graph) = state.graph_launches.get(&m.correlation) {
+                    if let Some(&(graph, version)) = state.graph_launches.get(&m.correlation) {
                         // SAFETY: records CUPTI handed out in the buffer being read.
-                        unsafe { state.learn(graph, group) };
+                        unsafe { state.learn(graph, version, group) };
                     }
                 }
                 Some(Launch::One {
                     pair,
                     state: handed_out,
                     graph,
+                    version,
                 }) => {
                     self.incomplete.fetch_add(u64::from(m.incomplete), Ordering::Relaxed);
                     if graph != 0 {
                         // SAFETY: records CUPTI handed out in the buffer being read.
-                        unsafe { state.learn(graph, group) };
+                        unsafe { state.learn(graph, version, group) };
                         if state.graph_launches.len() >= MAX_GRAPH_LAUNCHES {
                             state.graph_launches.clear();
                         }
-                        state.graph_launches.insert(m.correlation, graph);
+                        state.graph_launches.insert(m.correlation, (graph, version));
                     }
                     if let Some((start, end)) = m.span {
                         self.write(&state, pair, handed_out, start, end, m.records);
                     } // else no timestamps: the scope is lost (never read back)
                 }
-                Some(Launch::Nodes { graph, mut pairs }) => {
+                Some(Launch::Nodes {
+                    graph,
+                    version,
+                    mut pairs,
+                }) => {
                     // `pairs` is in node order, as the graph's nodes are: records are found by binary search.
                     let mut strangers = Vec::new();
                     for r in group {
@@ -976,15 +1043,17 @@ impl Shared {
                         }
                     }
                     if !strangers.is_empty() {
-                        // Nodes the graph did not have (it was updated, or its handle reused for another graph):
-                        // counted, and known from its next launch on. Node scopes no record comes for are lost.
+                        // Nodes the graph did not have (a change CUPTI did not call back for): counted, and known
+                        // from its next launch on. Node scopes no record comes for are lost.
                         self.unattributed.fetch_add(strangers.len() as u64, Ordering::Relaxed);
                         // SAFETY: records CUPTI handed out in the buffer being read.
-                        unsafe { state.learn(graph, &strangers) };
+                        unsafe { state.learn(graph, version, &strangers) };
                     }
                     if pairs.iter().any(|&(_, pair, _)| pair < DONE) {
                         // Nodes still to come, in a later buffer.
-                        state.open.insert(m.correlation, Launch::Nodes { graph, pairs });
+                        state
+                            .open
+                            .insert(m.correlation, Launch::Nodes { graph, version, pairs });
                     }
                 }
             }
@@ -1049,6 +1118,7 @@ fn work_name<'a>(api: &Api, symbol: Option<&'a str>) -> &'a str {
     match api.kind {
         ApiKind::Kernel => symbol.filter(|s| !s.is_empty()).unwrap_or("kernel"),
         ApiKind::Graph => "graph launch",
+        ApiKind::GraphChange => "graph change",
         ApiKind::Memset => "memset",
         ApiKind::Memcpy => {
             let n = api.name;

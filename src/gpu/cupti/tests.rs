@@ -588,6 +588,76 @@ mod end_to_end {
     }
 
     #[test]
+    fn a_graph_changed_by_an_update_is_learned_again_and_no_removed_node_is_opened() {
+        // A graph launched once (one slice, its nodes 7, 8, 9 not known yet), then updated before that launch's
+        // records come (node 8 removed): the late records teach nothing (they are of the old graph), the next
+        // launch is one slice again and teaches nodes 7 and 9, and the one after is a slice per node, with no
+        // scope opened, and lost, for node 8.
+        let _serial = fake::serial();
+        let origin = Clock::new(1_000_000, 30.0);
+        let memory = MemoryExporter::default();
+        let timeline = Timeline::builder()
+            .exporter(memory.clone())
+            .gpu_calibration(crate::gpu::GpuCalibrationConfig {
+                lost_after: Duration::from_millis(100),
+                ..Default::default()
+            })
+            .start()
+            .unwrap();
+        let gpu = fake_gpu("graphs (CUPTI)", prober(origin));
+        let capture = CuptiCapture::start_with(&timeline, fake::cupti(), gpu, CuptiOptions::default()).unwrap();
+        let graph = [0x6b00usize, 0xA00];
+        let launch = |nodes: &[(u64, &'static CStr)]| {
+            let id = fake::call(514, None, graph.as_ptr().cast());
+            let t = monotonic_ns().0;
+            spin_until(t + 10_000);
+            let records: Vec<_> = nodes
+                .iter()
+                .enumerate()
+                .map(|(k, &(node, name))| {
+                    let b = t + 1_000 + 2_000 * k as u64;
+                    (node, name, cupti_clock(origin, b), cupti_clock(origin, b + 1_500))
+                })
+                .collect();
+            (id, records)
+        };
+        let deliver = |(id, records): (u32, Vec<(u64, &'static CStr, u64, u64)>)| {
+            for (node, name, b, e) in records {
+                fake::node(ffi::KIND_CONCURRENT_KERNEL, id, (b, e), 13, node, Some(name));
+            }
+            fake::flush();
+        };
+        let before = launch(&[(7, c"_Z4spiny"), (8, c"_Z5emptyv"), (9, c"_Z4spiny")]);
+        // cuGraphExecUpdate_v2 (hGraphExec first): node 8 is gone.
+        let update = [graph[0], 0, 0];
+        fake::call(696, None, update.as_ptr().cast());
+        deliver(before);
+        std::thread::sleep(Duration::from_millis(50));
+        deliver(launch(&[(7, c"_Z4spiny"), (9, c"_Z4spiny")]));
+        std::thread::sleep(Duration::from_millis(50));
+        deliver(launch(&[(7, c"_Z4spiny"), (9, c"_Z4spiny")]));
+        // Past `lost_after`: a scope opened for node 8 would be lost by now.
+        std::thread::sleep(Duration::from_millis(400));
+        let stats = capture.stop();
+        let timeline_stats = timeline.shutdown().unwrap();
+        assert_eq!(timeline_stats.gpu_lost_scopes, 0, "{timeline_stats:?}");
+        assert_eq!(stats.launches, 3, "{stats:?}");
+        let trace = memory.snapshot();
+        let begins = |name: &str| {
+            trace
+                .events
+                .iter()
+                .filter(|e| e.name == name && matches!(e.kind, EventKind::SliceBegin))
+                .count()
+        };
+        assert_eq!(
+            (begins("graph launch"), begins("_Z4spiny"), begins("_Z5emptyv")),
+            (2, 2, 0),
+            "the launches before and after the update one slice each, the last a slice per node"
+        );
+    }
+
+    #[test]
     fn a_launch_callback_never_waits_for_a_full_lossless_ring() {
         // The callback runs inside the application's driver call: waiting there for the drain stage (which may
         // itself be calling into CUPTI) could hold the driver, or deadlock. A lossless ring that is full drops
