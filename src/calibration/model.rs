@@ -197,8 +197,11 @@ fn mul_q64(delta: i64, rate_q64: u128) -> i128 {
     let whole = (rate_q64 >> FRAC_BITS) as i128;
     let frac = (rate_q64 as u64) as i128;
     let delta = delta as i128;
-    // |delta * frac| < 2^63 * 2^64 = 2^127: fits i128. The shift floors, +2^63 makes it round-half-up.
-    delta * whole + ((delta * frac + (1i128 << 63)) >> FRAC_BITS)
+    // |delta * frac| < 2^63 * 2^64 = 2^127: fits i128. The shift floors, +2^63 makes it round-half-up. The
+    // whole part saturates: a rate of more than 2^64 ns per tick (a nonsensical domain) must not overflow.
+    delta
+        .saturating_mul(whole)
+        .saturating_add((delta * frac + (1i128 << 63)) >> FRAC_BITS)
 }
 
 fn clamp_ns(value: i128) -> u64 {
@@ -268,7 +271,7 @@ impl ClockCalibration {
         if !line.intercept_ns.is_finite() {
             return Err(CalibrationError::NonFinite { what: "offset" });
         }
-        let anchor_ns = clamp_ns(line.origin_ns as i128 + line.intercept_ns.round() as i128);
+        let anchor_ns = clamp_ns((line.origin_ns as i128).saturating_add(line.intercept_ns.round() as i128));
         let mask = domain.mask();
         Ok(ClockCalibration {
             domain,
@@ -420,7 +423,7 @@ impl ClockCalibration {
     #[inline]
     pub fn to_reference_ns(&self, ticks: u64) -> u64 {
         let delta = self.ticks_from_anchor(ticks);
-        clamp_ns(self.anchor_ns as i128 + mul_q64(delta, self.ns_per_tick_q64))
+        clamp_ns((self.anchor_ns as i128).saturating_add(mul_q64(delta, self.ns_per_tick_q64)))
     }
 
     /// Converts reference ns to source ticks (masked to the valid bits), the inverse of

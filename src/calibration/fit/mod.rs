@@ -476,7 +476,9 @@ fn finish(frame: &Frame, samples: &[CalibrationSample], solution: &Solution) -> 
     if !value.is_finite() {
         return Err(CalibrationError::NonFinite { what: "offset" });
     }
-    let origin_ns = (frame.r0 as i128 + value.round() as i128).clamp(0, u64::MAX as i128);
+    let origin_ns = (frame.r0 as i128)
+        .saturating_add(value.round() as i128)
+        .clamp(0, u64::MAX as i128);
     let intercept_ns = value - (origin_ns - frame.r0 as i128) as f64;
     if !intercept_ns.is_finite() {
         return Err(CalibrationError::NonFinite { what: "offset" });

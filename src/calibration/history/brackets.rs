@@ -113,6 +113,8 @@ pub(super) fn burst_point(samples: &[CalibrationSample], ns_per_tick: f64) -> (u
             std::f64::consts::FRAC_PI_2 * (mean_dev / 3f64.sqrt()).powi(2) / samples.len() as f64,
         )
     };
-    let y = (first.reference_ns as i128 + offset.round() as i128).clamp(0, u64::MAX as i128) as u64;
+    let y = (first.reference_ns as i128)
+        .saturating_add(offset.round() as i128)
+        .clamp(0, u64::MAX as i128) as u64;
     (x, y, variance)
 }

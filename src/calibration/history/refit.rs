@@ -145,7 +145,9 @@ impl CalibrationHistory {
         let mid_ticks = ticks[ticks.len() / 2];
         let dx_mid = mid_ticks.wrapping_sub(origin.source_ticks) as i64 as f64;
         let value = median + slope * dx_mid;
-        let origin_ns = (origin.reference_ns as i128 + value.round() as i128).clamp(0, u64::MAX as i128) as u64;
+        let origin_ns = (origin.reference_ns as i128)
+            .saturating_add(value.round() as i128)
+            .clamp(0, u64::MAX as i128) as u64;
         Ok(LineFit {
             origin_ticks: mid_ticks,
             origin_ns,

@@ -858,3 +858,69 @@ fn a_counter_that_wraps_within_the_window_is_no_break() {
         assert!(inside + 2 >= total, "{bits} bits: {inside} of {total} inside and tight");
     }
 }
+
+#[test]
+fn absurd_domains_and_samples_never_panic() {
+    // Any finite positive period is a valid domain, and a burst may hold any values (a corrupt capture's): the
+    // history answers with an error or a saturated time, never an arithmetic overflow. A period of 1e20 ns per
+    // tick with samples near the end of the u64 range overflowed the bracket and refit origins (debug builds).
+    let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    for case in 0..1_000 {
+        let bits = [1u32, 2, 36, 48, 63, 64][(next() % 6) as usize];
+        let period = [1e20, 1e30, 1e300, 1e-300, 1.0, 0.4][(next() % 6) as usize];
+        let domain = ClockDomain::new(bits, period).unwrap();
+        let mut h = CalibrationHistory::new(domain, HistoryConfig::default());
+        let base_ticks = [0, u64::MAX - 1_000_000, next(), 1 << 62][(next() % 4) as usize];
+        let base_ns = [0, u64::MAX - 1_000_000, next() >> 1, 1_000_000_000][(next() % 4) as usize];
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            for b in 0..20u64 {
+                let burst: Vec<_> = (0..next() % 20)
+                    .map(|i| {
+                        let mode = next() % 10;
+                        let step = [1, 1_000, 1 << 40][(next() % 3) as usize];
+                        CalibrationSample {
+                            source_ticks: if mode == 0 {
+                                next()
+                            } else {
+                                base_ticks.wrapping_add((b * 1_000 + i) * step)
+                            },
+                            reference_ns: if mode == 1 {
+                                next()
+                            } else {
+                                base_ns.wrapping_add(b * 1_000 + i)
+                            },
+                            max_deviation_ns: [0, 1, 1_000, u64::MAX][(next() % 4) as usize],
+                        }
+                    })
+                    .collect();
+                let _ = h.add_burst(&burst);
+                let ticks = if next() % 2 == 0 {
+                    next()
+                } else {
+                    base_ticks.wrapping_add(b * 1_000)
+                };
+                let _ = h.convert(ticks);
+                let _ = h.place(ticks, Some((next(), next())));
+                let _ = h.stats();
+                if let Some(c) = h.latest() {
+                    let _ = (
+                        c.to_reference_ns(next()),
+                        c.from_reference_ns(next()),
+                        c.uncertainty_ns(next()),
+                    );
+                    let _ = crate::clock::FastConverter::new(c).to_ns(next());
+                }
+                if next() % 7 == 0 {
+                    h.report_reset();
+                }
+            }
+        }));
+        assert!(outcome.is_ok(), "case {case}: {bits} bits, {period} ns per tick");
+    }
+}
