@@ -587,6 +587,18 @@ mod end_to_end {
         );
     }
 
+    /// A timeline exporting to `memory` whose GPU scopes are lost 100 ms after they were due.
+    fn timeline_losing_scopes_after_100_ms(memory: &MemoryExporter) -> Timeline {
+        Timeline::builder()
+            .exporter(memory.clone())
+            .gpu_calibration(crate::gpu::GpuCalibrationConfig {
+                lost_after: Duration::from_millis(100),
+                ..Default::default()
+            })
+            .start()
+            .unwrap()
+    }
+
     #[test]
     fn a_graph_changed_by_an_update_is_learned_again_and_no_removed_node_is_opened() {
         // A graph launched once (one slice, its nodes 7, 8, 9 not known yet), then updated before that launch's
@@ -596,14 +608,7 @@ mod end_to_end {
         let _serial = fake::serial();
         let origin = Clock::new(1_000_000, 30.0);
         let memory = MemoryExporter::default();
-        let timeline = Timeline::builder()
-            .exporter(memory.clone())
-            .gpu_calibration(crate::gpu::GpuCalibrationConfig {
-                lost_after: Duration::from_millis(100),
-                ..Default::default()
-            })
-            .start()
-            .unwrap();
+        let timeline = timeline_losing_scopes_after_100_ms(&memory);
         let gpu = fake_gpu("graphs (CUPTI)", prober(origin));
         let capture = CuptiCapture::start_with(&timeline, fake::cupti(), gpu, CuptiOptions::default()).unwrap();
         let graph = [0x6b00usize, 0xA00];
@@ -706,14 +711,7 @@ mod end_to_end {
         let _serial = fake::serial();
         let origin = Clock::new(1_000_000, 30.0);
         let memory = MemoryExporter::default();
-        let timeline = Timeline::builder()
-            .exporter(memory.clone())
-            .gpu_calibration(crate::gpu::GpuCalibrationConfig {
-                lost_after: Duration::from_millis(100),
-                ..Default::default()
-            })
-            .start()
-            .unwrap();
+        let timeline = timeline_losing_scopes_after_100_ms(&memory);
         let gpu = fake_gpu("small (CUPTI)", prober(origin));
         let options = CuptiOptions {
             timestamp_slots: 4,
