@@ -78,6 +78,9 @@ struct Model {
     /// The rate steps by ± this every `step_every_ns` (alternating signs, then random ones).
     step_ppm: f64,
     step_every_ns: u64,
+    /// The rate oscillates by ± this (ppm) with period `oscillation_period_ns` (0: not at all).
+    oscillation_ppm: f64,
+    oscillation_period_ns: u64,
     /// `(time into the run, ns the device clock jumps by)`.
     jumps: Vec<(u64, f64)>,
     reads: Reads,
@@ -98,6 +101,8 @@ impl Model {
             wander_ppm_per_sqrt_s: 0.02,
             step_ppm: 0.0,
             step_every_ns: 0,
+            oscillation_ppm: 0.0,
+            oscillation_period_ns: 0,
             jumps: Vec::new(),
             reads: Reads::Symmetric,
             queue_epoch_ns: [0.0; 2],
@@ -139,7 +144,13 @@ impl Truth {
                 };
                 step += sign * model.step_ppm;
             }
-            let r = model.drift_ppm + walk + step;
+            let oscillation = if model.oscillation_period_ns > 0 {
+                let turn = (t % model.oscillation_period_ns) as f64 / model.oscillation_period_ns as f64;
+                model.oscillation_ppm * (std::f64::consts::TAU * turn).sin()
+            } else {
+                0.0
+            };
+            let r = model.drift_ppm + walk + step + oscillation;
             phase.push(p);
             rate.push(r);
             p += r * 1e-6 * WANDER_STEP_NS as f64;
@@ -429,6 +440,13 @@ fn models() -> Vec<Model> {
             name: "wander 1 ppm/√s (20x the prior)",
             wander_ppm_per_sqrt_s: 1.0,
             seed: 3,
+            ..steady.clone()
+        },
+        Model {
+            name: "rate oscillating ±10 ppm, 2 s period",
+            oscillation_ppm: 10.0,
+            oscillation_period_ns: 2 * S,
+            seed: 12,
             ..steady.clone()
         },
         Model {

@@ -70,7 +70,7 @@ mod wander;
 use brackets::burst_point;
 use breaks::BurstCheck;
 use segment::{Segment, Suspect};
-use wander::{second_difference, Innovation, MIN_WINDOW};
+use wander::{second_difference, Innovation, MIN_WINDOW, WANDER_LAGS_NS};
 
 /// Burst points kept per segment for the second differences.
 const POINTS: usize = 64;
@@ -281,8 +281,8 @@ pub struct CalibrationHistory {
     origin: u64,
     /// A reset was reported: the next burst starts a segment.
     reset_pending: bool,
-    /// Recent second differences of burst points.
-    innovations: VecDeque<Innovation>,
+    /// Recent second differences of burst points, one list per lag of [`WANDER_LAGS_NS`].
+    innovations: [VecDeque<Innovation>; 2],
     /// The wander in use (ppm/√s): the estimate, for the window's length.
     wander: f64,
     /// The wander the stated uncertainty allows for once measured (ppm/√s): the estimate's upper confidence
@@ -348,7 +348,7 @@ impl CalibrationHistory {
             unwrap_ref: None,
             origin: 0,
             reset_pending: false,
-            innovations: VecDeque::new(),
+            innovations: [VecDeque::new(), VecDeque::new()],
             stats: HistoryStats::default(),
         }
     }
@@ -524,8 +524,10 @@ impl CalibrationHistory {
             .then(|| segment.window.pop_front())
             .flatten();
         let points_snapshot = segment.points.clone();
-        if let Some(innovation) = second_difference(&points_snapshot) {
-            self.add_innovation(innovation);
+        for (lag, &lag_ns) in WANDER_LAGS_NS.iter().enumerate() {
+            if let Some(innovation) = second_difference(&points_snapshot, lag_ns) {
+                self.add_innovation(lag, innovation);
+            }
         }
         let result = self.refit();
         if result.is_err() {

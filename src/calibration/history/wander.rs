@@ -19,8 +19,12 @@ pub(super) const END_BOW: f64 = 0.2;
 /// over the window (`ppm_per_sqrt_s * √window`): 0.9-1.5 by Monte Carlo for 1-4 s windows.
 pub(super) const RATE_MISS: f64 = 1.5;
 
-/// The wander is measured over triples of burst points this far apart.
-const WANDER_LAG_NS: u64 = 2_000_000_000;
+/// The wander is measured over triples of burst points this far apart, each lag on its own, and the larger
+/// estimate taken. One lag alone is blind to a rate that oscillates with a period dividing it (the triple's
+/// points then sit at the same phase): a rate swinging ±10 ppm every 2 s measured no wander at 2 s, and a
+/// second of conversions fell to 88 % inside their stated uncertainty. The two lags share no such period above
+/// 0.1 s, which bursts 250 ms apart show as scatter.
+pub(super) const WANDER_LAGS_NS: [u64; 2] = [2_000_000_000, 1_300_000_000];
 
 /// Second differences remembered for the wander estimate: 32 s of bursts at the default 250 ms (a clock's
 /// wander is a property of the clock; a long memory steadies the estimate).
@@ -38,12 +42,12 @@ pub(super) const MIN_WINDOW: usize = 3;
 /// The most wander the estimate may state, ppm/√s.
 const MAX_WANDER: f64 = 100.0;
 
-/// The newest point's triple at least about [`WANDER_LAG_NS`] apart (further when the bursts are: the points
+/// The newest point's triple at least about `lag_ns` apart (further when the bursts are: the points
 /// before the newest that lie nearest that far back): how far the middle point misses the chord of the outer
 /// two (a straight line, whatever its slope, misses by nothing), squared, and the part of that the points' own
 /// variances explain, both in units of what a 1 ppm/√s wander gives: `Var = a²·b² / (3·(a + b))` for gaps of
 /// `a` and `b` seconds (`τ³ / 6` for a symmetric triple of half-span τ), times 10⁶ ns² per ppm²·s.
-pub(super) fn second_difference(points: &VecDeque<(u64, u64, f64)>) -> Option<Innovation> {
+pub(super) fn second_difference(points: &VecDeque<(u64, u64, f64)>, lag_ns: u64) -> Option<Innovation> {
     let &(x3, t3, v3) = points.back()?;
     // The point before `before` nearest to `target`.
     let closest = |target: u64, before: u64| {
@@ -53,10 +57,10 @@ pub(super) fn second_difference(points: &VecDeque<(u64, u64, f64)>) -> Option<In
             .min_by_key(|p| p.1.abs_diff(target))
             .copied()
     };
-    let (x2, t2, v2) = closest(t3.saturating_sub(WANDER_LAG_NS), t3)?;
+    let (x2, t2, v2) = closest(t3.saturating_sub(lag_ns), t3)?;
     let (x1, t1, v1) = closest(t2.saturating_sub(t3 - t2), t2)?;
     let (a, b) = ((t2 - t1) as f64, (t3 - t2) as f64);
-    let lag = WANDER_LAG_NS as f64;
+    let lag = lag_ns as f64;
     // Gaps shorter than the lag carry little wander beside the points' noise; very unequal ones weigh one
     // outer point far more than the other.
     if a < 0.75 * lag || b < 0.75 * lag || a.max(b) > 4.0 * a.min(b) {
@@ -111,12 +115,52 @@ fn confidence_factor(independent: f64) -> f64 {
 /// behind it.
 const STANDARD_ERROR_HIGH: f64 = 1.4;
 
+/// The wander one lag's second differences measure and its upper bound, if they measure one that stands out of
+/// the points' own noise (and they are at least [`WANDER_MIN_INNOVATIONS`]).
+fn estimate(innovations: &VecDeque<Innovation>, prior: f64) -> Option<(f64, f64)> {
+    if innovations.len() < WANDER_MIN_INNOVATIONS {
+        return None;
+    }
+    // Medians, not means: a miss that an outlier inflates must not shorten the window (a shorter window is more
+    // sensitive to the next outlier). A squared Gaussian's median is 0.455 times its mean.
+    let mut misses: Vec<f64> = innovations.iter().map(|i| i.miss_squared).collect();
+    let mut noise: Vec<f64> = innovations.iter().map(|i| i.noise).collect();
+    let noise = median(&mut noise);
+    let squared = median(&mut misses) / 0.455 - noise;
+    // Only a wander that stands out of the points' own noise is news.
+    if squared <= noise {
+        return None;
+    }
+    let estimate = squared.sqrt();
+    let bound = |factor: f64| (factor * estimate).max(prior).min(MAX_WANDER);
+    Some((
+        bound(STANDARD_ERROR_HIGH),
+        bound(confidence_factor(independent_triples(innovations))),
+    ))
+}
+
+/// How many independent triples the remembered second differences amount to: overlapping triples (a new one
+/// every burst, each spanning two lags) share most of their points, so the time they cover in all, in units of
+/// one triple's span, and never more than their number.
+fn independent_triples(innovations: &VecDeque<Innovation>) -> f64 {
+    let (Some(first), Some(last)) = (innovations.front(), innovations.back()) else {
+        return 0.0;
+    };
+    let mut spans: Vec<f64> = innovations
+        .iter()
+        .map(|i| i.to_ns.saturating_sub(i.from_ns) as f64)
+        .collect();
+    let span = median(&mut spans).max(1.0);
+    let covered = last.to_ns.saturating_sub(first.from_ns) as f64;
+    (covered / span).min(innovations.len() as f64)
+}
+
 impl CalibrationHistory {
     /// The wander the stated uncertainty allows for: five times the prior until it has been measured (the
     /// first seconds of a history: a clock may wander more than the prior says, and the measurement needs a few
     /// seconds of bursts), then the measurement's upper bound.
     pub(super) fn stated_wander(&self) -> f64 {
-        if self.innovations.len() < WANDER_MIN_INNOVATIONS {
+        if self.innovations[0].len() < WANDER_MIN_INNOVATIONS {
             self.wander.max(WARMUP_WANDER * self.config.wander_ppm_per_sqrt_s)
         } else {
             self.wander_bound
@@ -127,59 +171,30 @@ impl CalibrationHistory {
     /// careful statement must not make detection blunter: with the upper bound here, rate steps were found
     /// later and the seconds before them fell to 92.5 % inside (2 of 70 runs of the ±30 ppm model).
     pub(super) fn detection_wander(&self) -> f64 {
-        if self.innovations.len() < WANDER_MIN_INNOVATIONS {
+        if self.innovations[0].len() < WANDER_MIN_INNOVATIONS {
             self.stated_wander()
         } else {
             self.wander
         }
     }
 
-    /// Adds one second difference and updates the wander in use (the larger of the prior and the estimate)
-    /// and the wander stated (the estimate's upper bound).
-    pub(super) fn add_innovation(&mut self, innovation: Innovation) {
-        self.innovations.push_back(innovation);
-        while self.innovations.len() > WANDER_MEMORY {
-            self.innovations.pop_front();
+    /// Adds one second difference over lag `lag` (an index into [`WANDER_LAGS_NS`]) and updates the wander in
+    /// use (the larger of the prior and the estimates) and the wander stated (the estimates' upper bound).
+    pub(super) fn add_innovation(&mut self, lag: usize, innovation: Innovation) {
+        let innovations = &mut self.innovations[lag];
+        innovations.push_back(innovation);
+        while innovations.len() > WANDER_MEMORY {
+            innovations.pop_front();
         }
         let prior = self.config.wander_ppm_per_sqrt_s;
-        (self.wander, self.wander_bound) = if self.innovations.len() < WANDER_MIN_INNOVATIONS {
+        (self.wander, self.wander_bound) = if self.innovations[0].len() < WANDER_MIN_INNOVATIONS {
             (prior, prior)
         } else {
-            // Medians, not means: a miss that an outlier inflates must not shorten the window (a shorter window
-            // is more sensitive to the next outlier). A squared Gaussian's median is 0.455 times its mean.
-            let mut misses: Vec<f64> = self.innovations.iter().map(|i| i.miss_squared).collect();
-            let mut noise: Vec<f64> = self.innovations.iter().map(|i| i.noise).collect();
-            let noise = median(&mut noise);
-            let squared = median(&mut misses) / 0.455 - noise;
-            // Only a wander that stands out of the points' own noise is news.
-            if squared > noise {
-                let estimate = squared.sqrt();
-                let bound = |factor: f64| (factor * estimate).max(prior).min(MAX_WANDER);
-                (
-                    bound(STANDARD_ERROR_HIGH),
-                    bound(confidence_factor(self.independent_triples())),
-                )
-            } else {
-                (prior, prior)
-            }
+            self.innovations
+                .iter()
+                .filter_map(|innovations| estimate(innovations, prior))
+                .fold((prior, prior), |(w, b), (ew, eb)| (w.max(ew), b.max(eb)))
         };
-    }
-
-    /// How many independent triples the remembered second differences amount to: overlapping triples (a new
-    /// one every burst, each spanning two lags) share most of their points, so the time they cover in all,
-    /// in units of one triple's span, and never more than their number.
-    fn independent_triples(&self) -> f64 {
-        let (Some(first), Some(last)) = (self.innovations.front(), self.innovations.back()) else {
-            return 0.0;
-        };
-        let mut spans: Vec<f64> = self
-            .innovations
-            .iter()
-            .map(|i| i.to_ns.saturating_sub(i.from_ns) as f64)
-            .collect();
-        let span = median(&mut spans).max(1.0);
-        let covered = last.to_ns.saturating_sub(first.from_ns) as f64;
-        (covered / span).min(self.innovations.len() as f64)
     }
 
     /// How many of the open segment's recent bursts to fit: all of them while the wander is small; fewer when
