@@ -70,7 +70,7 @@ mod wander;
 use brackets::burst_point;
 use breaks::BurstCheck;
 use segment::{Segment, Suspect};
-use wander::{second_difference, Innovation, MIN_WINDOW, WANDER_LAGS_NS};
+use wander::{Innovation, MIN_WINDOW, WANDER_LAGS_NS};
 
 /// Burst points kept per segment for the second differences.
 const POINTS: usize = 64;
@@ -282,7 +282,7 @@ pub struct CalibrationHistory {
     /// A reset was reported: the next burst starts a segment.
     reset_pending: bool,
     /// Recent second differences of burst points, one list per lag of [`WANDER_LAGS_NS`].
-    innovations: [VecDeque<Innovation>; 2],
+    innovations: [VecDeque<Innovation>; WANDER_LAGS_NS.len()],
     /// The wander in use (ppm/√s): the estimate, for the window's length.
     wander: f64,
     /// The wander the stated uncertainty allows for once measured (ppm/√s): the estimate's upper confidence
@@ -348,7 +348,7 @@ impl CalibrationHistory {
             unwrap_ref: None,
             origin: 0,
             reset_pending: false,
-            innovations: [VecDeque::new(), VecDeque::new()],
+            innovations: Default::default(),
             stats: HistoryStats::default(),
         }
     }
@@ -524,11 +524,7 @@ impl CalibrationHistory {
             .then(|| segment.window.pop_front())
             .flatten();
         let points_snapshot = segment.points.clone();
-        for (lag, &lag_ns) in WANDER_LAGS_NS.iter().enumerate() {
-            if let Some(innovation) = second_difference(&points_snapshot, lag_ns) {
-                self.add_innovation(lag, innovation);
-            }
-        }
+        self.add_innovations(&points_snapshot);
         let result = self.refit();
         if result.is_err() {
             self.stats.rejected += 1;

@@ -47,7 +47,7 @@ const MAX_WANDER: f64 = 100.0;
 /// two (a straight line, whatever its slope, misses by nothing), squared, and the part of that the points' own
 /// variances explain, both in units of what a 1 ppm/√s wander gives: `Var = a²·b² / (3·(a + b))` for gaps of
 /// `a` and `b` seconds (`τ³ / 6` for a symmetric triple of half-span τ), times 10⁶ ns² per ppm²·s.
-pub(super) fn second_difference(points: &VecDeque<(u64, u64, f64)>, lag_ns: u64) -> Option<Innovation> {
+fn second_difference(points: &VecDeque<(u64, u64, f64)>, lag_ns: u64) -> Option<Innovation> {
     let &(x3, t3, v3) = points.back()?;
     // The point before `before` nearest to `target`.
     let closest = |target: u64, before: u64| {
@@ -160,7 +160,7 @@ impl CalibrationHistory {
     /// first seconds of a history: a clock may wander more than the prior says, and the measurement needs a few
     /// seconds of bursts), then the measurement's upper bound.
     pub(super) fn stated_wander(&self) -> f64 {
-        if self.innovations[0].len() < WANDER_MIN_INNOVATIONS {
+        if !self.wander_measured() {
             self.wander.max(WARMUP_WANDER * self.config.wander_ppm_per_sqrt_s)
         } else {
             self.wander_bound
@@ -171,23 +171,38 @@ impl CalibrationHistory {
     /// careful statement must not make detection blunter: with the upper bound here, rate steps were found
     /// later and the seconds before them fell to 92.5 % inside (2 of 70 runs of the ±30 ppm model).
     pub(super) fn detection_wander(&self) -> f64 {
-        if self.innovations[0].len() < WANDER_MIN_INNOVATIONS {
+        if !self.wander_measured() {
             self.stated_wander()
         } else {
             self.wander
         }
     }
 
-    /// Adds one second difference over lag `lag` (an index into [`WANDER_LAGS_NS`]) and updates the wander in
-    /// use (the larger of the prior and the estimates) and the wander stated (the estimates' upper bound).
-    pub(super) fn add_innovation(&mut self, lag: usize, innovation: Innovation) {
-        let innovations = &mut self.innovations[lag];
-        innovations.push_back(innovation);
-        while innovations.len() > WANDER_MEMORY {
-            innovations.pop_front();
+    /// Whether the wander has been measured: the longest lag has [`WANDER_MIN_INNOVATIONS`] second differences
+    /// (the shorter one has them sooner, from fewer seconds of bursts).
+    fn wander_measured(&self) -> bool {
+        self.innovations[0].len() >= WANDER_MIN_INNOVATIONS
+    }
+
+    /// Adds the newest of `points`' second differences over each lag of [`WANDER_LAGS_NS`] (where the points
+    /// reach that far back), then updates, once for all of them, the wander in use (the larger of the prior and
+    /// the estimates) and the wander stated (the estimates' upper bound).
+    pub(super) fn add_innovations(&mut self, points: &VecDeque<(u64, u64, f64)>) {
+        let mut added = false;
+        for (innovations, &lag_ns) in self.innovations.iter_mut().zip(&WANDER_LAGS_NS) {
+            if let Some(innovation) = second_difference(points, lag_ns) {
+                innovations.push_back(innovation);
+                while innovations.len() > WANDER_MEMORY {
+                    innovations.pop_front();
+                }
+                added = true;
+            }
+        }
+        if !added {
+            return;
         }
         let prior = self.config.wander_ppm_per_sqrt_s;
-        (self.wander, self.wander_bound) = if self.innovations[0].len() < WANDER_MIN_INNOVATIONS {
+        (self.wander, self.wander_bound) = if !self.wander_measured() {
             (prior, prior)
         } else {
             self.innovations
