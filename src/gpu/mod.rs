@@ -249,6 +249,14 @@ struct DeviceShared<B: GpuBackend> {
     registrations: Sender<GpuControl>,
 }
 
+#[cfg(feature = "cupti")]
+impl<B: GpuBackend> DeviceShared<B> {
+    /// Pair `pair`'s state word (0 for a pair the device does not have).
+    fn pair_state(&self, pair: u32) -> u32 {
+        self.pairs.get(pair as usize).map_or(0, |s| s.load(Ordering::Acquire))
+    }
+}
+
 impl<B: GpuBackend> DeviceLink for DeviceShared<B> {
     fn read_timestamps(&self, first: u32, out: &mut [Option<GpuTicks>]) -> Result<(), GpuError> {
         self.backend.read_timestamps(first, out)
@@ -468,10 +476,7 @@ impl<B: GpuBackend> GpuDevice<B> {
     /// checks that the pair still belongs to the scope it was handed out for.
     #[cfg(feature = "cupti")]
     pub(crate) fn pair_state(&self, pair: u32) -> u32 {
-        self.shared
-            .pairs
-            .get(pair as usize)
-            .map_or(0, |s| s.load(Ordering::Acquire))
+        self.shared.pair_state(pair)
     }
 
     /// Counts `n` records lost outside tickline (a backend's own buffers) in the timeline's dropped records.
@@ -514,6 +519,13 @@ impl<B: GpuBackend> GpuQueue<B> {
     /// The queue's index within its device (in order of [`GpuDevice::queue`] calls).
     pub fn index(&self) -> u16 {
         self.queue
+    }
+
+    /// [`GpuDevice::pair_state`] of this queue's device: the word a pair [`begin_external`](Self::begin_external)
+    /// just handed out holds, for the caller's later check.
+    #[cfg(feature = "cupti")]
+    pub(crate) fn pair_state(&self, pair: u32) -> u32 {
+        self.shared.pair_state(pair)
     }
 
     /// Opens a scope whose timestamps the caller writes, for APIs that cannot go through

@@ -842,7 +842,7 @@ impl Shared {
                     e.field(5, &node.id);
                 };
                 match queue.begin_external(node.callsite, Some(&fields), |_| {}) {
-                    Some(pair) => pairs.push((node.id, pair, self.pair_state(pair))),
+                    Some(pair) => pairs.push((node.id, pair, queue.pair_state(pair))),
                     None => {
                         // Kept without a pair: its record is then known, not a stranger to the graph.
                         pairs.push((node.id, NO_PAIR, 0));
@@ -865,7 +865,7 @@ impl Shared {
             Some(pair) => {
                 let launch = Launch::One {
                     pair,
-                    state: self.pair_state(pair),
+                    state: queue.pair_state(pair),
                     graph: params.graph,
                     version,
                 };
@@ -887,10 +887,6 @@ impl Shared {
         if let Some(device) = lock(&self.state).device.as_ref() {
             device.count_dropped(n as usize);
         }
-    }
-
-    fn pair_state(&self, pair: u32) -> u32 {
-        lock(&self.state).device.as_ref().map_or(0, |d| d.pair_state(pair))
     }
 
     /// The queue of a call's stream (made on first use) and the call site naming its work; `None` once
